@@ -1,0 +1,57 @@
+"""XMark: multi-bit watermarking of LLM text (encoder, cTMM decoder, calibrated tests, attribution).
+
+The decoder side needs numpy only. The torch encoder op (``apply_watermark``,
+``TorchWatermarker``) is imported on first use, and the transformers adapter lives in
+``xmark_core.hf``, so ``import xmark_core`` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .attribution import Attribution, CandidateScore, CandidateSet, attribute
+from .decoder import DecodeResult, decode, null_inclusion_probability
+from .detect import DEFAULT_ALPHA, Detection, detect
+from .hashing import block_index, context_multipliers, shard, token_codes
+from .keys import WatermarkKey
+from .message import Message, MessageSpaceExhausted, allocate_message, bits_to_blocks
+from .params import SCHEMES, WatermarkParams
+
+if TYPE_CHECKING:
+    from .encoder import TorchWatermarker, apply_watermark
+
+__all__ = [
+    "DEFAULT_ALPHA",
+    "SCHEMES",
+    "Attribution",
+    "CandidateScore",
+    "CandidateSet",
+    "DecodeResult",
+    "Detection",
+    "Message",
+    "MessageSpaceExhausted",
+    "TorchWatermarker",
+    "WatermarkKey",
+    "WatermarkParams",
+    "allocate_message",
+    "apply_watermark",
+    "attribute",
+    "bits_to_blocks",
+    "block_index",
+    "context_multipliers",
+    "decode",
+    "detect",
+    "null_inclusion_probability",
+    "shard",
+    "token_codes",
+]
+
+_LAZY = {"apply_watermark": "encoder", "TorchWatermarker": "encoder"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,217 @@
+"""The cTMM decoder (paper, Algorithm 2), vectorised with numpy.
+
+For every scored token t (from the third token of each text on) the k shards of x[t] under the
+context (x[t-2], x[t-1]) are computed pointwise (O(k) per token); row i = (x[t-2] + x[t-1]) mod r
+of the token-shard mapping matrix gets +1 in every shard the token falls in under some key
+(cTMM: at most once per shard, the paper's sign()) or +1 per key (TMM, the paper's XMark^-).
+Skipped: the first two tokens of each text, tokens listed in ``skip_ids``, and (``dedup``, on by
+default) repeated (x[t-2], x[t-1], x[t]) triples, which would otherwise count the same
+pseudo-random draw several times and break the null model that the p-values rely on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .hashing import block_index, shard
+from .keys import WatermarkKey
+from .message import Message
+from .params import WatermarkParams
+
+MAX_TOKEN_ID = (1 << 31) - 1
+TokenIds = Sequence[int] | np.ndarray
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """What the decoder read from one or more texts.
+
+    matrix: int64 [r, D] the (c)TMM; row_counts: int64 [r] scored tokens per block;
+    blocks: int64 [r] decoded block values (-1 = erased); erased: bool [r];
+    margin: int64 [r] gap between the decisive count and the runner-up in that row;
+    confidence: float64 [r] posterior probability of the decoded value of each block;
+    token_blocks / token_shards: per input token (concatenated texts) its block index (-1 = not
+    scored) and its k shards, only when decoding with per_token=True.
+    """
+
+    params: WatermarkParams
+    constrained: bool
+    matrix: np.ndarray
+    row_counts: np.ndarray
+    blocks: np.ndarray
+    erased: np.ndarray
+    margin: np.ndarray
+    confidence: np.ndarray
+    scored_tokens: int
+    token_blocks: np.ndarray | None = field(default=None, repr=False)
+    token_shards: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def trials(self) -> int:
+        """Bernoulli trials behind each cell: one per token (cTMM or k = 1), else one per token and key."""
+        return self.scored_tokens * (1 if self.constrained else self.params.num_keys)
+
+    @property
+    def bits(self) -> str:
+        d = self.params.block_bits
+        return "".join("?" * d if v < 0 else format(int(v), f"0{d}b") for v in self.blocks)
+
+    @property
+    def message(self) -> Message | None:
+        if self.erased.any():
+            return None
+        return Message(self.bits, self.params)
+
+
+def null_inclusion_probability(params: WatermarkParams, constrained: bool) -> float:
+    """Probability that one trial marks a given cell of its row on unwatermarked text."""
+    shards = params.num_shards
+    if constrained:
+        return 1.0 - (1.0 - 1.0 / shards) ** params.num_keys
+    return 1.0 / shards
+
+
+def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
+    if isinstance(token_ids, np.ndarray):
+        texts = [token_ids] if token_ids.ndim == 1 else list(token_ids)
+    elif isinstance(token_ids, (str, bytes)):
+        raise TypeError("token_ids must be integer token ids, not text")
+    else:
+        items = list(token_ids)
+        if items and all(isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes)) for x in items):
+            texts = [np.asarray(x) for x in items]
+        else:
+            texts = [np.asarray(items)]
+    out = []
+    for text in texts:
+        if text.size == 0:
+            out.append(np.zeros(0, dtype=np.int64))
+            continue
+        if text.ndim != 1:
+            raise ValueError(f"each text must be a 1-D sequence of token ids (got shape {text.shape})")
+        if text.dtype == bool or not np.issubdtype(text.dtype, np.integer):
+            raise TypeError(f"token ids must be integers (got dtype {text.dtype})")
+        if text.min() < 0 or text.max() > MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+        out.append(text.astype(np.int64, copy=False))
+    return out
+
+
+def decode(
+    token_ids: TokenIds | Sequence[TokenIds],
+    key: WatermarkKey,
+    *,
+    skip_ids: Iterable[int] = (),
+    dedup: bool = True,
+    constrained: bool = True,
+    min_observations: int = 1,
+    per_token: bool = False,
+) -> DecodeResult:
+    """Decode the message from the token ids of one text, or of several texts of the same user."""
+    params = key.params
+    texts = _as_texts(token_ids)
+    if not texts or all(t.size < 3 for t in texts):
+        raise ValueError("need at least one text of 3 or more tokens to decode (the first two are context)")
+    if min_observations < 1:
+        raise ValueError("min_observations must be >= 1")
+    r, shards_n, k = params.num_blocks, params.num_shards, params.num_keys
+    prev2 = np.concatenate([t[:-2] for t in texts if t.size >= 3])
+    prev1 = np.concatenate([t[1:-1] for t in texts if t.size >= 3])
+    token = np.concatenate([t[2:] for t in texts if t.size >= 3])
+    keep = np.ones(token.size, dtype=bool)
+    skip = np.fromiter(skip_ids, dtype=np.int64)
+    if skip.size:
+        keep &= ~np.isin(token, skip)
+    if dedup:
+        triples = np.stack([prev2, prev1, token], axis=1)  # [n, 3]
+        _, first = np.unique(triples.view(np.dtype((np.void, 24))).ravel(), return_index=True)
+        unique = np.zeros(token.size, dtype=bool)
+        unique[first] = True
+        keep &= unique
+    p2, p1, tok = prev2[keep], prev1[keep], token[keep]
+    rows = block_index(p2, p1, r)  # [n]
+    shard_ids = shard(key.words, p2, p1, tok, params.block_bits)  # [n, k]
+    cells = rows[:, None] * shards_n + shard_ids  # [n, k] flat cell index
+    if constrained and k > 1:
+        repeated = np.zeros_like(shard_ids, dtype=bool)
+        for j in range(1, k):
+            repeated[:, j] = (shard_ids[:, j : j + 1] == shard_ids[:, :j]).any(axis=1)
+        counted = cells[~repeated]
+    else:
+        counted = cells.ravel()
+    matrix = np.bincount(counted, minlength=r * shards_n).reshape(r, shards_n)
+    row_counts = np.bincount(rows, minlength=r)
+    blocks, erased, margin, confidence = _read_blocks(matrix, row_counts, params, constrained, min_observations)
+    token_blocks = token_shards = None
+    if per_token:
+        token_blocks = np.full(prev2.size, -1, dtype=np.int64)
+        token_blocks[keep] = rows
+        token_shards = np.full((prev2.size, k), -1, dtype=np.int64)
+        token_shards[keep] = shard_ids
+        # re-align to the input: two unscored context tokens at the start of every text
+        token_blocks, token_shards = _align(texts, token_blocks, token_shards, k)
+    return DecodeResult(
+        params=params,
+        constrained=constrained,
+        matrix=matrix,
+        row_counts=row_counts,
+        blocks=blocks,
+        erased=erased,
+        margin=margin,
+        confidence=confidence,
+        scored_tokens=int(rows.size),
+        token_blocks=token_blocks,
+        token_shards=token_shards,
+    )
+
+
+def _align(
+    texts: list[np.ndarray], blocks: np.ndarray, shards: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    out_b, out_s, start = [], [], 0
+    for text in texts:
+        n = text.size
+        out_b.append(np.full(min(n, 2), -1, dtype=np.int64))
+        out_s.append(np.full((min(n, 2), k), -1, dtype=np.int64))
+        if n >= 3:
+            out_b.append(blocks[start : start + n - 2])
+            out_s.append(shards[start : start + n - 2])
+            start += n - 2
+    return np.concatenate(out_b), np.concatenate(out_s)
+
+
+def _read_blocks(
+    matrix: np.ndarray,
+    row_counts: np.ndarray,
+    params: WatermarkParams,
+    constrained: bool,
+    min_observations: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Block values (argmin, or argmax for MPAC), erasures, margins and per-block posteriors."""
+    boosted_is_max = params.scheme == "mpac"
+    signed = matrix if boosted_is_max else -matrix  # larger = more likely the message value
+    blocks = signed.argmax(axis=1).astype(np.int64)
+    ordered = np.sort(signed, axis=1)
+    margin = (ordered[:, -1] - ordered[:, -2]).astype(np.int64)
+    erased = row_counts < min_observations
+    blocks[erased] = -1
+    # posterior of each value under a per-trial rate q1 for the message cell against q0 elsewhere,
+    # with q1 estimated from the decoded cells (no evidence -> uniform)
+    trials_per_token = 1 if constrained else params.num_keys
+    q0 = null_inclusion_probability(params, constrained)
+    total = float(row_counts.sum() * trials_per_token)
+    decisive = float(np.where(erased, 0, matrix[np.arange(len(blocks)), np.maximum(blocks, 0)]).sum())
+    lam = 0.0
+    if total > 0:
+        q1 = min(max(decisive / total, 1e-6), 1 - 1e-6)
+        if (q1 > q0) == boosted_is_max and q1 != q0:
+            lam = abs(np.log(q1 * (1 - q0) / (q0 * (1 - q1))))
+    logits = lam * signed.astype(np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    post = np.exp(logits)
+    post /= post.sum(axis=1, keepdims=True)
+    confidence = np.where(erased, 0.0, post[np.arange(len(blocks)), np.maximum(blocks, 0)])
+    return blocks, erased, margin, confidence

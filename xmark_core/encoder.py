@@ -1,0 +1,137 @@
+"""The batched encoder op (torch): add delta to each watermarked row's boosted token list.
+
+Shapes: logits [B, V] float32/float16/bfloat16 on any device; context [B, 2] int64 (x[t-2], x[t-1]);
+blocks [B, r] int64 block values; active [B] bool. No Python loop over rows or vocabulary, no
+host-device synchronisation: every step is a tensor op on the logits' device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hashing import MASK32, context_multipliers, token_codes
+from .keys import WatermarkKey
+from .params import WatermarkParams
+
+
+def boost_mask(
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    words: torch.Tensor,
+    codes: torch.Tensor,
+    params: WatermarkParams,
+    vocab_size: int,
+) -> torch.Tensor:
+    """bool [B, V]: True where the token is boosted for that row.
+
+    xmark/loso: the evergreen list, i.e. tokens whose shard differs from the block value under
+    every key; mpac: tokens whose shard equals the block value (one key).
+    words: int64 [k, 5]; codes: int64 [k, >= V] token codes (see ``token_codes``).
+    """
+    r, d = params.num_blocks, params.block_bits
+    prev2, prev1 = context[:, 0], context[:, 1]
+    index = (prev2 + prev1) % r  # [B]
+    value = blocks.gather(1, index[:, None])  # [B, 1]
+    multipliers = context_multipliers(words, prev2, prev1)  # [B, k]
+    shift = 32 - d
+    buf = torch.empty((context.shape[0], vocab_size), dtype=torch.int64, device=context.device)
+    mask: torch.Tensor | None = None
+    for j in range(params.num_keys):
+        torch.mul(multipliers[:, j : j + 1], codes[j, None, :vocab_size], out=buf)  # [B, V]
+        buf.bitwise_and_(MASK32).bitwise_right_shift_(shift)  # shard under key j
+        hit = buf == value if params.scheme == "mpac" else buf != value
+        mask = hit if mask is None else mask.logical_and_(hit)
+    assert mask is not None
+    return mask
+
+
+def apply_watermark(
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    active: torch.Tensor,
+    *,
+    words: torch.Tensor,
+    codes: torch.Tensor,
+    params: WatermarkParams,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Return logits with delta added to every active row's boosted tokens (rows with active=False untouched)."""
+    _check(logits, context, blocks, active, codes, params)
+    mask = boost_mask(context, blocks, words, codes, params, logits.shape[1])
+    mask.logical_and_(active[:, None])
+    out = logits if inplace else logits.clone()
+    return out.add_(mask, alpha=params.delta)
+
+
+def _check(
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    active: torch.Tensor,
+    codes: torch.Tensor,
+    params: WatermarkParams,
+) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating [B, V] tensor (got {tuple(logits.shape)}, {logits.dtype})")
+    batch, vocab = logits.shape
+    if context.shape != (batch, 2) or context.dtype != torch.int64:
+        raise TypeError(f"context must be int64 [{batch}, 2] (got {tuple(context.shape)}, {context.dtype})")
+    if blocks.shape != (batch, params.num_blocks) or blocks.dtype != torch.int64:
+        raise TypeError(
+            f"blocks must be int64 [{batch}, {params.num_blocks}] (got {tuple(blocks.shape)}, {blocks.dtype})"
+        )
+    if active.shape != (batch,) or active.dtype != torch.bool:
+        raise TypeError(f"active must be bool [{batch}] (got {tuple(active.shape)}, {active.dtype})")
+    if codes.dim() != 2 or codes.shape[0] != params.num_keys or codes.shape[1] < vocab:
+        raise ValueError(f"codes must be int64 [{params.num_keys}, >= {vocab}] (got {tuple(codes.shape)})")
+
+
+class TorchWatermarker:
+    """Device-side key material for one key version, with the token codes cached per device and width.
+
+    Adapters (transformers, vLLM) hold one of these and call :meth:`apply` once per decoding step.
+    """
+
+    def __init__(self, key: WatermarkKey) -> None:
+        self.key = key
+        self.params = key.params
+        self._words: dict[torch.device, torch.Tensor] = {}
+        self._codes: dict[torch.device, torch.Tensor] = {}
+
+    def words(self, device: torch.device) -> torch.Tensor:
+        words = self._words.get(device)
+        if words is None:
+            words = torch.tensor(self.key.words.copy(), dtype=torch.int64, device=device)
+            self._words[device] = words
+        return words
+
+    def codes(self, device: torch.device, width: int) -> torch.Tensor:
+        """int64 [k, >= width] token codes for token ids 0..width-1 (grown on demand, once per width)."""
+        codes = self._codes.get(device)
+        if codes is None or codes.shape[1] < width:
+            tokens = torch.arange(width, dtype=torch.int64, device=device)
+            codes = token_codes(self.words(device), tokens).T.contiguous()  # [k, width]
+            self._codes[device] = codes
+        return codes
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        context: torch.Tensor,
+        blocks: torch.Tensor,
+        active: torch.Tensor,
+        *,
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        device = logits.device
+        return apply_watermark(
+            logits,
+            context,
+            blocks,
+            active,
+            words=self.words(device),
+            codes=self.codes(device, logits.shape[1]),
+            params=self.params,
+            inplace=inplace,
+        )

@@ -1,0 +1,55 @@
+"""transformers adapter: a LogitsProcessor that watermarks each batch row with its own message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from transformers import LogitsProcessor
+
+from .encoder import TorchWatermarker
+from .keys import WatermarkKey
+from .message import Message
+
+
+class XMarkLogitsProcessor(LogitsProcessor):
+    """Adds the XMark bias with a different message per batch row.
+
+    ``messages[i]`` is the message of batch row i, or None to leave that row unwatermarked, so one
+    ``model.generate`` call can serve several users. When generate expands rows (num_return_sequences
+    > 1) the messages are repeated accordingly. The context of the first generated tokens is the
+    last two prompt tokens, as in the paper.
+    """
+
+    def __init__(self, key: WatermarkKey, messages: Sequence[Message | None]) -> None:
+        if not messages:
+            raise ValueError("messages must name one message (or None) per batch row")
+        params = key.params
+        blocks = np.zeros((len(messages), params.num_blocks), dtype=np.int64)
+        for row, message in enumerate(messages):
+            if message is None:
+                continue
+            if message.params.bits != params.bits or message.params.block_bits != params.block_bits:
+                raise ValueError("message length does not match the key's parameters")
+            blocks[row] = message.blocks
+        self._blocks = torch.from_numpy(blocks)  # [rows, r]
+        self._active = torch.tensor([m is not None for m in messages], dtype=torch.bool)  # [rows]
+        self._watermarker = TorchWatermarker(key)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        batch = scores.shape[0]
+        rows = self._blocks.shape[0]
+        if batch % rows:
+            raise ValueError(f"batch of {batch} rows does not expand {rows} messages")
+        if self._blocks.device != scores.device:
+            self._blocks = self._blocks.to(scores.device)
+            self._active = self._active.to(scores.device)
+        blocks, active = self._blocks, self._active
+        if batch != rows:
+            blocks = blocks.repeat_interleave(batch // rows, dim=0)
+            active = active.repeat_interleave(batch // rows, dim=0)
+        context = input_ids[:, -2:]  # [B, 2]: (x[t-2], x[t-1])
+        if context.shape[1] < 2:
+            context = torch.nn.functional.pad(context, (2 - context.shape[1], 0))
+        return self._watermarker.apply(scores, context.to(torch.int64), blocks, active)

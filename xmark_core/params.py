@@ -1,0 +1,77 @@
+"""Watermark parameters: one frozen, validated object shared by encoder and decoder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Scheme = Literal["xmark", "mpac", "loso"]
+SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso")
+MAX_BITS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class WatermarkParams:
+    """Parameters of a multi-bit watermark.
+
+    bits (b): message length in bits, a positive multiple of ``block_bits``.
+    block_bits (d): bits per message block (1..4); each key partitions the vocabulary into 2**d shards.
+    num_keys (k): number of hash keys (1..8). ``loso`` and ``mpac`` use exactly one key.
+    delta: logit bias added to the boosted tokens (> 0).
+    scheme: ``xmark`` (evergreen list = intersection of the k leave-one-shard-out green lists),
+        ``loso`` (XMark with k = 1) or ``mpac`` (green list = the shard numbered by the block value).
+    """
+
+    bits: int = 16
+    block_bits: int = 2
+    num_keys: int = 2
+    delta: float = 2.0
+    scheme: Scheme = "xmark"
+
+    def __post_init__(self) -> None:
+        _check_int("block_bits", self.block_bits, 1, 4)
+        _check_int("bits", self.bits, self.block_bits, MAX_BITS)
+        if self.bits % self.block_bits:
+            raise ValueError(
+                f"bits must be a positive multiple of block_bits={self.block_bits} "
+                f"(got bits={self.bits})"
+            )
+        _check_int("num_keys", self.num_keys, 1, 8)
+        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
+            raise TypeError(f"delta must be a number > 0 (got {type(self.delta).__name__})")
+        if not (self.delta > 0.0) or self.delta != self.delta or self.delta == float("inf"):
+            raise ValueError(f"delta must be a finite number > 0 (got {self.delta})")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
+        if self.scheme in ("loso", "mpac") and self.num_keys != 1:
+            raise ValueError(f"num_keys must be 1 for scheme {self.scheme!r} (got {self.num_keys})")
+
+    @property
+    def num_blocks(self) -> int:
+        """r = b / d, the number of message blocks."""
+        return self.bits // self.block_bits
+
+    @property
+    def num_shards(self) -> int:
+        """D = 2**d, the number of shards each key partitions the vocabulary into."""
+        return 1 << self.block_bits
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "WatermarkParams":
+        return cls(
+            bits=int(data["bits"]),
+            block_bits=int(data["block_bits"]),
+            num_keys=int(data["num_keys"]),
+            delta=float(data["delta"]),
+            scheme=data.get("scheme", "xmark"),
+        )
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer in [{low}, {high}] (got {type(value).__name__})")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}] (got {value})")
