@@ -75,6 +75,10 @@ def null_inclusion_probability(params: WatermarkParams, constrained: bool) -> fl
 
 
 def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 and token_ids.dtype == np.int64:
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID):
+            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+        return [token_ids]
     if isinstance(token_ids, np.ndarray):
         texts = [token_ids] if token_ids.ndim == 1 else list(token_ids)
     elif isinstance(token_ids, (str, bytes)):
@@ -126,10 +130,14 @@ def decode(
     if skip.size:
         keep &= ~np.isin(token, skip)
     if dedup:
-        triples = np.stack([prev2, prev1, token], axis=1)  # [n, 3]
-        _, first = np.unique(triples.view(np.dtype((np.void, 24))).ravel(), return_index=True)
+        keys = _triple_keys(prev2, prev1, token)
+        order = np.argsort(keys, kind="stable")  # equal triples keep their text order
+        ordered = keys[order]
+        first = np.empty(order.size, dtype=bool)
+        first[:1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
         unique = np.zeros(token.size, dtype=bool)
-        unique[first] = True
+        unique[order[first]] = True
         keep &= unique
     p2, p1, tok = prev2[keep], prev1[keep], token[keep]
     rows = block_index(p2, p1, r)  # [n]
@@ -168,6 +176,14 @@ def decode(
     )
 
 
+def _triple_keys(prev2: np.ndarray, prev1: np.ndarray, token: np.ndarray) -> np.ndarray:
+    """One sortable key per (x[t-2], x[t-1], x[t]) triple: packed int64 when ids fit in 21 bits."""
+    if max(int(prev2.max()), int(prev1.max()), int(token.max())) < (1 << 21):
+        return (prev2 << 42) | (prev1 << 21) | token
+    triples = np.stack([prev2, prev1, token], axis=1)  # [n, 3]
+    return triples.view(np.dtype((np.void, 24))).ravel()
+
+
 def _align(
     texts: list[np.ndarray], blocks: np.ndarray, shards: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -192,26 +208,24 @@ def _read_blocks(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Block values (argmin, or argmax for MPAC), erasures, margins and per-block posteriors."""
     boosted_is_max = params.scheme == "mpac"
-    signed = matrix if boosted_is_max else -matrix  # larger = more likely the message value
-    blocks = signed.argmax(axis=1).astype(np.int64)
+    signed = matrix if boosted_is_max else -matrix  # [r, D], larger = more likely the message value
     ordered = np.sort(signed, axis=1)
-    margin = (ordered[:, -1] - ordered[:, -2]).astype(np.int64)
+    top = ordered[:, -1]
+    margin = top - ordered[:, -2]
+    blocks = signed.argmax(axis=1)
     erased = row_counts < min_observations
-    blocks[erased] = -1
     # posterior of each value under a per-trial rate q1 for the message cell against q0 elsewhere,
     # with q1 estimated from the decoded cells (no evidence -> uniform)
-    trials_per_token = 1 if constrained else params.num_keys
+    trials = int(row_counts.sum()) * (1 if constrained else params.num_keys)
     q0 = null_inclusion_probability(params, constrained)
-    total = float(row_counts.sum() * trials_per_token)
-    decisive = float(np.where(erased, 0, matrix[np.arange(len(blocks)), np.maximum(blocks, 0)]).sum())
+    decisive = abs(int(top[~erased].sum()))
     lam = 0.0
-    if total > 0:
-        q1 = min(max(decisive / total, 1e-6), 1 - 1e-6)
+    if trials > 0:
+        q1 = min(max(decisive / trials, 1e-6), 1 - 1e-6)
         if (q1 > q0) == boosted_is_max and q1 != q0:
-            lam = abs(np.log(q1 * (1 - q0) / (q0 * (1 - q1))))
-    logits = lam * signed.astype(np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    post = np.exp(logits)
-    post /= post.sum(axis=1, keepdims=True)
-    confidence = np.where(erased, 0.0, post[np.arange(len(blocks)), np.maximum(blocks, 0)])
+            lam = abs(float(np.log(q1 * (1 - q0) / (q0 * (1 - q1)))))
+    # posterior of the decoded value = 1 / sum_u exp(lam * (signed_u - top))
+    confidence = 1.0 / np.exp(lam * (signed - top[:, None])).sum(axis=1)
+    blocks[erased] = -1
+    confidence[erased] = 0.0
     return blocks, erased, margin, confidence

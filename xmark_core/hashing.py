@@ -27,12 +27,14 @@ _MUL = 0x045D9F3B  # < 2**31: products with a 32-bit value stay below 2**63
 
 
 def mix32(x: Array) -> Array:
-    """A 32-bit integer finaliser (xorshift-multiply, three rounds). x: int64 in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL) & MASK32
-    x = x ^ (x >> 16)
-    x = (x * _MUL) & MASK32
-    x = x ^ (x >> 16)
+    """A 32-bit integer finaliser (xorshift-multiply, full avalanche). x: int64 in [0, 2**32)."""
+    x = x ^ (x >> 16)  # a new array/tensor: the in-place steps below never touch the input
+    x *= _MUL
+    x &= MASK32
+    x ^= x >> 16
+    x *= _MUL
+    x &= MASK32
+    x ^= x >> 16
     return x
 
 
@@ -45,17 +47,14 @@ def context_multipliers(words: Array, prev2: Array, prev1: Array) -> Array:
     p2 = (prev2 & MASK32)[..., None]  # [..., 1]
     p1 = (prev1 & MASK32)[..., None]
     h = mix32(words[:, 0] ^ p2)  # [..., k]
-    h = mix32(h ^ words[:, 1] ^ p1)
-    h = mix32(h ^ words[:, 2])
+    h = mix32(h ^ words[:, 1] ^ p1) ^ words[:, 2]
     return (h & MASK31) | 1
 
 
 def token_codes(words: Array, token: Array) -> Array:
     """Keyed token codes. words: int64 [k, 5]; token: int64 [...]. Returns int64 [..., k], odd."""
     t = (token & MASK32)[..., None]
-    h = mix32(t ^ words[:, 3])
-    h = mix32(h ^ words[:, 4])
-    return h | 1
+    return (mix32(t ^ words[:, 3]) ^ words[:, 4]) | 1
 
 
 def shard_of(multipliers: Array, codes: Array, block_bits: int) -> Array:

@@ -1,0 +1,144 @@
+"""Benchmarks of xmark_core: ``python -m xmark_core.bench --json``.
+
+Every figure is measured in this run on this machine; speed-ups compare against the naive
+implementations in ``xmark_core.naive`` measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .attribution import CandidateSet, attribute
+from .decoder import decode
+from .detect import detect
+from .keys import WatermarkKey
+from .params import WatermarkParams
+
+VOCAB = 49_152
+SECRET = "benchmark-secret-not-for-production"
+
+
+def _best_time(fn: Callable[[], object], repeat: int, number: int = 1) -> float:
+    """Median over ``repeat`` runs of the mean time of ``number`` calls, in seconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - start) / number)
+    return float(np.median(times))
+
+
+def bench_decode(key: WatermarkKey, rng: np.random.Generator) -> dict[str, float]:
+    out: dict[str, float] = {}
+    rates = []
+    for length in (150, 10_000):
+        tokens = rng.integers(0, VOCAB, length)
+        decode(tokens, key)
+        seconds = _best_time(lambda: decode(tokens, key), repeat=7, number=20 if length < 1000 else 3)
+        rate = (length - 2) / seconds
+        out[f"decode_tokens_per_s_T{length}"] = rate
+        rates.append(rate)
+        result = decode(tokens, key)
+        detect(result)
+        out[f"decode_detect_ms_T{length}"] = 1e3 * _best_time(lambda: detect(decode(tokens, key)), repeat=5, number=5)
+    out["decode_tokens_per_s"] = min(rates)
+    return out
+
+
+def bench_naive_decode(key: WatermarkKey, rng: np.random.Generator, fast_rate: float) -> dict[str, float]:
+    from .naive import naive_decode
+
+    tokens = rng.integers(0, VOCAB, 102)
+    keys = [int(w) for w in key.words[:, 0]]
+    seconds = _best_time(lambda: naive_decode(tokens, keys, key.params, VOCAB), repeat=3)
+    naive_rate = 100 / seconds
+    return {"naive_decode_tokens_per_s": naive_rate, "decode_speedup_vs_naive": fast_rate / naive_rate}
+
+
+def bench_encode(key: WatermarkKey) -> dict[str, float]:
+    import torch
+
+    from .encoder import TorchWatermarker
+    from .naive import naive_encode
+
+    params = key.params
+    gen = torch.Generator().manual_seed(0)
+    batch = 16
+    logits = torch.randn(batch, VOCAB, generator=gen)
+    context = torch.randint(0, VOCAB, (batch, 2), generator=gen)
+    blocks = torch.randint(0, params.num_shards, (batch, params.num_blocks), generator=gen)
+    active = torch.ones(batch, dtype=torch.bool)
+    marker = TorchWatermarker(key)
+    marker.apply(logits, context, blocks, active)
+    fast = _best_time(lambda: marker.apply(logits, context, blocks, active, inplace=True), repeat=15, number=10)
+    fast_copy = _best_time(lambda: marker.apply(logits, context, blocks, active), repeat=15, number=10)
+    keys = [int(w) for w in key.words[:, 0]]
+    naive = _best_time(lambda: naive_encode(logits, context, blocks, keys, params), repeat=3)
+    return {
+        "encode_ms_per_step": 1e3 * fast,
+        "encode_ms_per_step_out_of_place": 1e3 * fast_copy,
+        "naive_encode_ms_per_step": 1e3 * naive,
+        "encode_speedup_vs_naive": naive / fast,
+        "encode_threads": float(torch.get_num_threads()),
+    }
+
+
+def bench_attribution(key: WatermarkKey, rng: np.random.Generator) -> dict[str, float]:
+    params = key.params
+    count = 1_000_000
+    values = rng.choice(1 << params.bits, size=min(count, 1 << params.bits), replace=False)
+    if values.size < count:  # b = 16 holds only 65,536 distinct IDs: draw with repetition for timing
+        values = rng.integers(0, 1 << params.bits, count)
+    bits = [format(int(v), f"0{params.bits}b") for v in values]
+    candidates = CandidateSet(bits, list(range(count)), params)
+    result = decode(rng.integers(0, VOCAB, 300), key)
+    attribute(result, candidates)
+    seconds = _best_time(lambda: attribute(result, candidates), repeat=7)
+    return {"attribution_ms_1m": 1e3 * seconds, "attribution_candidates": float(count)}
+
+
+def bench_fpr(key: WatermarkKey, rng: np.random.Generator, trials: int, length: int) -> dict[str, float]:
+    p_values = np.array([detect(decode(rng.integers(0, VOCAB, length), key)).p_value for _ in range(trials)])
+    return {
+        "fpr_at_0.01": float((p_values < 0.01).mean()),
+        "fpr_at_0.001": float((p_values < 0.001).mean()),
+        "fpr_trials": float(trials),
+        "fpr_tokens": float(length),
+    }
+
+
+def run(fpr_trials: int = 5000) -> dict[str, object]:
+    params = WatermarkParams(bits=16, block_bits=2, num_keys=2, delta=2.0)
+    key = WatermarkKey.from_secret(SECRET, params)
+    rng = np.random.default_rng(0)
+    out: dict[str, object] = {"params": params.to_dict(), "machine": platform.machine(), "vocab": VOCAB}
+    out.update(bench_decode(key, rng))
+    out.update(bench_naive_decode(key, rng, float(out["decode_tokens_per_s"])))  # type: ignore[arg-type]
+    out.update(bench_encode(key))
+    out.update(bench_attribution(key, rng))
+    out.update(bench_fpr(key, rng, fpr_trials, 200))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--fpr-trials", type=int, default=5000)
+    args = parser.parse_args(argv)
+    result = run(args.fpr_trials)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        for name, value in sorted(result.items()):
+            print(f"{name:36s} {value}")
+
+
+if __name__ == "__main__":
+    main()
