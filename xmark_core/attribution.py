@@ -58,14 +58,12 @@ class CandidateSet:
 
     def hits(self, matrix: np.ndarray) -> np.ndarray:
         """int64 [C]: H_m = sum_i matrix[i, m_i] for every candidate m."""
-        shards = self.params.num_shards
         total = np.zeros(len(self.ids), dtype=np.int64)
         for q, codes in enumerate(self._pair_codes):
             table = (matrix[2 * q][:, None] + matrix[2 * q + 1][None, :]).ravel()  # [D*D]
             total += table[codes]
         if self._single is not None:
             total += matrix[-1][self._single]
-        del shards
         return total
 
 
@@ -130,8 +128,12 @@ def attribute(
         cand_blocks = candidates.blocks[idx].astype(np.int64)
         hamming = _hamming_blocks(cand_blocks, decoded, params)
         out.append(CandidateScore(candidates.ids[idx], bits, float(scores_all[idx]), float(p_values[rank]), hamming))
-    runner_up = float(scores_all[order[1]]) if k > 1 else float(np.partition(scores_all, -2)[-2]) if count > 1 else 0.0
-    margin = float(scores_all[order[0]]) - runner_up if count > 1 else float(scores_all[order[0]])
+    best_score = float(scores_all[order[0]])
+    if count > 1:
+        runner_up = float(scores_all[order[1]]) if k > 1 else float(np.partition(scores_all, count - 2)[count - 2])
+        margin = best_score - runner_up
+    else:
+        margin = best_score
     p_best = float(p_values[0])
     best = out[0] if p_best < alpha else None
     return Attribution(out, best, p_best, float(posterior[order[0]]), margin)
