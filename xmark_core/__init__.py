@@ -14,7 +14,7 @@ from .decoder import DecodeResult, decode, null_inclusion_probability
 from .detect import DEFAULT_ALPHA, Detection, detect
 from .hashing import block_index, context_multipliers, shard, token_codes
 from .keys import WatermarkKey
-from .message import Message, MessageSpaceExhausted, allocate_message, bits_to_blocks
+from .message import Message, MessageAllocator, MessageSpaceExhausted, allocate_message, bits_to_blocks
 from .params import SCHEMES, WatermarkParams
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ __all__ = [
     "DecodeResult",
     "Detection",
     "Message",
+    "MessageAllocator",
     "MessageSpaceExhausted",
     "TorchWatermarker",
     "WatermarkKey",

@@ -92,7 +92,8 @@ def attribute(
     top: int = 5,
     alpha: float = DEFAULT_ALPHA,
 ) -> Attribution:
-    """Score every candidate against the decoded matrix; name the best one if p_value < alpha."""
+    """Score every candidate against the decoded matrix; name the best one if p_value < alpha and it
+    beats the runner-up (an exact tie between two registered IDs names nobody)."""
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ValueError("candidate messages do not match the decoder's message length")
@@ -135,7 +136,7 @@ def attribute(
     else:
         margin = best_score
     p_best = float(p_values[0])
-    best = out[0] if p_best < alpha else None
+    best = out[0] if p_best < alpha and margin > 0 else None  # an exact tie names nobody
     return Attribution(out, best, p_best, float(posterior[order[0]]), margin)
 
 

@@ -85,10 +85,13 @@ def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
         raise TypeError("token_ids must be integer token ids, not text")
     else:
         items = list(token_ids)
-        if items and all(isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes)) for x in items):
-            texts = [np.asarray(x) for x in items]
-        else:
-            texts = [np.asarray(items)]
+        nested = [isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes)) for x in items]
+        if any(nested) and not all(nested):
+            raise TypeError("token ids must be a list of ints or a list of lists of ints, not a mix of both")
+        try:
+            texts = [np.asarray(x) for x in items] if items and all(nested) else [np.asarray(items)]
+        except ValueError as exc:
+            raise TypeError("token ids must be a list of ints or a list of lists of ints") from exc
     out = []
     for text in texts:
         if text.size == 0:
@@ -130,12 +133,7 @@ def decode(
     if skip.size:
         keep &= ~np.isin(token, skip)
     if dedup:
-        keys = _triple_keys(prev2, prev1, token)
-        order = np.argsort(keys, kind="stable")  # equal triples keep their text order
-        ordered = keys[order]
-        first = np.empty(order.size, dtype=bool)
-        first[:1] = True
-        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        order, first = _first_occurrences(prev2, prev1, token)
         unique = np.zeros(token.size, dtype=bool)
         unique[order[first]] = True
         keep &= unique
@@ -176,12 +174,19 @@ def decode(
     )
 
 
-def _triple_keys(prev2: np.ndarray, prev1: np.ndarray, token: np.ndarray) -> np.ndarray:
-    """One sortable key per (x[t-2], x[t-1], x[t]) triple: packed int64 when ids fit in 21 bits."""
+def _first_occurrences(prev2: np.ndarray, prev1: np.ndarray, token: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stable sort order of the (x[t-2], x[t-1], x[t]) triples and a mask of each triple's first occurrence."""
+    first = np.empty(token.size, dtype=bool)
+    first[:1] = True
     if max(int(prev2.max()), int(prev1.max()), int(token.max())) < (1 << 21):
-        return (prev2 << 42) | (prev1 << 21) | token
-    triples = np.stack([prev2, prev1, token], axis=1)  # [n, 3]
-    return triples.view(np.dtype((np.void, 24))).ravel()
+        keys = (prev2 << 42) | (prev1 << 21) | token  # one exact int64 key per triple
+        order = np.argsort(keys, kind="stable")  # equal triples keep their text order
+        ordered = keys[order]
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        return order, first
+    order = np.lexsort((token, prev1, prev2))  # stable: ties keep their text order
+    first[1:] = (np.diff(prev2[order]) != 0) | (np.diff(prev1[order]) != 0) | (np.diff(token[order]) != 0)
+    return order, first
 
 
 def _align(

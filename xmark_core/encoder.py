@@ -60,8 +60,8 @@ def apply_watermark(
     _check(logits, context, blocks, active, codes, params)
     mask = boost_mask(context, blocks, words, codes, params, logits.shape[1])
     mask.logical_and_(active[:, None])
-    out = logits if inplace else logits.clone()
-    return out.add_(mask, alpha=params.delta)
+    boosted = torch.where(mask, logits + params.delta, logits)  # untouched entries stay bit-identical
+    return logits.copy_(boosted) if inplace else boosted
 
 
 def _check(

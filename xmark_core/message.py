@@ -11,7 +11,7 @@ import numpy as np
 from .params import WatermarkParams
 
 ALLOCATION_CANDIDATES = 256
-_ENUMERATE_BELOW_BITS = 22
+_TABLE_BITS = 16
 
 
 class MessageSpaceExhausted(RuntimeError):
@@ -55,6 +55,8 @@ class Message:
     @classmethod
     def from_blocks(cls, blocks: Sequence[int] | np.ndarray, params: WatermarkParams) -> "Message":
         values = np.asarray(blocks)
+        if values.dtype == bool or not np.issubdtype(values.dtype, np.integer):
+            raise TypeError(f"block values must be integers (got dtype {values.dtype})")
         if values.shape != (params.num_blocks,):
             raise ValueError(f"expected {params.num_blocks} block values (got shape {values.shape})")
         if values.min(initial=0) < 0 or values.max(initial=0) >= params.num_shards:
@@ -87,10 +89,113 @@ def bits_to_blocks(bits: Sequence[str], params: WatermarkParams) -> np.ndarray:
 
 
 def _packed(bits: Sequence[str], b: int) -> np.ndarray:
+    """uint8 [C, ceil(b/8)] packed bits; validates length and alphabet."""
     if not bits:
         return np.zeros((0, (b + 7) // 8), dtype=np.uint8)
-    raw = np.frombuffer("".join(bits).encode("ascii"), dtype=np.uint8).reshape(len(bits), b)
-    return np.packbits(raw == ord("1"), axis=1)
+    raw = np.frombuffer("".join(bits).encode("ascii"), dtype=np.uint8)
+    if raw.size != b * len(bits):
+        raise ValueError(f"every message must have exactly {b} bits")
+    raw = raw.reshape(len(bits), b)
+    ones = raw == ord("1")
+    if not (ones | (raw == ord("0"))).all():
+        raise ValueError("messages must contain only the characters '0' and '1'")
+    return np.packbits(ones, axis=1)
+
+
+def _distance_table(space: np.ndarray, taken: list[int], b: int) -> np.ndarray:
+    """int16 [2**b]: Hamming distance of every point to the nearest taken ID (b + 1 if none), by
+    multi-source breadth-first relaxation over the hypercube."""
+    dist = np.full(space.size, b + 1, dtype=np.int16)
+    if not taken:
+        return dist
+    dist[np.asarray(taken, dtype=np.int64)] = 0
+    neighbours = [space ^ np.uint32(1 << j) for j in range(b)]
+    for _ in range(b):
+        relaxed = dist.copy()
+        for flip in neighbours:
+            np.minimum(relaxed, dist[flip] + 1, out=relaxed)
+        if np.array_equal(relaxed, dist):
+            break
+        dist = relaxed
+    return dist
+
+
+class MessageAllocator:
+    """Allocates message IDs far apart in Hamming distance, never reusing one.
+
+    Rule: each new ID is the best of ``candidates`` uniformly random unallocated IDs, best meaning
+    the largest minimum Hamming distance to every ID allocated so far (deleted users' tombstones
+    included). For b <= 16 the allocator keeps the distance of every point of the space to the
+    allocated set (updated in O(2**b) per allocation), so the candidates can be drawn among the
+    farthest points; above that, random IDs are already far apart and candidates are scored
+    against the allocated set directly.
+    """
+
+    def __init__(
+        self,
+        existing_bits: Iterable[str],
+        params: WatermarkParams,
+        rng: random.Random | None = None,
+        candidates: int = ALLOCATION_CANDIDATES,
+    ) -> None:
+        self.params = params
+        self._rng = rng or random.SystemRandom()
+        self._candidates = candidates
+        taken = list(dict.fromkeys(existing_bits))
+        self._packed = _packed(taken, params.bits)  # validates every ID
+        self._taken = set(taken)
+        b = params.bits
+        self._dist: np.ndarray | None = None
+        if b <= _TABLE_BITS:
+            self._space = np.arange(1 << b, dtype=np.uint32)
+            self._dist = _distance_table(self._space, [int(x, 2) for x in taken], b)
+
+    def allocate(self) -> Message:
+        b = self.params.bits
+        if b <= 62 and len(self._taken) >= (1 << b):
+            raise MessageSpaceExhausted(f"all 2**{b} message IDs are allocated")
+        if self._dist is not None:
+            value = self._pick_from_table()
+            bits = format(value, f"0{b}b")
+            self._dist = np.minimum(self._dist, np.bitwise_count(self._space ^ np.uint32(value)).astype(np.int16))
+        else:
+            bits = self._pick_by_sampling()
+            self._packed = np.vstack([self._packed, _packed([bits], b)])
+        self._taken.add(bits)
+        return Message(bits, self.params)
+
+    def _pick_from_table(self) -> int:
+        assert self._dist is not None
+        dist = self._dist
+        free = np.flatnonzero(dist > 0)  # distance 0 = already allocated
+        if free.size == 0:
+            raise MessageSpaceExhausted(f"all 2**{self.params.bits} message IDs are allocated")
+        picks = [int(free[self._rng.randrange(free.size)]) for _ in range(min(self._candidates, free.size))]
+        return max(picks, key=lambda v: dist[v])
+
+    def _pick_by_sampling(self) -> str:
+        b = self.params.bits
+        pool: list[str] = []
+        attempts = 0
+        while len(pool) < self._candidates and attempts < 50 * self._candidates:
+            attempts += 1
+            bits = format(self._rng.getrandbits(b), f"0{b}b")
+            if bits not in self._taken:
+                pool.append(bits)
+        if not pool:
+            raise MessageSpaceExhausted("could not find an unallocated message ID")
+        if not self._taken:
+            return pool[0]
+        pool_packed = _packed(pool, b)
+        best, best_dist = pool[0], -1
+        chunk = max(1, 4_000_000 // max(1, self._packed.size))
+        for start in range(0, len(pool), chunk):
+            block = pool_packed[start : start + chunk]
+            dist = np.bitwise_count(block[:, None, :] ^ self._packed[None, :, :]).sum(axis=2, dtype=np.int64).min(axis=1)
+            j = int(dist.argmax())
+            if dist[j] > best_dist:
+                best, best_dist = pool[start + j], int(dist[j])
+        return best
 
 
 def allocate_message(
@@ -99,47 +204,5 @@ def allocate_message(
     rng: random.Random | None = None,
     candidates: int = ALLOCATION_CANDIDATES,
 ) -> Message:
-    """Pick a new message ID far from every ID ever allocated.
-
-    Rule: draw ``candidates`` uniformly random IDs that are not yet allocated and keep the one
-    whose minimum Hamming distance to all allocated IDs (deleted users' tombstones included) is
-    largest (best-candidate sampling). While the space is sparse this keeps IDs about as far
-    apart as random codes of that size can be; when it fills up it still never reuses an ID.
-    """
-    rng = rng or random.SystemRandom()
-    b = params.bits
-    taken = list(existing_bits)
-    taken_set = set(taken)
-    for bits in taken_set:
-        Message(bits, params)  # validates length and alphabet
-    space = 1 << b if b <= 62 else None
-    if space is not None and len(taken_set) >= space:
-        raise MessageSpaceExhausted(f"all 2**{b} message IDs are allocated")
-    pool: list[str] = []
-    if space is not None and b <= _ENUMERATE_BELOW_BITS and len(taken_set) > space // 2:
-        free = np.setdiff1d(np.arange(space), [int(x, 2) for x in taken_set])
-        picks = free if free.size <= candidates else np.array(rng.sample(list(free), candidates))
-        pool = [format(int(v), f"0{b}b") for v in picks]
-    else:
-        attempts = 0
-        while len(pool) < candidates and attempts < 50 * candidates:
-            attempts += 1
-            bits = format(rng.getrandbits(b), f"0{b}b")
-            if bits not in taken_set:
-                pool.append(bits)
-        if not pool:
-            raise MessageSpaceExhausted("could not find an unallocated message ID")
-    if not taken:
-        return Message(pool[0], params)
-    taken_packed = _packed(taken, b)  # [T, bytes]
-    pool_packed = _packed(pool, b)  # [P, bytes]
-    best, best_dist = pool[0], -1
-    chunk = max(1, 4_000_000 // max(1, taken_packed.shape[0] * taken_packed.shape[1]))
-    for start in range(0, len(pool), chunk):
-        block = pool_packed[start : start + chunk]
-        xor = block[:, None, :] ^ taken_packed[None, :, :]  # [p, T, bytes]
-        dist = np.bitwise_count(xor).sum(axis=2, dtype=np.int64).min(axis=1)  # [p]
-        j = int(dist.argmax())
-        if dist[j] > best_dist:
-            best, best_dist = pool[start + j], int(dist[j])
-    return Message(best, params)
+    """One new message ID far from every ID ever allocated (see :class:`MessageAllocator`)."""
+    return MessageAllocator(existing_bits, params, rng, candidates).allocate()

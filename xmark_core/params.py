@@ -41,6 +41,7 @@ class WatermarkParams:
             raise TypeError(f"delta must be a number > 0 (got {type(self.delta).__name__})")
         if not (self.delta > 0.0) or self.delta != self.delta or self.delta == float("inf"):
             raise ValueError(f"delta must be a finite number > 0 (got {self.delta})")
+        object.__setattr__(self, "delta", float(self.delta))  # 2 and 2.0 are the same key version
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
         if self.scheme in ("loso", "mpac") and self.num_keys != 1:

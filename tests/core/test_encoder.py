@@ -1,0 +1,194 @@
+"""The torch encoder op: boosted fractions, exact bias, per-row messages, dtypes, input checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xmark_core import TorchWatermarker, WatermarkKey, WatermarkParams, apply_watermark, shard
+
+from .synthetic import SECRET
+
+
+def _key(**fields: object) -> WatermarkKey:
+    return WatermarkKey.from_secret(SECRET, WatermarkParams(**fields))  # type: ignore[arg-type]
+
+
+def _inputs(params: WatermarkParams, batch: int, vocab: int, seed: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)  # [B, V]
+    context = torch.randint(0, 2**31 - 1, (batch, 2), generator=g)  # [B, 2] prompt ids may exceed V
+    context[: batch // 4] = torch.randint(0, vocab, (batch // 4, 2), generator=g)
+    if batch > 2:
+        context[0] = 0  # context (0, 0)
+        context[1, 0] = 0
+    blocks = torch.randint(0, params.num_shards, (batch, params.num_blocks), generator=g)  # [B, r]
+    active = torch.rand(batch, generator=g) < 0.75  # [B]
+    active[0] = True
+    if batch > 3:
+        active[-1] = False
+    return logits, context, blocks, active
+
+
+def _reference_mask(key: WatermarkKey, context: torch.Tensor, blocks: torch.Tensor, active: torch.Tensor, vocab: int):
+    """bool [B, V] from the decoder's numpy shard function, one row at a time."""
+    params = key.params
+    tokens = np.arange(vocab, dtype=np.int64)
+    rows = []
+    for (c2, c1), value_row, on in zip(context.tolist(), blocks.numpy(), active.tolist()):
+        shards = shard(key.words, np.full(vocab, c2), np.full(vocab, c1), tokens, params.block_bits)  # [V, k]
+        value = value_row[(c2 + c1) % params.num_blocks]
+        if params.scheme == "mpac":
+            boosted = shards[:, 0] == value
+        else:
+            boosted = (shards != value).all(axis=1)
+        rows.append(boosted & on)
+    return torch.from_numpy(np.stack(rows))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
+@pytest.mark.parametrize(
+    ("d", "k", "scheme"),
+    [(1, 1, "loso"), (2, 1, "loso"), (2, 2, "xmark"), (2, 3, "xmark"), (3, 2, "xmark"), (4, 2, "xmark"), (1, 4, "xmark"),
+     (4, 8, "xmark"), (1, 1, "mpac"), (2, 1, "mpac"), (3, 1, "mpac"), (4, 1, "mpac")],
+)
+def test_boosted_fraction_matches_closed_form(d: int, k: int, scheme: str) -> None:
+    params = WatermarkParams(bits=8 * d, block_bits=d, num_keys=k, scheme=scheme)  # type: ignore[arg-type]
+    key = WatermarkKey.from_secret(SECRET, params)
+    batch, vocab = 48, 8192
+    logits, context, blocks, _ = _inputs(params, batch, vocab, seed=d * 100 + k)
+    active = torch.ones(batch, dtype=torch.bool)
+    out = TorchWatermarker(key).apply(logits, context, blocks, active)
+    boosted = (out != logits).sum(dim=1).double()  # [B]
+    q = 2.0**-d if scheme == "mpac" else (1 - 2.0**-d) ** k
+    # per row ~ Binomial(V, q); over the batch ~ Binomial(B * V, q)
+    total_sd = np.sqrt(batch * vocab * q * (1 - q))
+    assert abs(boosted.sum().item() - batch * vocab * q) < 5 * total_sd
+    row_sd = np.sqrt(vocab * q * (1 - q))
+    assert ((boosted - vocab * q).abs() < 6 * row_sd).all(), boosted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("k", "scheme"), [(2, "xmark"), (1, "loso"), (1, "mpac"), (3, "xmark")])
+def test_bias_is_exactly_delta_on_the_decoders_boosted_tokens(dtype: torch.dtype, k: int, scheme: str) -> None:
+    key = _key(bits=16, num_keys=k, scheme=scheme, delta=1.75)
+    logits, context, blocks, active = _inputs(key.params, 12, 5000, seed=k, dtype=dtype)
+    assert not active.all()
+    before = logits.clone()
+    out = TorchWatermarker(key).apply(logits, context, blocks, active)
+    assert out.dtype == dtype and out.shape == logits.shape
+    assert torch.equal(_bits(logits), _bits(before))  # input untouched
+    mask = _reference_mask(key, context, blocks, active, 5000)
+    assert mask.any(dim=1).sum() == active.sum()  # every active row has boosted tokens
+    assert torch.equal(_bits(out[mask]), _bits(before[mask] + 1.75))
+    assert torch.equal(_bits(out[~mask]), _bits(before[~mask]))
+    if dtype == torch.float32:
+        diff = (out.double() - before.double())[mask]
+        assert torch.allclose(diff, torch.full_like(diff, 1.75), atol=1e-5)
+
+
+def test_rows_with_different_messages_get_their_own_masks() -> None:
+    key = _key()
+    batch, vocab = 6, 4096
+    logits = torch.zeros(batch, vocab)
+    context = torch.tensor([[5, 9]] * batch)  # same context: any difference comes from the messages
+    blocks = torch.stack([torch.full((8,), v % 4) for v in range(batch)])
+    active = torch.ones(batch, dtype=torch.bool)
+    out = apply_watermark(
+        logits, context, blocks, active, words=torch.from_numpy(key.words.copy()),
+        codes=TorchWatermarker(key).codes(torch.device("cpu"), vocab), params=key.params,
+    )
+    mask = out != 0
+    assert torch.equal(mask, _reference_mask(key, context, blocks, active, vocab))
+    assert torch.equal(mask[0], mask[4]) and torch.equal(mask[1], mask[5])  # same block value
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not torch.equal(mask[a], mask[b])
+
+
+def test_inactive_rows_and_unboosted_tokens_are_bit_identical() -> None:
+    key = _key()
+    logits, context, blocks, active = _inputs(key.params, 8, 3000, seed=7)
+    active[1::2] = False
+    logits[:, :10] = float("-inf")  # tokens masked by an earlier processor stay masked
+    out = TorchWatermarker(key).apply(logits, context, blocks, active)
+    assert torch.equal(_bits(out[~active]), _bits(logits[~active]))
+    assert torch.isneginf(out[:, :10]).all()
+
+
+def test_inactive_rows_keep_signed_zeros() -> None:
+    """'Untouched' means bit-identical: -0.0 logits of an unwatermarked row must stay -0.0."""
+    key = _key()
+    logits = torch.full((2, 256), -0.0)
+    context = torch.tensor([[1, 2], [3, 4]])
+    blocks = torch.zeros(2, 8, dtype=torch.int64)
+    out = TorchWatermarker(key).apply(logits, context, blocks, torch.tensor([False, False]))
+    assert torch.equal(_bits(out), _bits(logits))
+
+
+def test_inplace_modifies_and_returns_the_input() -> None:
+    key = _key()
+    logits, context, blocks, active = _inputs(key.params, 4, 2048, seed=8)
+    expected = TorchWatermarker(key).apply(logits, context, blocks, active)
+    ctx_before, blocks_before, active_before = context.clone(), blocks.clone(), active.clone()
+    out = TorchWatermarker(key).apply(logits, context, blocks, active, inplace=True)
+    assert out.data_ptr() == logits.data_ptr()
+    assert torch.equal(logits, expected)
+    assert torch.equal(context, ctx_before) and torch.equal(blocks, blocks_before) and torch.equal(active, active_before)
+
+
+def test_token_codes_cache_serves_any_width() -> None:
+    key = _key()
+    w = TorchWatermarker(key)
+    for vocab in (100, 5000, 100, 4097):
+        logits, context, blocks, active = _inputs(key.params, 4, vocab, seed=vocab)
+        out = w.apply(logits, context, blocks, active)
+        assert torch.equal(out != logits, _reference_mask(key, context, blocks, active, vocab))
+    assert w.codes(torch.device("cpu"), 10).shape[1] >= 5000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu(dtype: torch.dtype) -> None:
+    key = _key()
+    logits, context, blocks, active = _inputs(key.params, 16, 49152, seed=9, dtype=dtype)
+    cpu = TorchWatermarker(key).apply(logits, context, blocks, active)
+    dev = torch.device("cuda")
+    gpu = TorchWatermarker(key).apply(logits.to(dev), context.to(dev), blocks.to(dev), active.to(dev))
+    assert gpu.device.type == "cuda"
+    assert torch.equal(_bits(gpu.cpu()), _bits(cpu))
+
+
+def _bad_call(key: WatermarkKey, **override: object) -> None:
+    logits, context, blocks, active = _inputs(key.params, 4, 512, seed=10)
+    w = TorchWatermarker(key)
+    args = {"logits": logits, "context": context, "blocks": blocks, "active": active,
+            "words": w.words(torch.device("cpu")), "codes": w.codes(torch.device("cpu"), 512), "params": key.params}
+    args.update(override)
+    apply_watermark(args.pop("logits"), args.pop("context"), args.pop("blocks"), args.pop("active"), **args)
+
+
+@pytest.mark.parametrize(
+    ("override", "exc", "pattern"),
+    [
+        ({"logits": torch.zeros(512)}, TypeError, "logits"),
+        ({"logits": torch.zeros(1, 4, 512)}, TypeError, "logits"),
+        ({"logits": torch.zeros(4, 512, dtype=torch.int64)}, TypeError, "logits"),
+        ({"context": torch.zeros(4, 2, dtype=torch.int32)}, TypeError, "context"),
+        ({"context": torch.zeros(4, 3, dtype=torch.int64)}, TypeError, "context"),
+        ({"context": torch.zeros(3, 2, dtype=torch.int64)}, TypeError, "context"),
+        ({"blocks": torch.zeros(4, 7, dtype=torch.int64)}, TypeError, "blocks"),
+        ({"blocks": torch.zeros(4, 8, dtype=torch.float32)}, TypeError, "blocks"),
+        ({"active": torch.ones(4, dtype=torch.int64)}, TypeError, "active"),
+        ({"active": torch.ones(5, dtype=torch.bool)}, TypeError, "active"),
+        ({"codes": torch.ones(2, 100, dtype=torch.int64)}, ValueError, "codes"),
+        ({"codes": torch.ones(3, 512, dtype=torch.int64)}, ValueError, "codes"),
+    ],
+)
+def test_bad_shapes_and_dtypes_are_rejected(override: dict, exc: type, pattern: str) -> None:
+    with pytest.raises(exc, match=pattern):
+        _bad_call(_key(), **override)
