@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .attribution import Attribution, CandidateScore, CandidateSet, attribute
 from .decoder import DecodeResult, decode, null_inclusion_probability
-from .detect import DEFAULT_ALPHA, Detection, detect
+from .detect import DEFAULT_ALPHA, Detection, detect, warm_null_cache
 from .hashing import block_index, context_multipliers, shard, token_codes
 from .keys import WatermarkKey
 from .message import Message, MessageAllocator, MessageSpaceExhausted, allocate_message, bits_to_blocks
@@ -45,6 +45,7 @@ __all__ = [
     "null_inclusion_probability",
     "shard",
     "token_codes",
+    "warm_null_cache",
 ]
 
 _LAZY = {"apply_watermark": "encoder", "TorchWatermarker": "encoder"}

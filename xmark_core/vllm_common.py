@@ -1,0 +1,276 @@
+"""What the vLLM adapters share: the worker's keyring, per-request arguments, start-up checks.
+
+vLLM is not imported here; ``vllm_v1`` and ``vllm_v2`` are the only modules that import it.
+
+Per-request arguments travel in ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``)
+and are exactly two: ``xmark_message`` (the b-bit message as a string of '0'/'1') and
+``xmark_key_version`` (the name of a configured key version). A request without them is not
+watermarked; a request with only one of them, a malformed value, an unknown key version or any
+other ``xmark_*`` key is rejected when vLLM admits it (HTTP 400), never inside the sampler.
+
+The watermark secrets are read once per process, at start-up, from ``XMARK_WATERMARK_SECRETS``
+(``name:secret[,name:secret...]``) or from the file named by ``XMARK_SECRETS_FILE`` (the same
+entries, one per line, ``#`` starts a comment). The watermark parameters come from
+``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS`` and
+``XMARK_WATERMARK_DELTA`` (defaults 16, 2, 2, 2.0): the same variables the gateway reads, so one
+env file configures both. Error messages name the variable and the rule, never a secret.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .keys import MIN_SECRET_BYTES, WatermarkKey
+from .message import bits_to_blocks
+from .params import WatermarkParams
+
+XARG_MESSAGE = "xmark_message"
+XARG_KEY_VERSION = "xmark_key_version"
+XARG_PREFIX = "xmark_"
+KNOWN_XARGS = frozenset({XARG_MESSAGE, XARG_KEY_VERSION})
+
+ENV_SECRETS = "XMARK_WATERMARK_SECRETS"
+ENV_SECRETS_FILE = "XMARK_SECRETS_FILE"
+ENV_BITS = "XMARK_WATERMARK_BITS"
+ENV_BLOCK_BITS = "XMARK_WATERMARK_BLOCK_BITS"
+ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
+ENV_DELTA = "XMARK_WATERMARK_DELTA"
+
+LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"  # vLLM's entry-point group for processors
+KEY_VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class WorkerConfigError(ValueError):
+    """The worker's watermark configuration cannot be used (start-up error)."""
+
+
+def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
+    """``name:secret`` entries separated by commas or new lines; ``#`` starts a comment line."""
+    entries: dict[str, bytes] = {}
+    for chunk in re.split(r"[,\n]", text):
+        item = chunk.strip()
+        if not item or item.startswith("#"):
+            continue
+        name, sep, secret = item.partition(":")
+        name, secret = name.strip(), secret.strip()
+        if not sep or not secret:
+            raise WorkerConfigError(f"{source}: every entry must look like name:secret")
+        if not KEY_VERSION_NAME.match(name):
+            raise WorkerConfigError(
+                f"{source}: a key version name must match {KEY_VERSION_NAME.pattern}"
+            )
+        if name in entries:
+            raise WorkerConfigError(f"{source}: key version {name!r} is listed twice")
+        if len(secret.encode()) < MIN_SECRET_BYTES:
+            raise WorkerConfigError(
+                f"{source}: the secret of key version {name!r} is shorter than "
+                f"{MIN_SECRET_BYTES} bytes"
+            )
+        entries[name] = secret.encode()
+    if not entries:
+        raise WorkerConfigError(f"{source}: no watermark secret configured")
+    return entries
+
+
+def _int_setting(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise WorkerConfigError(f"{name} must be an integer") from None
+
+
+def _float_setting(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise WorkerConfigError(f"{name} must be a number") from None
+
+
+@dataclass(frozen=True)
+class WorkerKeyring:
+    """The key versions a vLLM worker can watermark with, in a fixed order (index = key slot)."""
+
+    params: WatermarkParams
+    names: tuple[str, ...]
+    keys: tuple[WatermarkKey, ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.names or len(self.names) != len(self.keys):
+            raise WorkerConfigError("the worker needs at least one key version")
+
+    @classmethod
+    def from_secrets(cls, secrets: Mapping[str, bytes], params: WatermarkParams) -> WorkerKeyring:
+        names = tuple(sorted(secrets))
+        return cls(params, names, tuple(WatermarkKey.from_secret(secrets[n], params) for n in names))
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> WorkerKeyring:
+        """Read the secrets and parameters from ``environ`` (see the module docstring)."""
+        inline = environ.get(ENV_SECRETS, "").strip()
+        path = environ.get(ENV_SECRETS_FILE, "").strip()
+        if inline and path:
+            raise WorkerConfigError(f"set either {ENV_SECRETS} or {ENV_SECRETS_FILE}, not both")
+        if inline:
+            secrets = parse_secret_entries(inline, source=ENV_SECRETS)
+        elif path:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise WorkerConfigError(
+                    f"cannot read {ENV_SECRETS_FILE} {path}: {exc.strerror}"
+                ) from None
+            secrets = parse_secret_entries(text, source=f"{ENV_SECRETS_FILE} {path}")
+        else:
+            raise WorkerConfigError(
+                f"the XMark logits processor needs the watermark secrets: set {ENV_SECRETS} "
+                f"or {ENV_SECRETS_FILE} in the worker's environment"
+            )
+        try:
+            params = WatermarkParams(
+                bits=_int_setting(environ, ENV_BITS, 16),
+                block_bits=_int_setting(environ, ENV_BLOCK_BITS, 2),
+                num_keys=_int_setting(environ, ENV_NUM_KEYS, 2),
+                delta=_float_setting(environ, ENV_DELTA, 2.0),
+            )
+        except (TypeError, ValueError) as exc:
+            raise WorkerConfigError(f"invalid watermark parameters: {exc}") from None
+        return cls.from_secrets(secrets, params)
+
+    def index(self, name: str) -> int | None:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return None
+
+    def describe(self) -> str:
+        """Key version names with fingerprint prefixes (safe to log)."""
+        return ", ".join(f"{n} ({k.fingerprint[:12]})" for n, k in zip(self.names, self.keys))
+
+
+@functools.cache
+def worker_keyring() -> WorkerKeyring:
+    """The keyring of this process, read from its environment once (start-up)."""
+    return WorkerKeyring.from_environ(os.environ)
+
+
+@dataclass(frozen=True)
+class RequestWatermark:
+    """What one request asks the sampler to do: the key slot and the message blocks."""
+
+    key_index: int
+    blocks: np.ndarray  # int64 [r]
+
+
+def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) -> RequestWatermark | None:
+    """The watermark of a request, None when it carries no XMark arguments.
+
+    Raises ValueError (vLLM answers HTTP 400) for malformed arguments; the message names the
+    argument and the rule, never its value.
+    """
+    if not extra_args:
+        return None
+    if not isinstance(extra_args, Mapping):
+        raise ValueError("extra_args must be an object")
+    ours = {k for k in extra_args if isinstance(k, str) and k.startswith(XARG_PREFIX)}
+    if not ours:
+        return None
+    unknown = sorted(ours - KNOWN_XARGS)
+    if unknown:
+        raise ValueError(
+            f"unknown XMark argument(s) {', '.join(unknown)}; expected exactly "
+            f"{XARG_MESSAGE} and {XARG_KEY_VERSION}"
+        )
+    missing = sorted(KNOWN_XARGS - ours)
+    if missing:
+        raise ValueError(f"XMark argument {missing[0]} is missing (both {XARG_MESSAGE} and {XARG_KEY_VERSION} are required)")
+    params = keyring.params
+    message = extra_args[XARG_MESSAGE]
+    if not isinstance(message, str) or len(message) != params.bits or message.strip("01"):
+        raise ValueError(f"{XARG_MESSAGE} must be a string of exactly {params.bits} characters '0' or '1'")
+    name = extra_args[XARG_KEY_VERSION]
+    if not isinstance(name, str) or not KEY_VERSION_NAME.match(name):
+        raise ValueError(f"{XARG_KEY_VERSION} must be a key version name")
+    index = keyring.index(name)
+    if index is None:
+        raise ValueError(f"{XARG_KEY_VERSION} names a key version this worker is not configured with")
+    return RequestWatermark(index, bits_to_blocks([message], params)[0])
+
+
+def last_two(prompt: Sequence[int] | None, output: Sequence[int]) -> tuple[int, int]:
+    """(x[t-2], x[t-1]) from a request's prompt and output so far; 0 stands in before the start.
+
+    Output placeholders (-1, a token not yet known under async scheduling) are returned as they
+    are; callers leave such rows unwatermarked for that step.
+    """
+    n_out = len(output)
+    if n_out >= 2:
+        return output[-2], output[-1]
+    prompt = prompt or ()
+    if n_out == 1:
+        return (prompt[-1] if prompt else 0), output[-1]
+    if len(prompt) >= 2:
+        return prompt[-2], prompt[-1]
+    return 0, (prompt[-1] if prompt else 0)
+
+
+def refuse_speculative_decoding(vllm_config: Any) -> None:
+    """Speculative decoding scores draft tokens with logits the watermark does not see."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise WorkerConfigError(
+            "the XMark watermark does not support speculative decoding: draft tokens would be "
+            "accepted without the watermark bias; start vLLM without --speculative-config"
+        )
+
+
+def _resolve(entry: str | type) -> object:
+    if isinstance(entry, type):
+        return entry
+    module_name, _, qualname = entry.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for attr in qualname.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def count_loads(configured: Iterable[str | type], plugins: Iterable[object], base: type) -> int:
+    """How many processors derived from ``base`` vLLM will build from these two sources."""
+    count = 0
+    for obj in [*(_resolve(e) for e in configured), *plugins]:
+        if isinstance(obj, type) and issubclass(obj, base):
+            count += 1
+    return count
+
+
+def refuse_duplicate_load(vllm_config: Any, base: type) -> None:
+    """Refuse to start when the processor is reachable twice (δ would be added twice).
+
+    vLLM builds one instance per entry of ``--logits-processors`` and one per
+    ``vllm.logits_processors`` entry point; the same class reachable both ways (or listed twice)
+    would bias every row twice.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    configured = getattr(model_config, "logits_processors", None) or ()
+    plugins = [ep.load() for ep in entry_points(group=LOGITS_PROCESSORS_GROUP)]
+    loads = count_loads(configured, plugins, base)
+    if loads > 1:
+        raise WorkerConfigError(
+            f"the XMark logits processor is loaded {loads} times (through --logits-processors "
+            f"and/or the '{LOGITS_PROCESSORS_GROUP}' entry point); it must be loaded exactly once, "
+            "or the watermark bias would be added more than once"
+        )

@@ -1,0 +1,157 @@
+"""vLLM adapter for the V1 model-runner interface (the CPU runner, and GPU engines on the V1 runner).
+
+Load it with ``vllm serve MODEL --logits-processors xmark_core.vllm_v1:XMarkLogitsProcessor``
+(GPU engines on the default V2 runner use ``xmark_core.vllm_v2:XMarkLogitsProcessor``). The
+worker reads its secrets at start-up (see ``xmark_core.vllm_common``); each request names its
+message and key version in ``vllm_xargs`` / ``SamplingParams.extra_args``.
+
+What vLLM 0.32 does that matters here:
+
+* the persistent batch changes through ``update_state``: removed, then added, then moved
+  (one-way moves and swaps); a preempted request is removed and later added again with its
+  live output list, so resumption needs nothing special;
+* ``n > 1`` arrives as n child requests with copies of the same sampling params: every
+  sample carries the caller's message;
+* under async scheduling the output lists may end in -1 placeholders; vLLM replaces them before
+  the sampler runs, and a row whose context still holds a placeholder is left unwatermarked for
+  that step rather than biased with a wrong context;
+* prefix caching changes what is computed, not the prompt and output ids we read;
+* speculative decoding is refused (vLLM itself refuses custom processors with it, and so does
+  this class when it is loaded another way).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from .encoder import TorchWatermarker
+from .vllm_common import (
+    RequestWatermark,
+    last_two,
+    parse_request,
+    refuse_duplicate_load,
+    refuse_speculative_decoding,
+    worker_keyring,
+)
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("vllm.xmark")  # under vLLM's logger, so its log configuration shows it
+
+
+class XMarkLogitsProcessor(LogitsProcessor):
+    """Adds δ to each watermarked row's evergreen list, with that row's own message and key."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        parse_request(sampling_params.extra_args, worker_keyring())
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        refuse_speculative_decoding(vllm_config)
+        refuse_duplicate_load(vllm_config, XMarkLogitsProcessor)
+        keyring = worker_keyring()
+        self._keyring = keyring
+        self._device = device
+        self._watermarkers = [TorchWatermarker(key) for key in keyring.keys]
+        rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
+        r = keyring.params.num_blocks
+        # Per batch row (host side; rows move as the persistent batch changes).
+        self._blocks = np.zeros((rows, r), dtype=np.int64)  # [rows, r] message blocks
+        self._key = np.zeros(rows, dtype=np.int64)  # [rows] key slot
+        self._active = np.zeros(rows, dtype=bool)  # [rows] watermarked?
+        self._prompt: list[list[int] | None] = [None] * rows
+        self._output: list[list[int] | None] = [None] * rows
+        logger.info("XMark watermark (V1 runner) ready with key versions %s", keyring.describe())
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    # -- batch bookkeeping -------------------------------------------------------------------
+
+    def _ensure_rows(self, index: int) -> None:
+        rows = self._active.shape[0]
+        if index < rows:
+            return
+        grow = max(index + 1, 2 * rows)
+        self._blocks = np.concatenate([self._blocks, np.zeros((grow - rows, self._blocks.shape[1]), np.int64)])
+        self._key = np.concatenate([self._key, np.zeros(grow - rows, np.int64)])
+        self._active = np.concatenate([self._active, np.zeros(grow - rows, bool)])
+        self._prompt.extend([None] * (grow - rows))
+        self._output.extend([None] * (grow - rows))
+
+    def _clear(self, index: int) -> None:
+        self._active[index] = False
+        self._prompt[index] = None
+        self._output[index] = None
+
+    def _set(self, index: int, mark: RequestWatermark | None, prompt: list[int] | None, output: list[int]) -> None:
+        self._ensure_rows(index)
+        if mark is None:
+            self._clear(index)
+            return
+        self._active[index] = True
+        self._key[index] = mark.key_index
+        self._blocks[index] = mark.blocks
+        self._prompt[index] = prompt
+        self._output[index] = output
+
+    def _move(self, src: int, dst: int) -> None:
+        self._ensure_rows(max(src, dst))
+        self._active[dst] = self._active[src]
+        self._key[dst] = self._key[src]
+        self._blocks[dst] = self._blocks[src]
+        self._prompt[dst] = self._prompt[src]
+        self._output[dst] = self._output[src]
+        self._clear(src)
+
+    def _swap(self, a: int, b: int) -> None:
+        self._ensure_rows(max(a, b))
+        self._active[[a, b]] = self._active[[b, a]]
+        self._key[[a, b]] = self._key[[b, a]]
+        self._blocks[[a, b]] = self._blocks[[b, a]]
+        self._prompt[a], self._prompt[b] = self._prompt[b], self._prompt[a]
+        self._output[a], self._output[b] = self._output[b], self._output[a]
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            if index < self._active.shape[0]:
+                self._clear(index)
+        for index, params, prompt, output in batch_update.added:
+            self._set(index, parse_request(params.extra_args, self._keyring), prompt, output)
+        for a, b, direction in batch_update.moved:
+            if direction == MoveDirectionality.SWAP:
+                self._swap(a, b)
+            else:
+                self._move(a, b)
+
+    # -- sampling step -----------------------------------------------------------------------
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: float [B, V], row i = persistent-batch row i. Modified in place and returned."""
+        batch = logits.shape[0]
+        self._ensure_rows(batch - 1)
+        rows = np.flatnonzero(self._active[:batch])
+        if rows.size == 0:
+            return logits
+        context = np.zeros((batch, 2), dtype=np.int64)  # [B, 2] (x[t-2], x[t-1])
+        context[rows] = [last_two(self._prompt[i], self._output[i]) for i in rows]  # type: ignore[arg-type]
+        active = self._active[:batch] & (context >= 0).all(axis=1)  # placeholders: skip this step
+        keys = self._key[:batch]
+        device = logits.device
+        context_t = torch.from_numpy(context).to(device)
+        blocks_t = torch.from_numpy(self._blocks[:batch]).to(device)
+        for key_index in np.unique(keys[active]):
+            rows_of_key = active & (keys == key_index)
+            self._watermarkers[int(key_index)].apply(
+                logits, context_t, blocks_t, torch.from_numpy(rows_of_key).to(device), inplace=True
+            )
+        return logits

@@ -1,0 +1,137 @@
+"""vLLM adapter for the V2 model-runner interface (the default runner of GPU engines in vLLM 0.32).
+
+Load it with ``vllm serve MODEL --logits-processors xmark_core.vllm_v2:XMarkLogitsProcessor``
+(the CPU engine runs the V1 runner and uses ``xmark_core.vllm_v1:XMarkLogitsProcessor``; the
+V2 loader rejects V1-interface classes and vice versa).
+
+Per-request state lives in preallocated device tensors indexed by the runner's request slot:
+``add_request`` (host, once per request, also on resumption after preemption) stages the slot's
+message blocks, key slot and on/off flag; ``apply_staged_writes`` ships the staged rows in one
+non-blocking copy and scatters them on the device. ``apply`` then works on the device only:
+
+* row -> slot through ``ctx.expanded_idx_mapping``;
+* context (x[t-2], x[t-1]) = ``req_states.all_token_ids[slot, total_len-2 : total_len]``: the
+  runner appends each sampled token to that history on the device (``post_update``) before the
+  next step's sampler runs, so async scheduling has no placeholders to wait for, and on
+  resumption the history holds prompt + output so far;
+* one call of the encoder op for the whole batch (one per key version present in the batch:
+  one in steady state, two while a rotation is in flight).
+
+No Python loop over rows and no device-to-host synchronisation: the only host work per step is
+a numpy lookup of which key versions the scheduled slots use (``ctx.idx_mapping_np``).
+Speculative decoding (one row per draft token, drafts not in the committed history) is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsContext,
+    LogitsProcessor,
+    LogitsProcRequestState,
+)
+
+from .encoder import TorchWatermarker
+from .vllm_common import (
+    RequestWatermark,
+    parse_request,
+    refuse_duplicate_load,
+    refuse_speculative_decoding,
+    worker_keyring,
+)
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("vllm.xmark")  # under vLLM's logger, so its log configuration shows it
+
+
+class XMarkLogitsProcessor(LogitsProcessor):
+    """Adds δ to each watermarked row's evergreen list, with that row's own message and key."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        parse_request(sampling_params.extra_args, worker_keyring())
+
+    def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
+        refuse_speculative_decoding(vllm_config)
+        refuse_duplicate_load(vllm_config, XMarkLogitsProcessor)
+        keyring = worker_keyring()
+        self._keyring = keyring
+        self._req_states = req_states
+        self._watermarkers = [TorchWatermarker(key) for key in keyring.keys]
+        slots, device = req_states.max_num_reqs, req_states.device
+        r = keyring.params.num_blocks
+        # Device tables, one row per request slot.
+        self._blocks = torch.zeros((slots, r), dtype=torch.int64, device=device)  # [slots, r]
+        self._key = torch.zeros(slots, dtype=torch.int64, device=device)  # [slots]
+        self._active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots]
+        # Host mirrors of the on/off flag and key slot, for skipping work without a device sync.
+        self._active_np = np.zeros(slots, dtype=bool)
+        self._key_np = np.zeros(slots, dtype=np.int64)
+        self._staged: dict[int, RequestWatermark | None] = {}
+        logger.info("XMark watermark (V2 runner) ready with key versions %s", keyring.describe())
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        """Stage slot ``req_idx``'s state (every field is overwritten: slots are recycled)."""
+        mark = parse_request(sampling_params.extra_args, self._keyring)
+        self._staged[req_idx] = mark
+        self._active_np[req_idx] = mark is not None
+        self._key_np[req_idx] = 0 if mark is None else mark.key_index
+        return mark is not None
+
+    def apply_staged_writes(self) -> None:
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, {}
+        slots = np.fromiter(staged, dtype=np.int64, count=len(staged))  # [n]
+        r = self._blocks.shape[1]
+        table = np.zeros((len(staged), r + 2), dtype=np.int64)  # [n, r + 2]: blocks | key | on
+        for row, mark in enumerate(staged.values()):
+            if mark is not None:
+                table[row, :r] = mark.blocks
+                table[row, r] = mark.key_index
+                table[row, r + 1] = 1
+        device = self._blocks.device
+        host = torch.from_numpy(np.concatenate([slots[:, None], table], axis=1))  # [n, r + 3]
+        if device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps it alive until copied
+        packed = host.to(device, non_blocking=True)
+        index = packed[:, 0]
+        self._blocks.index_copy_(0, index, packed[:, 1 : r + 1])
+        self._key.index_copy_(0, index, packed[:, r + 1])
+        self._active.index_copy_(0, index, packed[:, r + 2].bool())
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """logits: float32 [rows, V]; modified in place and returned."""
+        scheduled = ctx.idx_mapping_np[ctx.idx_mapping_np >= 0]
+        on = self._active_np[scheduled]
+        if not on.any():
+            return logits
+        key_slots = np.unique(self._key_np[scheduled[on]])
+
+        states = self._req_states
+        slot = ctx.expanded_idx_mapping.to(torch.int64)  # [rows]
+        valid = slot >= 0  # padded rows, if any, map to a negative slot
+        slot = slot.clamp(min=0)
+        total = states.total_len.gpu.index_select(0, slot).to(torch.int64)  # [rows] tokens so far
+        history = states.all_token_ids.gpu  # [slots, max_model_len] int32
+        prev1 = history[slot, (total - 1).clamp(min=0)].to(torch.int64) * (total >= 1)  # [rows]
+        prev2 = history[slot, (total - 2).clamp(min=0)].to(torch.int64) * (total >= 2)  # [rows]
+        context = torch.stack((prev2, prev1), dim=1)  # [rows, 2] (x[t-2], x[t-1])
+        blocks = self._blocks.index_select(0, slot)  # [rows, r]
+        active = self._active.index_select(0, slot) & valid  # [rows]
+        if len(key_slots) == 1:
+            self._watermarkers[int(key_slots[0])].apply(logits, context, blocks, active, inplace=True)
+            return logits
+        keys = self._key.index_select(0, slot)  # [rows]
+        for key_index in key_slots:
+            self._watermarkers[int(key_index)].apply(
+                logits, context, blocks, active & (keys == int(key_index)), inplace=True
+            )
+        return logits
