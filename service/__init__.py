@@ -1,0 +1,1 @@
+"""xmark-gateway service: FastAPI app, auth, registry, model backends."""

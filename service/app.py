@@ -1,0 +1,119 @@
+"""The FastAPI application and its lifespan (every resource is created and disposed here)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+
+from service.backends import build_backend
+from service.config import ConfigurationError, Settings, load_secrets
+from service.db import create_engine, create_sessionmaker, session_scope
+from service.errors import install_error_handlers
+from service.keyring import Keyring, params_from_settings
+from service.metrics import Metrics
+from service.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from service.routers import admin, chat, health, trace
+from service.security import ApiKeyHasher, parse_api_key
+from service.services.bootstrap import ensure_first_admin
+from service.services.registry_cache import RegistryCache
+
+logger = logging.getLogger("xmark.app")
+
+
+async def _refresh_keyring(app: FastAPI, interval: float) -> None:
+    """Pick up key-version changes made through other replicas."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            async with session_scope(app.state.sessionmaker) as session:
+                await app.state.keyring.refresh(session)
+        except Exception as exc:  # keep serving with the last known keyring
+            logger.warning("keyring refresh failed", extra={"error_type": type(exc).__name__})
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    secrets = load_secrets(settings)
+    bootstrap_key = settings.bootstrap_admin_key
+    app.state.secret_values = tuple(
+        value
+        for value in (
+            *(v.decode(errors="ignore") for v in secrets.all_values()),
+            bootstrap_key.get_secret_value() if bootstrap_key is not None else "",
+        )
+        if value
+    )
+    engine = create_engine(settings)
+    app.state.engine = engine
+    app.state.sessionmaker = create_sessionmaker(engine)
+    refresher: asyncio.Task[None] | None = None
+    backend = None
+    try:
+        app.state.metrics = Metrics()
+        params = params_from_settings(settings)
+        keyring = Keyring(params, secrets.watermark)
+        try:
+            async with session_scope(app.state.sessionmaker) as session:
+                await keyring.sync(session)
+        except (OperationalError, ProgrammingError) as exc:
+            raise ConfigurationError(
+                "the database schema is missing or outdated: run `xmark migrate` "
+                f"({type(exc.orig).__name__ if isinstance(exc, DBAPIError) else type(exc).__name__})"
+            ) from None
+        app.state.keyring = keyring
+        app.state.api_key_hasher = ApiKeyHasher(secrets.api_key_pepper)
+        app.state.secrets_can_generate = settings.embedded and secrets.watermark_source == "generated"
+        if settings.bootstrap_admin_key is not None:
+            async with session_scope(app.state.sessionmaker) as session:
+                await ensure_first_admin(
+                    session,
+                    params,
+                    app.state.api_key_hasher,
+                    api_key=parse_api_key(settings.bootstrap_admin_key.get_secret_value()),
+                )
+        backend = build_backend(settings, app.state.metrics)
+        app.state.backend = backend
+        await backend.start()
+        app.state.registry_cache = RegistryCache(app.state.sessionmaker, params)
+        if settings.keyring_refresh_seconds > 0:
+            refresher = asyncio.create_task(_refresh_keyring(app, settings.keyring_refresh_seconds))
+        logger.info(
+            "gateway started",
+            extra={"backend": settings.backend, "key_version": keyring.active().name},
+        )
+        yield
+    finally:
+        if refresher is not None:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+        if backend is not None:
+            await backend.close()
+        await engine.dispose()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the gateway application (resources are opened by its lifespan)."""
+    settings = settings or Settings()
+    app = FastAPI(
+        title="xmark-gateway",
+        summary="OpenAI-compatible gateway that watermarks every completion with its requester.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContextMiddleware)
+    app.include_router(health.router)
+    app.include_router(admin.router)
+    app.include_router(chat.router)
+    app.include_router(trace.router)
+    return app

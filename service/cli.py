@@ -1,0 +1,244 @@
+"""The ``xmark`` command line: serve, migrate, fetch-model, create-admin, create-user, trace, users."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
+
+from service.config import ConfigurationError, Settings, load_secrets
+from service.db import create_engine, create_sessionmaker, downgrade_database, session_scope, upgrade_database
+from service.keyring import KeyringError, params_from_settings
+from service.schemas.admin import CreatedUser, CreateUserRequest, UserPage
+from service.security import ApiKeyHasher, parse_api_key
+from service.services.bootstrap import DEFAULT_ADMIN_NAME, ensure_first_admin
+from service.services.users import UserService
+
+
+class CliError(Exception):
+    """A failure reported as one line on stderr with exit status 1."""
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            for err in exc.errors(include_input=False)
+        )
+        raise CliError(f"invalid configuration: {problems}") from None
+
+
+def _print_created(created: CreatedUser, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(created.model_dump()))
+        return
+    print(f"user id:     {created.id}")
+    print(f"name:        {created.name}")
+    print(f"role:        {created.role}")
+    print(f"message id:  {created.message_id}")
+    print(f"api key:     {created.api_key}")
+    print("Store the API key now: it is not shown again.")
+
+
+async def _with_session(settings: Settings, work: Any) -> Any:
+    secrets = load_secrets(settings)
+    engine = create_engine(settings)
+    try:
+        async with session_scope(create_sessionmaker(engine)) as session:
+            return await work(session, ApiKeyHasher(secrets.api_key_pepper))
+    finally:
+        await engine.dispose()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+    from service.logging import configure_logging
+
+    settings = _settings()
+    secrets = load_secrets(settings)
+    bootstrap = [settings.bootstrap_admin_key.get_secret_value()] if settings.bootstrap_admin_key else []
+    configure_logging(settings.log_level, [*secrets.all_values(), *bootstrap])
+    uvicorn.run(
+        create_app(settings),
+        host=args.host or settings.host,
+        port=args.port or settings.port,
+        access_log=False,
+        log_config=None,
+        proxy_headers=False,
+    )
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    settings = _settings()
+    if args.downgrade:
+        downgrade_database(settings.database_url, args.downgrade)
+        print(f"database downgraded to {args.downgrade}")
+    else:
+        upgrade_database(settings.database_url, args.revision)
+        print(f"database migrated to {args.revision}")
+    return 0
+
+
+def cmd_fetch_model(_: argparse.Namespace) -> int:
+    from service.model_store import fetch_model
+
+    path = fetch_model(_settings())
+    print(path)
+    return 0
+
+
+def cmd_create_admin(args: argparse.Namespace) -> int:
+    settings = _settings()
+    request = CreateUserRequest(name=args.name, role="admin")
+    bootstrap = settings.bootstrap_admin_key
+    api_key = parse_api_key(bootstrap.get_secret_value()) if bootstrap is not None else None
+
+    async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser | None:
+        params = params_from_settings(settings)
+        if args.if_none:
+            return await ensure_first_admin(session, params, hasher, api_key=api_key, name=request.name)
+        return await UserService(session, params, hasher).create_user(request.name, "admin")
+
+    created = asyncio.run(_with_session(settings, work))
+    if created is None:
+        print("an active admin already exists; nothing created")
+        return 0
+    if api_key is not None and args.if_none:
+        created = created.model_copy(update={"api_key": "(the key set in XMARK_BOOTSTRAP_ADMIN_KEY)"})
+    _print_created(created, as_json=args.json)
+    return 0
+
+
+def cmd_create_user(args: argparse.Namespace) -> int:
+    settings = _settings()
+    try:
+        request = CreateUserRequest(name=args.name, role=args.role)
+    except ValidationError as exc:
+        raise CliError(f"invalid user: {exc.errors(include_input=False)[0]['msg']}") from None
+
+    async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser:
+        params = params_from_settings(settings)
+        return await UserService(session, params, hasher).create_user(request.name, request.role)
+
+    _print_created(asyncio.run(_with_session(settings, work)), as_json=args.json)
+    return 0
+
+
+def cmd_users(args: argparse.Namespace) -> int:
+    settings = _settings()
+
+    async def work(session: Any, hasher: ApiKeyHasher) -> UserPage:
+        params = params_from_settings(settings)
+        return await UserService(session, params, hasher).list_users(
+            limit=args.limit, offset=args.offset, status=args.status, role=args.role
+        )
+
+    page: UserPage = asyncio.run(_with_session(settings, work))
+    if args.json:
+        print(page.model_dump_json())
+        return 0
+    print(f"{'id':>6}  {'role':<8} {'status':<9} {'message id':<{settings.watermark_bits}}  name")
+    for user in page.data:
+        print(f"{user.id:>6}  {user.role:<8} {user.status:<9} {user.message_id}  {user.name}")
+    print(f"({len(page.data)} of {page.total})")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from service.services.tracing import offline_trace
+
+    settings = _settings()
+    if args.file in (None, "-"):
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(args.file).read_text()
+        except OSError as exc:
+            raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
+    if not text.strip():
+        raise CliError("no text to trace")
+    report = offline_trace(settings, text)
+    print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xmark",
+        description="xmark-gateway: watermarking OpenAI-compatible gateway. "
+        "Configuration comes from XMARK_* environment variables.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    serve.add_argument("--host", default=None, help="bind address (default XMARK_HOST)")
+    serve.add_argument("--port", type=int, default=None, help="port (default XMARK_PORT)")
+    serve.set_defaults(func=cmd_serve)
+
+    migrate = sub.add_parser("migrate", help="apply database migrations")
+    migrate.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
+    migrate.add_argument("--downgrade", metavar="REVISION", help="revert down to REVISION ('base' = empty)")
+    migrate.set_defaults(func=cmd_migrate)
+
+    fetch = sub.add_parser("fetch-model", help="build the model checkpoint if it is missing")
+    fetch.set_defaults(func=cmd_fetch_model)
+
+    admin = sub.add_parser("create-admin", help="create an admin user and print its API key once")
+    admin.add_argument("--name", default=DEFAULT_ADMIN_NAME)
+    admin.add_argument(
+        "--if-none", action="store_true", help="only when no active admin exists (idempotent)"
+    )
+    admin.add_argument("--json", action="store_true", help="print JSON")
+    admin.set_defaults(func=cmd_create_admin)
+
+    user = sub.add_parser("create-user", help="create a user and print its API key once")
+    user.add_argument("name")
+    user.add_argument("--role", choices=["user", "auditor", "admin"], default="user")
+    user.add_argument("--json", action="store_true", help="print JSON")
+    user.set_defaults(func=cmd_create_user)
+
+    users = sub.add_parser("users", help="list users")
+    users.add_argument("--limit", type=int, default=100)
+    users.add_argument("--offset", type=int, default=0)
+    users.add_argument("--status", choices=["active", "disabled", "deleted"])
+    users.add_argument("--role", choices=["user", "auditor", "admin"])
+    users.add_argument("--json", action="store_true", help="print JSON")
+    users.set_defaults(func=cmd_users)
+
+    trace = sub.add_parser("trace", help="trace a text back to a user (file, or stdin with '-')")
+    trace.add_argument("file", nargs="?", default="-")
+    trace.set_defaults(func=cmd_trace)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (CliError, ConfigurationError, KeyringError) as exc:
+        print(f"xmark: error: {exc}", file=sys.stderr)
+        return 1
+    except DBAPIError as exc:
+        # the driver message may quote statement parameters: print the error class only
+        print(
+            f"xmark: error: database error ({type(exc.orig).__name__}); "
+            "is the database reachable and migrated (`xmark migrate`)?",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Gateway configuration: the one reader of the environment, and secret resolution.
+
+`Settings` reads every ``XMARK_*`` variable. Secrets (watermark secrets per key version and the
+API-key pepper) come from the environment or a secrets file; only the embedded default (SQLite)
+may generate them, and then keeps them under ``var/`` with 0600 permissions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets as _secrets
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.security import ApiKeyFormatError, parse_api_key
+
+KEY_VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MIN_SECRET_BYTES = 16
+_PLACEHOLDER_WORDS = (
+    "changeme",
+    "change-me",
+    "change_me",
+    "replaceme",
+    "replace-me",
+    "replace_me",
+    "placeholder",
+    "your-secret",
+    "your_secret",
+    "yoursecret",
+    "example",
+    "secret-here",
+    "todo",
+)
+_PLACEHOLDER_VALUES = {"secret", "password", "default", "test", "xxx", "none", "null"}
+
+WATERMARK_SECRETS_FILE = "watermark_secrets"
+API_KEY_PEPPER_FILE = "api_key_pepper"
+
+
+class ConfigurationError(Exception):
+    """The configuration cannot be used; the message says what to change (never a secret)."""
+
+
+def placeholder_reason(value: str | bytes) -> str | None:
+    """Why ``value`` is not acceptable as a secret, or None when it is."""
+    raw = value.encode() if isinstance(value, str) else value
+    if len(raw) < MIN_SECRET_BYTES:
+        return f"shorter than {MIN_SECRET_BYTES} bytes"
+    text = raw.decode(errors="ignore").strip().lower()
+    if text in _PLACEHOLDER_VALUES or any(word in text for word in _PLACEHOLDER_WORDS):
+        return "a placeholder value"
+    if len(set(raw)) < 4:
+        return "too few distinct characters"
+    return None
+
+
+def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
+    """Parse ``name:secret`` entries separated by commas or new lines (``#`` starts a comment line)."""
+    entries: dict[str, bytes] = {}
+    for chunk in re.split(r"[,\n]", text):
+        item = chunk.strip()
+        if not item or item.startswith("#"):
+            continue
+        name, sep, secret = item.partition(":")
+        name = name.strip()
+        secret = secret.strip()
+        if not sep or not secret:
+            raise ConfigurationError(f"{source}: every entry must look like name:secret")
+        if not KEY_VERSION_NAME.match(name):
+            raise ConfigurationError(
+                f"{source}: key version name {name!r} must match {KEY_VERSION_NAME.pattern}"
+            )
+        if name in entries:
+            raise ConfigurationError(f"{source}: key version {name!r} is listed twice")
+        reason = placeholder_reason(secret)
+        if reason is not None:
+            raise ConfigurationError(f"{source}: the secret of key version {name!r} is {reason}")
+        entries[name] = secret.encode()
+    if not entries:
+        raise ConfigurationError(f"{source}: no watermark secret configured")
+    return entries
+
+
+class Settings(BaseSettings):
+    """Every setting of the gateway; environment variables use the ``XMARK_`` prefix."""
+
+    model_config = SettingsConfigDict(env_prefix="XMARK_", extra="ignore", hide_input_in_errors=True)
+
+    database_url: str = "sqlite+aiosqlite:///./var/xmark.db"
+    var_dir: Path = Path("var")
+
+    watermark_secrets: SecretStr | None = None
+    secrets_file: Path | None = None
+    watermark_bits: int = 16
+    watermark_block_bits: int = 2
+    watermark_num_keys: int = 2
+    watermark_delta: float = 2.0
+    api_key_pepper: SecretStr | None = None
+
+    backend: Literal["local", "vllm"] = "local"
+    model_path: Path | None = None
+    model_name: str = "smollm2-135m-instruct"
+    retain_completions: bool = False
+
+    max_prompt_chars: int = 32_000
+    max_completion_tokens: int = 1024
+    max_trace_chars: int = 100_000
+    max_body_bytes: int = 1_000_000
+
+    log_level: str = "INFO"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    bootstrap_admin_key: SecretStr | None = None
+    trace_alpha: float = 1e-3
+    keyring_refresh_seconds: float = 30.0
+    database_pool_size: int = 10
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return level
+
+    @field_validator("max_body_bytes", "max_prompt_chars", "max_completion_tokens", "max_trace_chars")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    @field_validator("bootstrap_admin_key")
+    @classmethod
+    def _well_formed_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            try:
+                parse_api_key(value.get_secret_value())
+            except ApiKeyFormatError as exc:
+                raise ValueError(f"is not a well-formed API key ({exc})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _secrets_present(self) -> Settings:
+        if self.watermark_secrets is not None and self.secrets_file is not None:
+            raise ValueError("set either XMARK_WATERMARK_SECRETS or XMARK_SECRETS_FILE, not both")
+        if self.watermark_secrets is not None:
+            try:
+                parse_secret_entries(
+                    self.watermark_secrets.get_secret_value(), source="XMARK_WATERMARK_SECRETS"
+                )
+            except ConfigurationError as exc:
+                raise ValueError(str(exc)) from None
+        if self.api_key_pepper is not None:
+            reason = placeholder_reason(self.api_key_pepper.get_secret_value())
+            if reason is not None:
+                raise ValueError(f"XMARK_API_KEY_PEPPER is {reason}")
+        if not self.embedded:
+            if self.watermark_secrets is None and self.secrets_file is None:
+                raise ValueError(
+                    "a watermark secret is required outside the embedded SQLite default: "
+                    "set XMARK_WATERMARK_SECRETS or XMARK_SECRETS_FILE"
+                )
+            if self.api_key_pepper is None:
+                raise ValueError(
+                    "XMARK_API_KEY_PEPPER is required outside the embedded SQLite default"
+                )
+        if self.watermark_block_bits <= 0 or self.watermark_bits % self.watermark_block_bits:
+            raise ValueError("watermark_bits must be a positive multiple of watermark_block_bits")
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        """True for the single-process SQLite default, which may generate its own secrets."""
+        return self.database_url.startswith("sqlite")
+
+    def resolved_model_path(self) -> Path:
+        """Where the model checkpoint lives (``var/models/<model_name>`` unless configured)."""
+        if self.model_path is not None:
+            return self.model_path
+        return self.var_dir / "models" / self.model_name
+
+
+@dataclass(frozen=True)
+class ResolvedSecrets:
+    """Secret material in memory only; ``repr`` never shows it."""
+
+    watermark: dict[str, bytes] = field(repr=False)
+    api_key_pepper: bytes = field(repr=False)
+    watermark_source: Literal["env", "file", "generated"] = "env"
+
+    def all_values(self) -> list[bytes]:
+        """Every secret value (for log scrubbing)."""
+        return [*self.watermark.values(), self.api_key_pepper]
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+
+
+def _read_private_file(path: Path) -> str:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        path.chmod(0o600)
+    return path.read_text()
+
+
+def _create_private_file(path: Path, content: str) -> bool:
+    """Write ``content`` to a new file with 0600 permissions; False when it already exists."""
+    _private_dir(path.parent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as handle:
+        handle.write(content)
+    return True
+
+
+def _new_secret() -> str:
+    return _secrets.token_urlsafe(32)
+
+
+def load_secrets(settings: Settings) -> ResolvedSecrets:
+    """Resolve the watermark secrets and the API-key pepper, generating them only when embedded."""
+    if settings.watermark_secrets is not None:
+        watermark = parse_secret_entries(
+            settings.watermark_secrets.get_secret_value(), source="XMARK_WATERMARK_SECRETS"
+        )
+        source: Literal["env", "file", "generated"] = "env"
+    elif settings.secrets_file is not None:
+        try:
+            text = settings.secrets_file.read_text()
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot read XMARK_SECRETS_FILE {settings.secrets_file}: {exc.strerror}"
+            ) from None
+        watermark = parse_secret_entries(text, source=f"secrets file {settings.secrets_file}")
+        source = "file"
+    elif settings.embedded:
+        path = settings.var_dir / WATERMARK_SECRETS_FILE
+        _create_private_file(path, f"v1:{_new_secret()}\n")
+        watermark = parse_secret_entries(_read_private_file(path), source=str(path))
+        source = "generated"
+    else:
+        raise ConfigurationError("no watermark secret configured")
+
+    if settings.api_key_pepper is not None:
+        pepper = settings.api_key_pepper.get_secret_value().encode()
+    elif settings.embedded:
+        path = settings.var_dir / API_KEY_PEPPER_FILE
+        _create_private_file(path, _new_secret() + "\n")
+        pepper = _read_private_file(path).strip().encode()
+        reason = placeholder_reason(pepper)
+        if reason is not None:
+            raise ConfigurationError(f"{path}: the API-key pepper is {reason}")
+    else:
+        raise ConfigurationError("no API-key pepper configured")
+    return ResolvedSecrets(watermark=watermark, api_key_pepper=pepper, watermark_source=source)
+
+
+def generate_embedded_secret(settings: Settings, name: str) -> bytes:
+    """Append a newly generated secret for key version ``name`` to the embedded secrets file."""
+    if not KEY_VERSION_NAME.match(name):
+        raise ConfigurationError(f"key version name must match {KEY_VERSION_NAME.pattern}")
+    path = settings.var_dir / WATERMARK_SECRETS_FILE
+    existing = parse_secret_entries(_read_private_file(path), source=str(path))
+    if name in existing:
+        return existing[name]
+    secret = _new_secret()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as handle:
+        handle.write(f"{name}:{secret}\n")
+    return secret.encode()

@@ -1,0 +1,103 @@
+"""FastAPI dependencies: the request session (the only committer), app resources, auth."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.backends import Backend
+from service.config import Settings
+from service.db import session_scope
+from service.errors import PermissionDeniedError
+from service.keyring import Keyring
+from service.metrics import Metrics
+from service.schemas.common import Principal, Role
+from service.security import ApiKeyHasher
+from service.services.keys import ApiKeyService
+
+__all__ = [
+    "AdminDep",
+    "ApiKeyHasherDep",
+    "BackendDep",
+    "KeyringDep",
+    "MetricsDep",
+    "Principal",
+    "PrincipalDep",
+    "SessionDep",
+    "SettingsDep",
+    "current_principal",
+    "get_session",
+    "require_roles",
+]
+
+
+async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
+    """The request's unit of work: commits when the request succeeds, rolls back otherwise.
+
+    It stays open until the response (a stream included) has been sent.
+    """
+    async with session_scope(request.app.state.sessionmaker) as session:
+        yield session
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+def get_keyring(request: Request) -> Keyring:
+    return request.app.state.keyring  # type: ignore[no-any-return]
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics  # type: ignore[no-any-return]
+
+
+def get_backend(request: Request) -> Backend:
+    return request.app.state.backend  # type: ignore[no-any-return]
+
+
+def get_api_key_hasher(request: Request) -> ApiKeyHasher:
+    return request.app.state.api_key_hasher  # type: ignore[no-any-return]
+
+
+SessionDep = Annotated[AsyncSession, Depends(get_session)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+KeyringDep = Annotated[Keyring, Depends(get_keyring)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+BackendDep = Annotated[Backend, Depends(get_backend)]
+ApiKeyHasherDep = Annotated[ApiKeyHasher, Depends(get_api_key_hasher)]
+
+
+async def current_principal(
+    request: Request, session: SessionDep, hasher: ApiKeyHasherDep
+) -> Principal:
+    """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user."""
+    principal = await ApiKeyService(session, hasher).authenticate(
+        request.headers.get("authorization")
+    )
+    request.state.principal = principal
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(current_principal)]
+
+
+def require_roles(*roles: Role) -> Callable[[Principal], Awaitable[Principal]]:
+    """Dependency factory: the caller must hold one of ``roles`` (403 otherwise)."""
+    allowed = frozenset(roles)
+
+    async def dependency(principal: PrincipalDep) -> Principal:
+        if principal.role not in allowed:
+            raise PermissionDeniedError(
+                f"This endpoint requires the role {' or '.join(sorted(allowed))}",
+                code="insufficient_role",
+            )
+        return principal
+
+    return dependency
+
+
+AdminDep = Annotated[Principal, Depends(require_roles("admin"))]

@@ -1,0 +1,222 @@
+"""Domain exceptions and the one mapping from them to the OpenAI error envelope.
+
+Envelope: ``{"error": {"message", "type", "param", "code"}}``. Messages never carry request
+values: validation errors name the field and the rule, not the input.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.security import KEY_PATTERN
+
+logger = logging.getLogger("xmark.errors")
+
+_BEARER = re.compile(r"(?i)bearer\s+\S+")
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway reports to a client."""
+
+    status_code: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers
+
+
+class InvalidRequestError(GatewayError):
+    status_code = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationError(GatewayError):
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(GatewayError):
+    status_code = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class NotFoundError(GatewayError):
+    status_code = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class ConflictError(GatewayError):
+    status_code = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLargeError(GatewayError):
+    status_code = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class ServiceUnavailableError(GatewayError):
+    status_code = 503
+    type = "service_unavailable"
+    code = "not_ready"
+
+
+class UpstreamUnavailableError(GatewayError):
+    status_code = 503
+    type = "service_unavailable"
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeoutError(GatewayError):
+    status_code = 504
+    type = "service_unavailable"
+    code = "upstream_timeout"
+
+
+def scrub(text: str) -> str:
+    """Remove anything shaped like an API key or bearer credential from ``text``."""
+    return KEY_PATTERN.sub("[redacted]", _BEARER.sub("Bearer [redacted]", text))
+
+
+def envelope(
+    message: str, *, type_: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": scrub(message),
+            "type": type_,
+            "param": scrub(param) if param is not None else None,
+            "code": code,
+        }
+    }
+
+
+def _location(loc: tuple[Any, ...] | list[Any]) -> tuple[str, str | None]:
+    parts = list(loc)
+    source = str(parts[0]) if parts else "body"
+    if parts and parts[0] in {"body", "query", "path", "header", "cookie"}:
+        parts = parts[1:]
+    dotted = ".".join(str(p) for p in parts)
+    return source, (dotted or None)
+
+
+def validation_envelope(exc: RequestValidationError) -> dict[str, Any]:
+    """422 envelope naming the first offending field; never includes the input value."""
+    errors = exc.errors()
+    if not errors:
+        return envelope("Invalid request", type_="invalid_request_error", code="invalid_value")
+    first = errors[0]
+    source, param = _location(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return envelope(
+            "Request body is not valid JSON",
+            type_="invalid_request_error",
+            code="invalid_json",
+            param=None,
+        )
+    reason = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing" and param is None and source == "body":
+        message = "Request body is required"
+    elif param is None:
+        message = f"Invalid request {source}: {reason}"
+    else:
+        message = f"Invalid value for '{param}': {reason}"
+    extra = len(errors) - 1
+    if extra:
+        message += f" (and {extra} more error{'s' if extra > 1 else ''})"
+    code = "missing_field" if first.get("type") == "missing" else "invalid_value"
+    return envelope(message, type_="invalid_request_error", code=code, param=param)
+
+
+_HTTP_TYPES = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "permission_denied"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "payload_too_large"),
+}
+
+
+def redact_known_secrets(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    """Replace every configured secret (``app.state.secret_values``) in the envelope text."""
+    secrets: tuple[str, ...] = getattr(request.app.state, "secret_values", ())
+    error = body["error"]
+    for field in ("message", "param"):
+        value = error.get(field)
+        if isinstance(value, str):
+            for secret in secrets:
+                value = value.replace(secret, "[redacted]")
+            error[field] = value
+    return body
+
+
+async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GatewayError)
+    body = envelope(exc.message, type_=exc.type, code=exc.code, param=exc.param)
+    return JSONResponse(
+        redact_known_secrets(request, body), status_code=exc.status_code, headers=exc.headers
+    )
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse(redact_known_secrets(request, validation_envelope(exc)), status_code=422)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    type_, code = _HTTP_TYPES.get(exc.status_code, ("invalid_request_error", "http_error"))
+    if exc.status_code == 404:
+        message = "Not found"
+    elif exc.status_code == 405:
+        message = "Method not allowed"
+    else:
+        message = str(exc.detail) if isinstance(exc.detail, str) else "Request failed"
+    return JSONResponse(
+        envelope(message, type_=type_, code=code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.error("unhandled error", extra={"error_type": type(exc).__name__})
+    return JSONResponse(
+        envelope("Internal server error", type_="server_error", code="internal_error"),
+        status_code=500,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception the app can raise to the OpenAI error envelope."""
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,258 @@
+"""Watermark key versions: configured secrets joined with the key_versions table.
+
+A key version is a named secret plus watermark parameters. The secret lives only in the
+configuration (or, embedded, in ``var/``); the table stores the name, the parameters, the
+fingerprint and the status:
+
+* ``active``  — may encode; the newest active version encodes new generations;
+* ``pending`` — configured and registered, not yet used to encode (activate via the admin API);
+* ``retired`` — no longer encodes and is no longer tried by /trace.
+
+On start-up :meth:`Keyring.sync` registers configured secrets that have no row (the first one
+becomes active on an empty table, later ones pending) and checks that every configured secret
+matches the fingerprint stored for its name; a mismatch stops the start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+from xmark_core import WatermarkKey, WatermarkParams
+
+from service.config import Settings
+from service.errors import ServiceUnavailableError
+from service.models import KeyVersion
+from service.repositories.key_versions import KeyVersionRepository
+
+logger = logging.getLogger("xmark.keyring")
+
+
+class KeyringError(Exception):
+    """The configured secrets and the key_versions table disagree (start-up error)."""
+
+
+@dataclass(frozen=True)
+class KeyVersionHandle:
+    """A usable key version: its row id, name, derived key and status."""
+
+    id: int
+    name: str
+    key: WatermarkKey
+    status: str
+
+
+@dataclass(frozen=True)
+class _RowView:
+    id: int
+    name: str
+    status: str
+    params: WatermarkParams
+    fingerprint: str
+    activated_at: datetime | None
+
+
+def params_from_settings(settings: Settings) -> WatermarkParams:
+    """Watermark parameters of new key versions, as configured."""
+    return WatermarkParams(
+        bits=settings.watermark_bits,
+        block_bits=settings.watermark_block_bits,
+        num_keys=settings.watermark_num_keys,
+        delta=settings.watermark_delta,
+    )
+
+
+def row_params(row: KeyVersion) -> WatermarkParams:
+    return WatermarkParams(
+        bits=row.bits,
+        block_bits=row.block_bits,
+        num_keys=row.num_keys,
+        delta=row.delta,
+        scheme=row.scheme,
+    )
+
+
+class Keyring:
+    """In-memory view of the usable key versions of this process."""
+
+    def __init__(self, params: WatermarkParams, secrets: Mapping[str, bytes]) -> None:
+        self._params = params
+        self._secrets = dict(secrets)
+        self._keys: dict[tuple[str, WatermarkParams], WatermarkKey] = {}
+        self._handles: tuple[KeyVersionHandle, ...] = ()
+        self._mismatched: frozenset[str] = frozenset()
+
+    def __repr__(self) -> str:
+        return f"Keyring(versions={[h.name for h in self._handles]!r})"
+
+    @property
+    def params(self) -> WatermarkParams:
+        """Watermark parameters for new key versions (message length is shared by all)."""
+        return self._params
+
+    def is_configured(self, name: str) -> bool:
+        return name in self._secrets
+
+    def configured_names(self) -> list[str]:
+        return list(self._secrets)
+
+    def add_secret(self, name: str, secret: bytes) -> None:
+        """Register a secret created at run time (embedded mode)."""
+        self._secrets[name] = secret
+
+    def key_for(self, name: str, params: WatermarkParams) -> WatermarkKey:
+        """The watermark key derived from the configured secret of ``name``."""
+        cache_key = (name, params)
+        key = self._keys.get(cache_key)
+        if key is None:
+            key = WatermarkKey.from_secret(self._secrets[name], params)
+            self._keys[cache_key] = key
+        return key
+
+    def active(self) -> KeyVersionHandle:
+        """The newest active version; it encodes new generations."""
+        for handle in self._handles:
+            if handle.status == "active":
+                return handle
+        raise ServiceUnavailableError("No active watermark key version is configured")
+
+    def usable(self) -> list[KeyVersionHandle]:
+        """Every non-retired version whose secret is configured, newest first."""
+        return list(self._handles)
+
+    def handle(self, version_id: int) -> KeyVersionHandle | None:
+        return next((h for h in self._handles if h.id == version_id), None)
+
+    async def sync(self, session: AsyncSession) -> None:
+        """Start-up: register configured secrets, verify fingerprints, load the usable versions."""
+        repo = KeyVersionRepository(session)
+        rows = {row.name: row for row in await repo.list_all()}
+        has_active = any(row.status == "active" for row in rows.values())
+        for name in self._secrets:
+            row = rows.get(name)
+            if row is None:
+                row = await self._register(session, repo, name, "pending" if has_active else "active")
+                rows[name] = row
+            self._verify(row)
+            has_active = has_active or row.status == "active"
+        await self._load(repo, strict=True)
+        newest = next(
+            (v for v in self._views(await repo.list_all()) if v.status == "active"), None
+        )
+        if not any(h.status == "active" for h in self._handles):
+            raise KeyringError(
+                "no active key version has a configured secret; configure the secret of an "
+                "active version or activate a configured one"
+            )
+        if newest is not None and newest.name not in self._secrets:
+            logger.warning(
+                "the newest active key version is not configured here",
+                extra={"key_version": newest.name},
+            )
+
+    async def refresh(self, session: AsyncSession) -> None:
+        """Reload the table (after an admin change, or periodically on every replica)."""
+        await self._load(KeyVersionRepository(session), strict=False)
+
+    async def register(self, session: AsyncSession, name: str, status: str) -> KeyVersion:
+        """Insert the row of a configured secret (used by activation)."""
+        return await self._register(session, KeyVersionRepository(session), name, status)
+
+    async def _register(
+        self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: str
+    ) -> KeyVersion:
+        key = self.key_for(name, self._params)
+        now = datetime.now(UTC)
+        row = KeyVersion(
+            name=name,
+            bits=self._params.bits,
+            block_bits=self._params.block_bits,
+            num_keys=self._params.num_keys,
+            delta=self._params.delta,
+            scheme=self._params.scheme,
+            fingerprint=key.fingerprint,
+            status=status,
+            created_at=now,
+            activated_at=now if status == "active" else None,
+        )
+        try:
+            async with session.begin_nested():
+                await repo.add(row)
+        except IntegrityError:
+            # another replica registered the same name concurrently: use its row
+            existing = await repo.get_by_name(name)
+            if existing is None:
+                raise
+            return existing
+        logger.info("key version registered", extra={"key_version": name, "status": status})
+        return row
+
+    def _verify(self, row: KeyVersion) -> None:
+        params = row_params(row)
+        if params.bits != self._params.bits or params.block_bits != self._params.block_bits:
+            raise KeyringError(
+                f"key version {row.name!r} uses {params.bits}-bit messages in blocks of "
+                f"{params.block_bits}, but the gateway is configured for {self._params.bits} bits in "
+                f"blocks of {self._params.block_bits}; message IDs must keep one length"
+            )
+        fingerprint = self.key_for(row.name, params).fingerprint
+        if fingerprint != row.fingerprint:
+            raise KeyringError(
+                f"the configured secret of key version {row.name!r} does not match its stored "
+                f"fingerprint {row.fingerprint[:12]}…; restore the original secret or configure "
+                "the new one under a new key version name"
+            )
+
+    def _views(self, rows: Sequence[KeyVersion]) -> list[_RowView]:
+        views = [
+            _RowView(
+                id=row.id,
+                name=row.name,
+                status=row.status,
+                params=row_params(row),
+                fingerprint=row.fingerprint,
+                activated_at=row.activated_at,
+            )
+            for row in rows
+        ]
+        # newest first: most recently activated, then most recently created
+        views.sort(
+            key=lambda v: (v.activated_at or datetime.min.replace(tzinfo=UTC), v.id), reverse=True
+        )
+        return views
+
+    async def _load(self, repo: KeyVersionRepository, *, strict: bool) -> None:
+        handles: list[KeyVersionHandle] = []
+        mismatched: set[str] = set()
+        for view in self._views(await repo.list_all()):
+            if view.status == "retired" or view.name not in self._secrets:
+                continue
+            if view.params.bits != self._params.bits:
+                mismatched.add(view.name)
+                continue
+            key = self.key_for(view.name, view.params)
+            if key.fingerprint != view.fingerprint:
+                if strict:
+                    raise KeyringError(
+                        f"the configured secret of key version {view.name!r} does not match its "
+                        "stored fingerprint"
+                    )
+                mismatched.add(view.name)
+                continue
+            handles.append(
+                KeyVersionHandle(id=view.id, name=view.name, key=key, status=view.status)
+            )
+        if mismatched - self._mismatched:
+            logger.error(
+                "configured secrets do not match stored key versions; they are not used",
+                extra={"key_versions": ",".join(sorted(mismatched))},
+            )
+        self._mismatched = frozenset(mismatched)
+        # pending versions are tried by /trace (no text carries them yet, so they cost nothing
+        # but time) but never encode: order active ones first for clarity.
+        handles.sort(key=lambda h: h.status != "active")
+        self._handles = tuple(handles)

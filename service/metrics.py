@@ -1,0 +1,51 @@
+"""Prometheus metrics of one gateway process (own registry, no module-level collectors)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """Collectors: requests, latency, tokens generated, generations, trace verdicts."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "xmark_http_requests",
+            "HTTP requests by route template, method and status code.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "xmark_http_request_duration_seconds",
+            "HTTP request latency by route template (until the response is complete).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens_generated = Counter(
+            "xmark_tokens",
+            "Tokens processed by the model backend (kind=prompt|completion).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.generations = Counter(
+            "xmark_generations",
+            "Completed generations by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.trace_verdicts = Counter(
+            "xmark_trace_verdicts",
+            "Trace requests by verdict and whether a user was attributed.",
+            ["verdict", "attributed"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Data access: one repository per aggregate; repositories flush, never commit."""

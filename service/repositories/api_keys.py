@@ -1,0 +1,60 @@
+"""Queries over the api_keys table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.models import ApiKey, User
+
+
+class ApiKeyRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def add(self, key: ApiKey) -> ApiKey:
+        self._session.add(key)
+        await self._session.flush()
+        return key
+
+    async def get(self, user_id: int, key_id: int) -> ApiKey | None:
+        stmt = select(ApiKey).where(ApiKey.id == key_id, ApiKey.user_id == user_id)
+        return (await self._session.execute(stmt)).scalar_one_or_none()
+
+    async def list_for_user(self, user_id: int) -> Sequence[ApiKey]:
+        stmt = select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)
+        return (await self._session.scalars(stmt)).all()
+
+    async def candidates(self, prefix: str) -> Sequence[tuple[ApiKey, User]]:
+        """Keys sharing a display prefix, each with its user (usually exactly one)."""
+        stmt = (
+            select(ApiKey, User)
+            .join(User, User.id == ApiKey.user_id)
+            .where(ApiKey.prefix == prefix)
+            .order_by(ApiKey.id)
+        )
+        return [(key, user) for key, user in (await self._session.execute(stmt)).all()]
+
+    async def revoke_all_for_user(self, user_id: int, when: datetime) -> None:
+        stmt = (
+            update(ApiKey)
+            .where(ApiKey.user_id == user_id, ApiKey.revoked_at.is_(None))
+            .values(revoked_at=when)
+            .execution_options(synchronize_session=False)
+        )
+        await self._session.execute(stmt)
+
+    async def touch(self, key_id: int, when: datetime) -> None:
+        stmt = (
+            update(ApiKey)
+            .where(ApiKey.id == key_id)
+            .values(last_used_at=when)
+            .execution_options(synchronize_session=False)
+        )
+        await self._session.execute(stmt)
+
+    async def flush(self) -> None:
+        await self._session.flush()

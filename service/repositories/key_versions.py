@@ -1,0 +1,37 @@
+"""Queries over the key_versions table (parameters and fingerprints only, never secrets)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.models import KeyVersion
+
+
+class KeyVersionRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def list_all(self) -> Sequence[KeyVersion]:
+        return (await self._session.scalars(select(KeyVersion).order_by(KeyVersion.id))).all()
+
+    async def get(self, version_id: int) -> KeyVersion | None:
+        return await self._session.get(KeyVersion, version_id)
+
+    async def get_by_name(self, name: str) -> KeyVersion | None:
+        stmt = select(KeyVersion).where(KeyVersion.name == name)
+        return (await self._session.execute(stmt)).scalar_one_or_none()
+
+    async def add(self, version: KeyVersion) -> KeyVersion:
+        self._session.add(version)
+        await self._session.flush()
+        return version
+
+    async def count_active(self) -> int:
+        stmt = select(func.count()).select_from(KeyVersion).where(KeyVersion.status == "active")
+        return int(await self._session.scalar(stmt) or 0)
+
+    async def flush(self) -> None:
+        await self._session.flush()

@@ -1,0 +1,59 @@
+"""Queries over the users table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.models import User
+
+
+class UserRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def add(self, user: User) -> User:
+        self._session.add(user)
+        await self._session.flush()
+        return user
+
+    async def get(self, user_id: int) -> User | None:
+        return await self._session.get(User, user_id)
+
+    async def get_for_update(self, user_id: int) -> User | None:
+        stmt = select(User).where(User.id == user_id).with_for_update()
+        return (await self._session.execute(stmt)).scalar_one_or_none()
+
+    async def page(
+        self,
+        *,
+        limit: int,
+        offset: int,
+        status: str | None = None,
+        role: str | None = None,
+    ) -> tuple[Sequence[User], int]:
+        filters = []
+        if status is not None:
+            filters.append(User.status == status)
+        if role is not None:
+            filters.append(User.role == role)
+        rows = await self._session.scalars(
+            select(User).where(*filters).order_by(User.id).limit(limit).offset(offset)
+        )
+        total = await self._session.scalar(select(func.count()).select_from(User).where(*filters))
+        return rows.all(), int(total or 0)
+
+    async def all_message_ids(self) -> list[str]:
+        """Every message ID ever allocated, tombstones included."""
+        return list((await self._session.scalars(select(User.message_id))).all())
+
+    async def count_active_admins(self) -> int:
+        stmt = select(func.count()).select_from(User).where(
+            User.role == "admin", User.status == "active"
+        )
+        return int(await self._session.scalar(stmt) or 0)
+
+    async def flush(self) -> None:
+        await self._session.flush()

@@ -1,0 +1,1 @@
+"""HTTP routers; they translate requests to service calls and hold no SQL."""

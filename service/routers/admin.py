@@ -1,0 +1,143 @@
+"""Admin API: users, their API keys, watermark key versions (role admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request, status
+
+from service.deps import (
+    ApiKeyHasherDep,
+    KeyringDep,
+    SessionDep,
+    SettingsDep,
+    require_roles,
+)
+from service.schemas.admin import (
+    AddKeyVersionRequest,
+    ApiKeyList,
+    ApiKeyOut,
+    CreatedUser,
+    CreateUserRequest,
+    IssuedKey,
+    KeyVersionList,
+    KeyVersionOut,
+    UserOut,
+    UserPage,
+)
+from service.schemas.common import ERROR_RESPONSES
+from service.services.key_versions import KeyVersionService
+from service.services.keys import ApiKeyService
+from service.services.users import UserService
+
+router = APIRouter(
+    prefix="/admin",
+    tags=["admin"],
+    responses=ERROR_RESPONSES,
+    dependencies=[Depends(require_roles("admin"))],
+)
+
+UserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+
+
+def _users(
+    request: Request, session: SessionDep, keyring: KeyringDep, hasher: ApiKeyHasherDep
+) -> UserService:
+    registry = request.app.state.registry_cache
+    return UserService(session, keyring.params, hasher, on_change=registry.invalidate)
+
+
+def _keys(session: SessionDep, hasher: ApiKeyHasherDep) -> ApiKeyService:
+    return ApiKeyService(session, hasher)
+
+
+def _key_versions(
+    request: Request, session: SessionDep, keyring: KeyringDep, settings: SettingsDep
+) -> KeyVersionService:
+    return KeyVersionService(
+        session, keyring, settings, can_generate=request.app.state.secrets_can_generate
+    )
+
+
+UsersDep = Annotated[UserService, Depends(_users)]
+KeysDep = Annotated[ApiKeyService, Depends(_keys)]
+KeyVersionsDep = Annotated[KeyVersionService, Depends(_key_versions)]
+
+
+@router.post("/users", status_code=status.HTTP_201_CREATED, response_model=CreatedUser)
+async def create_user(body: CreateUserRequest, users: UsersDep) -> CreatedUser:
+    """Create a user with a fresh message ID and a first API key (shown only in this response)."""
+    return await users.create_user(body.name, body.role)
+
+
+@router.get("/users", response_model=UserPage)
+async def list_users(
+    users: UsersDep,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+    status_: Annotated[Literal["active", "disabled", "deleted"] | None, Query(alias="status")] = None,
+    role: Annotated[Literal["user", "auditor", "admin"] | None, Query()] = None,
+) -> UserPage:
+    return await users.list_users(limit=limit, offset=offset, status=status_, role=role)
+
+
+@router.get("/users/{user_id}", response_model=UserOut)
+async def get_user(user_id: UserId, users: UsersDep) -> UserOut:
+    return await users.get_user(user_id)
+
+
+@router.post("/users/{user_id}/disable", response_model=UserOut)
+async def disable_user(user_id: UserId, users: UsersDep) -> UserOut:
+    return await users.disable_user(user_id)
+
+
+@router.post("/users/{user_id}/enable", response_model=UserOut)
+async def enable_user(user_id: UserId, users: UsersDep) -> UserOut:
+    return await users.enable_user(user_id)
+
+
+@router.delete("/users/{user_id}", response_model=UserOut)
+async def delete_user(user_id: UserId, users: UsersDep) -> UserOut:
+    """Tombstone the user: status deleted, keys revoked; the row and message ID are kept."""
+    return await users.delete_user(user_id)
+
+
+@router.post(
+    "/users/{user_id}/keys", status_code=status.HTTP_201_CREATED, response_model=IssuedKey
+)
+async def issue_key(user_id: UserId, keys: KeysDep) -> IssuedKey:
+    """Issue another API key (shown only in this response)."""
+    return await keys.issue_key(user_id)
+
+
+@router.get("/users/{user_id}/keys", response_model=ApiKeyList)
+async def list_keys(user_id: UserId, keys: KeysDep) -> ApiKeyList:
+    return await keys.list_keys(user_id)
+
+
+@router.post("/users/{user_id}/keys/{key_id}/revoke", response_model=ApiKeyOut)
+async def revoke_key(user_id: UserId, key_id: KeyId, keys: KeysDep) -> ApiKeyOut:
+    return await keys.revoke_key(user_id, key_id)
+
+
+@router.get("/key-versions", response_model=KeyVersionList)
+async def list_key_versions(versions: KeyVersionsDep) -> KeyVersionList:
+    return await versions.list_versions()
+
+
+@router.post(
+    "/key-versions", status_code=status.HTTP_201_CREATED, response_model=KeyVersionOut
+)
+async def add_key_version(body: AddKeyVersionRequest, versions: KeyVersionsDep) -> KeyVersionOut:
+    """Activate a key version whose secret is configured; it encodes new generations from now on."""
+    return await versions.activate(body.name)
+
+
+@router.post("/key-versions/{version_id}/retire", response_model=KeyVersionOut)
+async def retire_key_version(
+    version_id: Annotated[int, Path(ge=1, le=2**31 - 1)], versions: KeyVersionsDep
+) -> KeyVersionOut:
+    """Retire a version: it no longer encodes and /trace no longer tries it."""
+    return await versions.retire(version_id)
+

@@ -1,0 +1,118 @@
+"""Schemas of the admin API (users, API keys, key versions)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from service.schemas.common import Role
+from service.security import KEY_PATTERN
+
+UserStatus = Literal["active", "disabled", "deleted"]
+KeyVersionStatus = Literal["active", "pending", "retired"]
+
+UserName = Annotated[
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"),
+]
+KeyVersionName = Annotated[
+    str, StringConstraints(strip_whitespace=True, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateUserRequest(_Request):
+    name: UserName
+    role: Role = "user"
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_credential(cls, value: str) -> str:
+        if KEY_PATTERN.search(value):
+            raise ValueError("must not contain an API key")
+        return value
+
+
+class CreatedUser(BaseModel):
+    """Returned once at creation: ``api_key`` is never shown again."""
+
+    id: int
+    name: str
+    role: Role
+    message_id: str
+    api_key: str
+
+
+class UserOut(BaseModel):
+    id: int
+    name: str
+    role: Role
+    status: UserStatus
+    message_id: str
+    created_at: datetime
+    updated_at: datetime
+    deleted_at: datetime | None = None
+
+
+class UserPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[UserOut]
+    total: int
+    limit: int
+    offset: int
+    has_more: bool
+
+
+class IssuedKey(BaseModel):
+    """Returned once when a key is issued: ``api_key`` is never shown again."""
+
+    id: int
+    api_key: str
+    prefix: str
+    created_at: datetime
+
+
+class ApiKeyOut(BaseModel):
+    """A key as listed: display prefix and timestamps only."""
+
+    id: int
+    user_id: int
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None = None
+    revoked_at: datetime | None = None
+
+
+class ApiKeyList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ApiKeyOut]
+
+
+class AddKeyVersionRequest(_Request):
+    name: KeyVersionName
+
+
+class KeyVersionOut(BaseModel):
+    id: int
+    name: str
+    status: KeyVersionStatus
+    bits: int
+    block_bits: int
+    num_keys: int
+    delta: float
+    scheme: str
+    fingerprint: str = Field(description="Non-secret fingerprint of the watermark key.")
+    configured: bool = Field(description="Whether this process holds the secret of this version.")
+    created_at: datetime
+    activated_at: datetime | None = None
+    retired_at: datetime | None = None
+
+
+class KeyVersionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[KeyVersionOut]

@@ -1,0 +1,1 @@
+"""Business logic between the routers and the repositories; returns pydantic schemas only."""

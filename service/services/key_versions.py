@@ -1,0 +1,105 @@
+"""Key-version administration: list, activate (add) and retire."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.config import ConfigurationError, Settings, generate_embedded_secret
+from service.errors import ConflictError, InvalidRequestError, NotFoundError
+from service.keyring import Keyring
+from service.models import KeyVersion
+from service.repositories.key_versions import KeyVersionRepository
+from service.schemas.admin import KeyVersionList, KeyVersionOut
+
+logger = logging.getLogger("xmark.key_versions")
+
+
+class KeyVersionService:
+    def __init__(
+        self,
+        session: AsyncSession,
+        keyring: Keyring,
+        settings: Settings,
+        *,
+        can_generate: bool,
+    ) -> None:
+        self._session = session
+        self._keyring = keyring
+        self._settings = settings
+        self._can_generate = can_generate
+        self._repo = KeyVersionRepository(session)
+
+    def _out(self, row: KeyVersion) -> KeyVersionOut:
+        return KeyVersionOut(
+            id=row.id,
+            name=row.name,
+            status=row.status,  # type: ignore[arg-type]
+            bits=row.bits,
+            block_bits=row.block_bits,
+            num_keys=row.num_keys,
+            delta=row.delta,
+            scheme=row.scheme,
+            fingerprint=row.fingerprint,
+            configured=self._keyring.is_configured(row.name),
+            created_at=row.created_at,
+            activated_at=row.activated_at,
+            retired_at=row.retired_at,
+        )
+
+    async def list_versions(self) -> KeyVersionList:
+        return KeyVersionList(data=[self._out(r) for r in await self._repo.list_all()])
+
+    async def activate(self, name: str) -> KeyVersionOut:
+        """Make ``name`` the encoding version; its secret must be configured (or, embedded, generated)."""
+        row = await self._repo.get_by_name(name)
+        if row is not None and row.status == "active":
+            raise ConflictError(f"Key version '{name}' is already active", param="name")
+        if row is not None and row.status == "retired":
+            raise ConflictError(
+                f"Key version '{name}' is retired and cannot be reactivated; use a new name",
+                param="name",
+            )
+        if not self._keyring.is_configured(name):
+            if not self._can_generate:
+                raise InvalidRequestError(
+                    f"No secret is configured for key version '{name}': add it to the watermark "
+                    "secrets of every replica and restart them first",
+                    param="name",
+                    code="secret_not_configured",
+                )
+            try:
+                secret = generate_embedded_secret(self._settings, name)
+            except ConfigurationError as exc:
+                raise InvalidRequestError(str(exc), param="name") from None
+            self._keyring.add_secret(name, secret)
+        now = datetime.now(UTC)
+        if row is None:
+            row = await self._keyring.register(self._session, name, "active")
+        if row.status != "active":
+            row.status = "active"
+            row.activated_at = now
+            await self._repo.flush()
+        await self._keyring.refresh(self._session)
+        logger.info("key version activated", extra={"key_version": name})
+        return self._out(row)
+
+    async def retire(self, version_id: int) -> KeyVersionOut:
+        row = await self._repo.get(version_id)
+        if row is None:
+            raise NotFoundError(f"Key version {version_id} not found", param="key_version_id")
+        if row.status == "retired":
+            raise ConflictError(f"Key version '{row.name}' is already retired")
+        if row.status == "active" and await self._repo.count_active() <= 1:
+            raise ConflictError(
+                "The last active key version cannot be retired; activate another one first",
+                code="last_active_key_version",
+            )
+        row.status = "retired"
+        row.retired_at = datetime.now(UTC)
+        await self._repo.flush()
+        await self._keyring.refresh(self._session)
+        logger.info("key version retired", extra={"key_version": row.name})
+        return self._out(row)

@@ -1,0 +1,188 @@
+"""User registry: creation with a fresh message ID, listing, status changes, tombstones.
+
+Message-ID rule: a new user's ID is allocated by ``xmark_core.allocate_message`` against every
+message ID ever stored (deleted users included), so IDs are never reused and stay far apart in
+Hamming distance. The unique constraint on ``users.message_id`` guards concurrent creations; a
+violation re-reads the IDs and allocates again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
+
+from service.errors import ConflictError, NotFoundError
+from service.models import ApiKey, User
+from service.repositories.api_keys import ApiKeyRepository
+from service.repositories.users import UserRepository
+from service.schemas.admin import CreatedUser, UserOut, UserPage
+from service.schemas.common import Role
+from service.security import ApiKeyHasher, ParsedKey, generate_api_key
+
+logger = logging.getLogger("xmark.users")
+
+Allocator = Callable[[Iterable[str], WatermarkParams], Message]
+MAX_ALLOCATION_ATTEMPTS = 5
+
+
+def user_out(user: User) -> UserOut:
+    return UserOut(
+        id=user.id,
+        name=user.name,
+        role=user.role,  # type: ignore[arg-type]
+        status=user.status,  # type: ignore[arg-type]
+        message_id=user.message_id,
+        created_at=user.created_at,
+        updated_at=user.updated_at,
+        deleted_at=user.deleted_at,
+    )
+
+
+def _allocate(existing: Iterable[str], params: WatermarkParams) -> Message:
+    return allocate_message(existing, params)
+
+
+class UserService:
+    def __init__(
+        self,
+        session: AsyncSession,
+        params: WatermarkParams,
+        hasher: ApiKeyHasher,
+        *,
+        allocator: Allocator = _allocate,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self._session = session
+        self._params = params
+        self._hasher = hasher
+        self._allocator = allocator
+        self._on_change = on_change
+        self._users = UserRepository(session)
+        self._keys = ApiKeyRepository(session)
+
+    async def create_user(
+        self, name: str, role: Role, *, api_key: ParsedKey | None = None
+    ) -> CreatedUser:
+        """Create a user with a fresh message ID and one API key (shown once in the result)."""
+        user = await self._insert_with_message_id(name, role)
+        key = api_key or generate_api_key()
+        row = await self._keys.add(
+            ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key))
+        )
+        self._changed()
+        logger.info(
+            "user created", extra={"user_id": user.id, "role": role, "api_key_id": row.id}
+        )
+        return CreatedUser(
+            id=user.id, name=user.name, role=role, message_id=user.message_id, api_key=key.plaintext
+        )
+
+    async def _insert_with_message_id(self, name: str, role: Role) -> User:
+        for _ in range(MAX_ALLOCATION_ATTEMPTS):
+            existing = await self._users.all_message_ids()
+            try:
+                message = self._allocator(existing, self._params)
+            except MessageSpaceExhausted:
+                raise ConflictError(
+                    "The message-ID space is exhausted; no more users can be registered",
+                    code="message_space_exhausted",
+                ) from None
+            now = datetime.now(UTC)
+            user = User(
+                name=name,
+                role=role,
+                status="active",
+                message_id=message.bits,
+                created_at=now,
+                updated_at=now,
+            )
+            try:
+                async with self._session.begin_nested():
+                    await self._users.add(user)
+            except IntegrityError:
+                # a concurrent creation took this ID between our read and our insert
+                logger.info("message ID taken concurrently; allocating again")
+                continue
+            return user
+        raise ConflictError(
+            "Could not allocate a unique message ID; retry the request",
+            code="message_id_conflict",
+        )
+
+    async def get_user(self, user_id: int) -> UserOut:
+        return user_out(await self._require(user_id))
+
+    async def list_users(
+        self, *, limit: int, offset: int, status: str | None = None, role: str | None = None
+    ) -> UserPage:
+        rows, total = await self._users.page(limit=limit, offset=offset, status=status, role=role)
+        return UserPage(
+            data=[user_out(u) for u in rows],
+            total=total,
+            limit=limit,
+            offset=offset,
+            has_more=offset + len(rows) < total,
+        )
+
+    async def disable_user(self, user_id: int) -> UserOut:
+        user = await self._require(user_id, for_update=True)
+        if user.status == "deleted":
+            raise ConflictError("A deleted user cannot be disabled", code="user_deleted")
+        if user.status == "active":
+            await self._guard_last_admin(user)
+            user.status = "disabled"
+            user.updated_at = datetime.now(UTC)
+            await self._users.flush()
+            self._changed()
+            logger.info("user disabled", extra={"user_id": user.id})
+        return user_out(user)
+
+    async def enable_user(self, user_id: int) -> UserOut:
+        user = await self._require(user_id, for_update=True)
+        if user.status == "deleted":
+            raise ConflictError("A deleted user cannot be enabled", code="user_deleted")
+        if user.status == "disabled":
+            user.status = "active"
+            user.updated_at = datetime.now(UTC)
+            await self._users.flush()
+            self._changed()
+            logger.info("user enabled", extra={"user_id": user.id})
+        return user_out(user)
+
+    async def delete_user(self, user_id: int) -> UserOut:
+        """Tombstone: status deleted, every key revoked, row and message ID kept forever."""
+        user = await self._require(user_id, for_update=True)
+        if user.status != "deleted":
+            if user.status == "active":
+                await self._guard_last_admin(user)
+            now = datetime.now(UTC)
+            user.status = "deleted"
+            user.deleted_at = now
+            user.updated_at = now
+            await self._keys.revoke_all_for_user(user.id, now)
+            await self._users.flush()
+            self._changed()
+            logger.info("user deleted", extra={"user_id": user.id})
+        return user_out(user)
+
+    def _changed(self) -> None:
+        """Tell registry caches that the set of users changed."""
+        if self._on_change is not None:
+            self._on_change()
+
+    async def _guard_last_admin(self, user: User) -> None:
+        if user.role == "admin" and await self._users.count_active_admins() <= 1:
+            raise ConflictError(
+                "The last active admin cannot be disabled or deleted", code="last_admin"
+            )
+
+    async def _require(self, user_id: int, *, for_update: bool = False) -> User:
+        user = await (self._users.get_for_update(user_id) if for_update else self._users.get(user_id))
+        if user is None:
+            raise NotFoundError(f"User {user_id} not found", param="user_id")
+        return user

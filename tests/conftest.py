@@ -1,0 +1,174 @@
+"""Shared fixtures: a real PostgreSQL built by the Alembic migrations, the real app, rolled-back tests.
+
+* ``settings``      — test Settings (Postgres URL from XMARK_TEST_DATABASE_URL, fixed test secrets,
+                      temporary var dir, the checkpoint fetched by ``xmark fetch-model``).
+* ``app``           — one app per test session, started through its real lifespan.
+* ``db_connection`` — per test: one connection inside a transaction that is rolled back afterwards;
+                      every session the app opens (``app.state.sessionmaker``) joins it through
+                      savepoints, so request handlers, background writers and caches all see the
+                      test's rows and nothing outlives the test.
+* ``client``        — httpx.AsyncClient over ASGITransport on that app.
+* ``db_session``    — an AsyncSession on the same connection, to inspect or seed rows.
+* ``make_user(role)`` -> (principal dict, API key); ``admin_key`` -> an admin's API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from service.config import Settings
+from service.db import session_scope, upgrade_database
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEST_DATABASE_URL = os.environ.get(
+    "XMARK_TEST_DATABASE_URL", "postgresql+asyncpg://root@127.0.0.1:5432/test"
+)
+TEST_WATERMARK_SECRETS = {
+    "v1": "test-watermark-secret-v1-5f0c2a9e71d4b386",
+    "v2": "test-watermark-secret-v2-c83e1b07a6f4d952",
+}
+TEST_API_KEY_PEPPER = "test-api-key-pepper-8d41f2b7e9c05a63"
+_KEEP_ENV = {"XMARK_TEST_DATABASE_URL", "XMARK_MODEL_PATH", "XMARK_MODEL_NAME"}
+
+MakeUser = Callable[..., Awaitable[tuple[dict[str, Any], str]]]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_environment() -> Iterator[None]:
+    """Developer XMARK_* variables must not leak into test settings."""
+    mp = pytest.MonkeyPatch()
+    for name in list(os.environ):
+        if name.startswith("XMARK_") and name not in _KEEP_ENV:
+            mp.delenv(name)
+    yield
+    mp.undo()
+
+
+def checkpoint_path() -> Path:
+    """The checkpoint `xmark fetch-model` builds for the default settings in this checkout."""
+    explicit = os.environ.get("XMARK_MODEL_PATH")
+    if explicit:
+        return Path(explicit)
+    name = os.environ.get("XMARK_MODEL_NAME", "smollm2-135m-instruct")
+    return REPO_ROOT / "var" / "models" / name
+
+
+def make_test_settings(var_dir: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "database_url": TEST_DATABASE_URL,
+        "var_dir": var_dir,
+        "watermark_secrets": SecretStr(",".join(f"{k}:{v}" for k, v in TEST_WATERMARK_SECRETS.items())),
+        "api_key_pepper": SecretStr(TEST_API_KEY_PEPPER),
+        "model_path": checkpoint_path(),
+        "keyring_refresh_seconds": 0,
+        "database_pool_size": 5,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture(scope="session")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return make_test_settings(tmp_path_factory.mktemp("var"))
+
+
+async def reset_database(url: str) -> None:
+    """Drop every object of the test database (PostgreSQL: the public schema)."""
+    engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+            await conn.execute(text("CREATE SCHEMA public"))
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+async def migrated_database(settings: Settings) -> str:
+    """The test database, emptied and rebuilt by the Alembic migrations once per session."""
+    await reset_database(settings.database_url)
+    await asyncio.to_thread(upgrade_database, settings.database_url)
+    return settings.database_url
+
+
+@pytest.fixture(scope="session")
+async def app(settings: Settings, migrated_database: str) -> AsyncIterator[Any]:
+    from service.app import create_app
+
+    application = create_app(settings)
+    async with application.router.lifespan_context(application):
+        yield application
+
+
+@pytest.fixture
+async def db_connection(app: Any) -> AsyncIterator[AsyncConnection]:
+    engine = app.state.engine
+    sessionmaker = app.state.sessionmaker
+    async with engine.connect() as connection:
+        transaction = await connection.begin()
+        sessionmaker.configure(bind=connection, join_transaction_mode="create_savepoint")
+        try:
+            yield connection
+        finally:
+            sessionmaker.configure(bind=engine, join_transaction_mode="conditional_savepoint")
+            await transaction.rollback()
+    # in-memory state derived from rows the test created must not outlive the rollback
+    async with session_scope(sessionmaker) as session:
+        await app.state.keyring.refresh(session)
+
+
+@pytest.fixture
+async def db_session(db_connection: AsyncConnection) -> AsyncIterator[AsyncSession]:
+    async with AsyncSession(
+        bind=db_connection, join_transaction_mode="create_savepoint", expire_on_commit=False
+    ) as session:
+        yield session
+
+
+@pytest.fixture
+async def client(app: Any, db_connection: AsyncConnection) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+        yield http
+
+
+@pytest.fixture
+def make_user(app: Any, db_connection: AsyncConnection) -> MakeUser:
+    """Create a user inside the test transaction; returns (principal dict, plaintext API key)."""
+    from service.services.users import UserService
+
+    counter = itertools.count(1)
+
+    async def factory(role: str = "user", name: str | None = None) -> tuple[dict[str, Any], str]:
+        async with session_scope(app.state.sessionmaker) as session:
+            created = await UserService(
+                session, app.state.keyring.params, app.state.api_key_hasher
+            ).create_user(name or f"{role}-{next(counter)}", role)  # type: ignore[arg-type]
+        principal = {
+            "id": created.id,
+            "user_id": created.id,
+            "name": created.name,
+            "role": created.role,
+            "message_id": created.message_id,
+        }
+        return principal, created.api_key
+
+    return factory
+
+
+@pytest.fixture
+async def admin_key(make_user: MakeUser) -> str:
+    _, key = await make_user("admin", "test-admin")
+    return key

@@ -1,0 +1,256 @@
+"""Admin API: users, API keys, tombstones, key versions."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.models import ApiKey, User
+
+KEY_RE = re.compile(r"^xm_[0-9A-Za-z]{43}_[0-9A-Za-z]{6}$")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _create(client: httpx.AsyncClient, admin_key: str, name: str, role: str = "user") -> dict[str, Any]:
+    response = await client.post(
+        "/admin/users", json={"name": name, "role": role}, headers=bearer(admin_key)
+    )
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def test_create_user_returns_the_fixed_contract(
+    client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
+) -> None:
+    body = await _create(client, admin_key, "alice", "auditor")
+    assert set(body) == {"id", "name", "role", "message_id", "api_key"}
+    assert body["name"] == "alice"
+    assert body["role"] == "auditor"
+    assert re.fullmatch(r"[01]{16}", body["message_id"])
+    assert KEY_RE.match(body["api_key"])
+
+    key_row = (await db_session.scalars(select(ApiKey).where(ApiKey.user_id == body["id"]))).one()
+    assert key_row.key_hash != body["api_key"]
+    assert re.fullmatch(r"[0-9a-f]{64}", key_row.key_hash)
+    assert body["api_key"].startswith(key_row.prefix)
+    assert len(key_row.prefix) < 16
+    for column in ApiKey.__table__.columns:
+        assert getattr(key_row, column.key) != body["api_key"]
+
+    # the plaintext is never shown again
+    listed = await client.get(f"/admin/users/{body['id']}/keys", headers=bearer(admin_key))
+    fetched = await client.get(f"/admin/users/{body['id']}", headers=bearer(admin_key))
+    for response in (listed, fetched):
+        assert response.status_code == 200
+        assert body["api_key"] not in response.text
+        assert key_row.key_hash not in response.text
+
+
+async def test_a_new_key_authenticates_its_user(client: httpx.AsyncClient, admin_key: str) -> None:
+    auditor = await _create(client, admin_key, "auditor-1", "auditor")
+    response = await client.get("/admin/users", headers=bearer(auditor["api_key"]))
+    assert response.status_code == 403  # authenticated, wrong role
+    assert response.json()["error"]["type"] == "permission_error"
+
+
+async def test_users_are_listed_in_pages(client: httpx.AsyncClient, admin_key: str) -> None:
+    for i in range(4):
+        await _create(client, admin_key, f"user-{i}")
+    first = (await client.get("/admin/users?limit=2", headers=bearer(admin_key))).json()
+    second = (await client.get("/admin/users?limit=2&offset=2", headers=bearer(admin_key))).json()
+    third = (await client.get("/admin/users?limit=2&offset=4", headers=bearer(admin_key))).json()
+    assert first["total"] == second["total"] == third["total"] == 5  # 4 users and the admin
+    assert [len(p["data"]) for p in (first, second, third)] == [2, 2, 1]
+    assert first["has_more"] and second["has_more"] and not third["has_more"]
+    ids = [u["id"] for p in (first, second, third) for u in p["data"]]
+    assert ids == sorted(ids) and len(set(ids)) == 5
+    admins = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()
+    assert [u["name"] for u in admins["data"]] == ["test-admin"]
+    for page in (first, second, third):
+        for user in page["data"]:
+            assert "api_key" not in user
+
+
+async def test_get_missing_user_is_404(client: httpx.AsyncClient, admin_key: str) -> None:
+    response = await client.get("/admin/users/999999", headers=bearer(admin_key))
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+async def test_disable_and_enable(client: httpx.AsyncClient, admin_key: str) -> None:
+    user = await _create(client, admin_key, "bob", "admin")
+    headers = bearer(user["api_key"])
+    assert (await client.get("/admin/users", headers=headers)).status_code == 200
+
+    disabled = await client.post(f"/admin/users/{user['id']}/disable", headers=bearer(admin_key))
+    assert disabled.status_code == 200 and disabled.json()["status"] == "disabled"
+    refused = await client.get("/admin/users", headers=headers)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "user_disabled"
+
+    enabled = await client.post(f"/admin/users/{user['id']}/enable", headers=bearer(admin_key))
+    assert enabled.status_code == 200 and enabled.json()["status"] == "active"
+    assert (await client.get("/admin/users", headers=headers)).status_code == 200
+
+
+async def test_delete_keeps_a_tombstone_and_revokes_keys(
+    client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
+) -> None:
+    user = await _create(client, admin_key, "carol", "admin")
+    extra = await client.post(f"/admin/users/{user['id']}/keys", headers=bearer(admin_key))
+    assert extra.status_code == 201
+
+    deleted = await client.delete(f"/admin/users/{user['id']}", headers=bearer(admin_key))
+    assert deleted.status_code == 200
+    tomb = deleted.json()
+    assert tomb["status"] == "deleted" and tomb["deleted_at"] is not None
+    assert tomb["message_id"] == user["message_id"]
+
+    again = await client.get(f"/admin/users/{user['id']}", headers=bearer(admin_key))
+    assert again.status_code == 200 and again.json()["status"] == "deleted"
+    keys = (await client.get(f"/admin/users/{user['id']}/keys", headers=bearer(admin_key))).json()
+    assert len(keys["data"]) == 2 and all(k["revoked_at"] for k in keys["data"])
+    for key in (user["api_key"], extra.json()["api_key"]):
+        assert (await client.get("/admin/users", headers=bearer(key))).status_code == 401
+
+    row = await db_session.get(User, user["id"])
+    assert row is not None and row.status == "deleted" and row.message_id == user["message_id"]
+
+    for action in ("enable", "disable"):
+        response = await client.post(f"/admin/users/{user['id']}/{action}", headers=bearer(admin_key))
+        assert response.status_code == 409
+    refused = await client.post(f"/admin/users/{user['id']}/keys", headers=bearer(admin_key))
+    assert refused.status_code == 409
+
+
+async def test_last_active_admin_cannot_be_disabled_or_deleted(
+    client: httpx.AsyncClient, admin_key: str
+) -> None:
+    users = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()
+    (admin,) = users["data"]
+    for method, path in (("POST", f"/admin/users/{admin['id']}/disable"), ("DELETE", f"/admin/users/{admin['id']}")):
+        response = await client.request(method, path, headers=bearer(admin_key))
+        assert response.status_code == 409
+        assert response.json()["error"]["code"] == "last_admin"
+
+
+async def test_keys_are_issued_listed_and_revoked(
+    client: httpx.AsyncClient, admin_key: str
+) -> None:
+    user = await _create(client, admin_key, "dave", "admin")
+    issued = await client.post(f"/admin/users/{user['id']}/keys", headers=bearer(admin_key))
+    assert issued.status_code == 201
+    body = issued.json()
+    assert {"id", "api_key"} <= set(body)
+    assert KEY_RE.match(body["api_key"]) and body["api_key"] != user["api_key"]
+
+    listed = (await client.get(f"/admin/users/{user['id']}/keys", headers=bearer(admin_key))).json()
+    assert [k["id"] for k in listed["data"]] == sorted(k["id"] for k in listed["data"])
+    for key in listed["data"]:
+        assert set(key) == {"id", "user_id", "prefix", "created_at", "last_used_at", "revoked_at"}
+        assert KEY_RE.match(key["prefix"]) is None
+
+    revoked = await client.post(
+        f"/admin/users/{user['id']}/keys/{body['id']}/revoke", headers=bearer(admin_key)
+    )
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    refused = await client.get("/admin/users", headers=bearer(body["api_key"]))
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    # the user's other key still works
+    assert (await client.get("/admin/users", headers=bearer(user["api_key"]))).status_code == 200
+
+    other = await _create(client, admin_key, "erin")
+    wrong_owner = await client.post(
+        f"/admin/users/{other['id']}/keys/{body['id']}/revoke", headers=bearer(admin_key)
+    )
+    assert wrong_owner.status_code == 404
+
+
+async def test_last_used_is_recorded(client: httpx.AsyncClient, admin_key: str) -> None:
+    users = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()
+    admin_id = users["data"][0]["id"]
+    keys = (await client.get(f"/admin/users/{admin_id}/keys", headers=bearer(admin_key))).json()
+    assert keys["data"][0]["last_used_at"] is not None
+
+
+async def test_key_versions_list_activate_retire(
+    app: Any, client: httpx.AsyncClient, admin_key: str
+) -> None:
+    listed = (await client.get("/admin/key-versions", headers=bearer(admin_key))).json()["data"]
+    by_name = {v["name"]: v for v in listed}
+    assert by_name["v1"]["status"] == "active" and by_name["v2"]["status"] == "pending"
+    for version in listed:
+        assert re.fullmatch(r"[0-9a-f]{64}", version["fingerprint"])
+        assert version["configured"] is True
+        assert (version["bits"], version["block_bits"], version["num_keys"]) == (16, 2, 2)
+    assert app.state.keyring.active().name == "v1"
+
+    added = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))
+    assert added.status_code == 201, added.text
+    assert added.json()["status"] == "active"
+    assert app.state.keyring.active().name == "v2"
+    assert {h.name for h in app.state.keyring.usable()} == {"v1", "v2"}
+
+    again = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))
+    assert again.status_code == 409
+
+    retired = await client.post(
+        f"/admin/key-versions/{by_name['v1']['id']}/retire", headers=bearer(admin_key)
+    )
+    assert retired.status_code == 200 and retired.json()["status"] == "retired"
+    assert [h.name for h in app.state.keyring.usable()] == ["v2"]
+
+    last = await client.post(
+        f"/admin/key-versions/{by_name['v2']['id']}/retire", headers=bearer(admin_key)
+    )
+    assert last.status_code == 409
+    assert last.json()["error"]["code"] == "last_active_key_version"
+
+    revived = await client.post("/admin/key-versions", json={"name": "v1"}, headers=bearer(admin_key))
+    assert revived.status_code == 409
+
+
+async def test_key_version_without_configured_secret_is_refused(
+    client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
+) -> None:
+    response = await client.post("/admin/key-versions", json={"name": "v9"}, headers=bearer(admin_key))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "name" and error["code"] == "secret_not_configured"
+    missing = await client.post("/admin/key-versions/999999/retire", headers=bearer(admin_key))
+    assert missing.status_code == 404
+
+
+async def test_key_versions_are_restored_after_a_rolled_back_test(app: Any) -> None:
+    # runs after the activation test: the rollback and keyring refresh undo its changes
+    assert app.state.keyring.active().name == "v1"
+    assert {h.name: h.status for h in app.state.keyring.usable()} == {"v1": "active", "v2": "pending"}
+
+
+async def test_admin_writes_nothing_on_refusal(
+    client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
+) -> None:
+    before = await db_session.scalar(select(func.count()).select_from(User))
+    bad = await client.post(
+        "/admin/users", json={"name": "x", "role": "root"}, headers=bearer(admin_key)
+    )
+    assert bad.status_code == 422
+    assert await db_session.scalar(select(func.count()).select_from(User)) == before
+
+
+@pytest.mark.parametrize("name", ["", "   ", "a" * 201, "tab\tname"])
+async def test_bad_user_names_are_rejected(
+    client: httpx.AsyncClient, admin_key: str, name: str
+) -> None:
+    response = await client.post("/admin/users", json={"name": name}, headers=bearer(admin_key))
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == "name"

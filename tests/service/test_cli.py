@@ -1,0 +1,129 @@
+"""The xmark CLI against a temporary embedded (SQLite) database."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from service.cli import main
+from service.config import Settings, load_secrets
+from service.db import create_engine, create_sessionmaker, session_scope
+from service.errors import AuthenticationError
+from service.schemas.common import Principal
+from service.security import ApiKeyHasher, generate_api_key
+from service.services.keys import ApiKeyService
+
+
+@pytest.fixture
+def embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    var = tmp_path / "var"
+    monkeypatch.setenv("XMARK_DATABASE_URL", f"sqlite+aiosqlite:///{var / 'xmark.db'}")
+    monkeypatch.setenv("XMARK_VAR_DIR", str(var))
+    return Settings()
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _authenticate(settings: Settings, key: str) -> Principal:
+    async def work() -> Principal:
+        engine = create_engine(settings)
+        try:
+            async with session_scope(create_sessionmaker(engine)) as session:
+                hasher = ApiKeyHasher(load_secrets(settings).api_key_pepper)
+                return await ApiKeyService(session, hasher).authenticate(f"Bearer {key}")
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(work())
+
+
+def test_create_admin_user_and_list(embedded: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "migrate")[0] == 0
+
+    code, out, _ = _run(capsys, "create-admin", "--if-none", "--json")
+    assert code == 0
+    admin = json.loads(out)
+    assert admin["role"] == "admin" and admin["api_key"].startswith("xm_")
+    assert _authenticate(embedded, admin["api_key"]).role == "admin"
+
+    code, out, _ = _run(capsys, "create-admin", "--if-none")
+    assert code == 0 and "already exists" in out and "xm_" not in out
+
+    code, out, _ = _run(capsys, "create-user", "alice", "--role", "auditor")
+    assert code == 0 and "not shown again" in out
+    key = next(line.split()[-1] for line in out.splitlines() if line.startswith("api key:"))
+    alice = _authenticate(embedded, key)
+    assert alice.name == "alice" and alice.role == "auditor"
+
+    code, out, _ = _run(capsys, "users", "--json")
+    listing = json.loads(out)
+    assert [(u["name"], u["role"], u["status"]) for u in listing["data"]] == [
+        ("admin", "admin", "active"),
+        ("alice", "auditor", "active"),
+    ]
+    assert "api_key" not in out and admin["api_key"] not in out
+    assert listing["data"][1]["message_id"] == alice.message_id
+
+    code, out, _ = _run(capsys, "users", "--role", "auditor")
+    assert code == 0 and "alice" in out and "(1 of 1)" in out
+
+
+def test_bootstrap_key_becomes_the_first_admins_key(
+    embedded: Settings, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = generate_api_key().plaintext
+    monkeypatch.setenv("XMARK_BOOTSTRAP_ADMIN_KEY", key)
+    assert _run(capsys, "migrate")[0] == 0
+    code, out, _ = _run(capsys, "create-admin", "--if-none")
+    assert code == 0 and key not in out
+    assert _authenticate(embedded, key).role == "admin"
+
+
+def test_malformed_bootstrap_key_is_refused(
+    embedded: Settings, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XMARK_BOOTSTRAP_ADMIN_KEY", "xm_not_a_real_key_value_12345")
+    code, _, err = _run(capsys, "create-admin", "--if-none")
+    assert code == 1
+    assert "bootstrap_admin_key" in err and "xm_not_a_real_key_value_12345" not in err
+
+
+def test_bad_arguments_and_unmigrated_database(embedded: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["create-user", "bob", "--role", "root"])
+    assert info.value.code == 2
+    capsys.readouterr()
+    code, _, err = _run(capsys, "create-user", "bob")
+    assert code == 1 and "xmark migrate" in err
+
+
+def test_migrate_down_and_up(embedded: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "migrate")[0] == 0
+    code, out, _ = _run(capsys, "migrate", "--downgrade", "base")
+    assert code == 0 and "base" in out
+    assert _run(capsys, "migrate")[0] == 0
+    assert _run(capsys, "create-user", "carol")[0] == 0
+
+
+def test_placeholder_secret_is_reported_without_the_value(
+    embedded: Settings, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XMARK_WATERMARK_SECRETS", "v1:changemechangeme")
+    code, _, err = _run(capsys, "users")
+    assert code == 1 and "placeholder" in err and "changemechangeme" not in err
+
+
+def test_a_mistyped_key_does_not_authenticate(embedded: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "migrate")[0] == 0
+    code, out, _ = _run(capsys, "create-user", "dora", "--json")
+    key = json.loads(out)["api_key"]
+    with pytest.raises(AuthenticationError):
+        _authenticate(embedded, key[:-1] + ("0" if key[-1] != "0" else "1"))
+    assert _authenticate(embedded, key).name == "dora"

@@ -1,0 +1,151 @@
+"""Configuration: placeholder and missing secrets are refused outside the embedded default."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from service.config import (
+    API_KEY_PEPPER_FILE,
+    WATERMARK_SECRETS_FILE,
+    ConfigurationError,
+    Settings,
+    generate_embedded_secret,
+    load_secrets,
+    placeholder_reason,
+)
+from service.security import generate_api_key
+
+PG = "postgresql+asyncpg://root@127.0.0.1:5432/test"
+GOOD_SECRET = "Zq8r-2mV7xK1pL9wT4nB6yH3"
+GOOD_PEPPER = "pepper-7Hq2Lx9Vb4Nm1Ks8Rt5Y"
+
+
+def _settings(**values: object) -> Settings:
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "secret",
+    ["changeme", "changeme-changeme-changeme", "CHANGEME1234567890", "short-secret", "x" * 40, "your-secret-goes-here-please", "replace-me-with-a-real-one"],
+)
+def test_placeholder_watermark_secrets_are_refused(secret: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        _settings(database_url=PG, watermark_secrets=SecretStr(f"v1:{secret}"), api_key_pepper=SecretStr(GOOD_PEPPER))
+    assert "v1" in str(info.value)
+    assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize("pepper", ["changeme", "secret", "0123456789", "placeholder-placeholder"])
+def test_placeholder_pepper_is_refused(pepper: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        _settings(database_url=PG, watermark_secrets=SecretStr(f"v1:{GOOD_SECRET}"), api_key_pepper=SecretStr(pepper))
+    assert "PEPPER" in str(info.value)
+    assert pepper not in str(info.value).replace("XMARK_API_KEY_PEPPER", "")
+
+
+def test_missing_secrets_are_refused_outside_embedded_mode() -> None:
+    with pytest.raises(ValidationError, match="watermark secret is required"):
+        _settings(database_url=PG, api_key_pepper=SecretStr(GOOD_PEPPER))
+    with pytest.raises(ValidationError, match="XMARK_API_KEY_PEPPER is required"):
+        _settings(database_url=PG, watermark_secrets=SecretStr(f"v1:{GOOD_SECRET}"))
+
+
+@pytest.mark.parametrize("value", ["v1", "v1:", ":secretsecretsecret1", "bad name:Zq8r-2mV7xK1pL9wT4nB6yH3", f"v1:{GOOD_SECRET},v1:{GOOD_SECRET}x"])
+def test_malformed_secret_lists_are_refused(value: str) -> None:
+    with pytest.raises(ValidationError):
+        _settings(database_url=PG, watermark_secrets=SecretStr(value), api_key_pepper=SecretStr(GOOD_PEPPER))
+
+
+def test_env_and_file_together_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="not both"):
+        _settings(
+            database_url=PG,
+            watermark_secrets=SecretStr(f"v1:{GOOD_SECRET}"),
+            secrets_file=tmp_path / "s",
+            api_key_pepper=SecretStr(GOOD_PEPPER),
+        )
+
+
+def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XMARK_DATABASE_URL", PG)
+    monkeypatch.setenv("XMARK_WATERMARK_SECRETS", f"v1:{GOOD_SECRET},v2:{GOOD_SECRET}-2")
+    monkeypatch.setenv("XMARK_API_KEY_PEPPER", GOOD_PEPPER)
+    monkeypatch.setenv("XMARK_MAX_BODY_BYTES", "1234")
+    settings = Settings()
+    assert settings.max_body_bytes == 1234 and not settings.embedded
+    secrets = load_secrets(settings)
+    assert list(secrets.watermark) == ["v1", "v2"]
+    assert GOOD_SECRET not in repr(settings) and GOOD_SECRET not in repr(secrets)
+    assert settings.resolved_model_path() == Path("var/models/smollm2-135m-instruct")
+
+
+def test_secrets_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "secrets"
+    path.write_text(f"# key versions\nv1:{GOOD_SECRET}\nv2:{GOOD_SECRET}-two\n")
+    settings = _settings(database_url=PG, secrets_file=path, api_key_pepper=SecretStr(GOOD_PEPPER))
+    secrets = load_secrets(settings)
+    assert secrets.watermark == {"v1": GOOD_SECRET.encode(), "v2": f"{GOOD_SECRET}-two".encode()}
+    assert secrets.watermark_source == "file"
+
+    path.write_text("v1:changeme\n")
+    with pytest.raises(ConfigurationError, match="placeholder|shorter") as info:
+        load_secrets(settings)
+    assert "changeme" not in str(info.value)
+    missing = _settings(database_url=PG, secrets_file=tmp_path / "absent", api_key_pepper=SecretStr(GOOD_PEPPER))
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        load_secrets(missing)
+
+
+def test_embedded_default_generates_private_secrets(tmp_path: Path) -> None:
+    var = tmp_path / "var"
+    settings = _settings(database_url=f"sqlite+aiosqlite:///{var / 'x.db'}", var_dir=var)
+    assert settings.embedded
+    first = load_secrets(settings)
+    second = load_secrets(settings)
+    assert first.watermark == second.watermark and first.api_key_pepper == second.api_key_pepper
+    assert list(first.watermark) == ["v1"] and first.watermark_source == "generated"
+    assert placeholder_reason(first.watermark["v1"]) is None
+    assert placeholder_reason(first.api_key_pepper) is None
+    for name in (WATERMARK_SECRETS_FILE, API_KEY_PEPPER_FILE):
+        assert stat.S_IMODE((var / name).stat().st_mode) == 0o600
+    assert stat.S_IMODE(var.stat().st_mode) == 0o700
+
+    new = generate_embedded_secret(settings, "v2")
+    assert load_secrets(settings).watermark == {"v1": first.watermark["v1"], "v2": new}
+    assert generate_embedded_secret(settings, "v2") == new
+
+
+def test_embedded_files_with_loose_permissions_are_tightened(tmp_path: Path) -> None:
+    var = tmp_path / "var"
+    settings = _settings(database_url=f"sqlite+aiosqlite:///{var / 'x.db'}", var_dir=var)
+    load_secrets(settings)
+    (var / API_KEY_PEPPER_FILE).chmod(0o644)
+    load_secrets(settings)
+    assert stat.S_IMODE((var / API_KEY_PEPPER_FILE).stat().st_mode) == 0o600
+
+
+def test_embedded_mode_still_refuses_configured_placeholders(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError):
+        _settings(database_url="sqlite+aiosqlite:///x.db", var_dir=tmp_path, watermark_secrets=SecretStr("v1:changeme"))
+
+
+def test_bootstrap_admin_key_must_be_well_formed() -> None:
+    good = generate_api_key().plaintext
+    assert _settings(database_url="sqlite+aiosqlite:///x.db", bootstrap_admin_key=SecretStr(good)).bootstrap_admin_key is not None
+    for bad in ("not-a-key-at-all", good[:-1] + ("A" if good[-1] != "A" else "B"), good + "x"):
+        with pytest.raises(ValidationError) as info:
+            _settings(database_url="sqlite+aiosqlite:///x.db", bootstrap_admin_key=SecretStr(bad))
+        assert bad not in str(info.value)
+
+
+def test_unknown_backend_and_bad_limits_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        _settings(database_url="sqlite+aiosqlite:///x.db", backend="tgi")
+    with pytest.raises(ValidationError):
+        _settings(database_url="sqlite+aiosqlite:///x.db", max_body_bytes=0)
+    with pytest.raises(ValidationError):
+        _settings(database_url="sqlite+aiosqlite:///x.db", watermark_bits=15)
