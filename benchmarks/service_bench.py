@@ -1,0 +1,388 @@
+"""Gateway benchmark: per-request gateway overhead and /trace throughput with 10,000 users.
+
+    python -m benchmarks.service_bench --json
+
+1. Gateway overhead: the same non-streamed chat request (greedy, one token by default) is sent
+   through the gateway (a uvicorn process on a local port, PostgreSQL, API-key auth, recording)
+   and straight to an identical ``LocalBackend`` in this process, alternating. ``overhead_ms``
+   holds percentiles of the paired differences (gateway call minus the direct call just before
+   it); a small ``max_tokens`` keeps the model's share, and its noise, small.
+2. /trace throughput: 10,000 users are registered through the user repository (message IDs
+   from the production allocator), watermarked ~300-token texts are generated for a few of
+   them, and concurrent /trace requests run for a fixed time.
+
+Everything runs against a dedicated PostgreSQL database that is created and dropped here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
+from service.backends.local import LocalBackend
+from service.config import Settings
+from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
+from service.keyring import params_from_settings
+from service.models import User
+from service.repositories.users import UserRepository
+from service.security import ApiKeyHasher
+from service.services.users import UserService
+from xmark_core import Message, WatermarkKey
+from xmark_core.message import MessageAllocator
+
+OVERHEAD_PROMPT = "Say hello."
+TRACE_PROMPTS = (
+    "Write a detailed, multi-paragraph essay about the history of the printing press.",
+    "Explain step by step, in depth, how the human immune system fights a viral infection.",
+    "Write a long, detailed guide to growing tomatoes in a home garden, from seed to harvest.",
+    "Describe in detail how steam engines work and why they mattered for industry.",
+)
+
+
+@dataclass(frozen=True)
+class Seeded:
+    chat_key: str
+    chat_message_id: str
+    auditor_key: str
+    traced_users: list[tuple[int, str]]  # (user id, message id)
+    registration_s: float
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return {
+        "p50": round(statistics.median(ordered), 3),
+        "p99": round(pick(0.99), 3),
+        "mean": round(statistics.fmean(ordered), 3),
+    }
+
+
+async def _admin(url: str, statement: str) -> None:
+    engine = create_async_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(text(statement))
+    finally:
+        await engine.dispose()
+
+
+async def _fresh_database(database_url: str) -> None:
+    url = make_url(database_url)
+    maintenance = url.set(database="postgres").render_as_string(hide_password=False)
+    await _admin(maintenance, f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)')
+    await _admin(maintenance, f'CREATE DATABASE "{url.database}"')
+    await asyncio.to_thread(upgrade_database, database_url)
+
+
+async def _drop_database(database_url: str) -> None:
+    url = make_url(database_url)
+    maintenance = url.set(database="postgres").render_as_string(hide_password=False)
+    await _admin(maintenance, f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)')
+
+
+async def _seed(settings: Settings, pepper: str, users: int, traced: int) -> Seeded:
+    params = params_from_settings(settings)
+    hasher = ApiKeyHasher(pepper.encode())
+    engine = create_engine(settings)
+    try:
+        sessionmaker = create_sessionmaker(engine)
+        async with session_scope(sessionmaker) as session:
+            service = UserService(session, params, hasher)
+            chat = await service.create_user("bench-chat", "user")
+            auditor = await service.create_user("bench-auditor", "auditor")
+        started = time.perf_counter()
+        async with session_scope(sessionmaker) as session:
+            repo = UserRepository(session)
+            allocator = MessageAllocator(await repo.all_message_ids(), params)
+            rows = []
+            for number in range(users):
+                now_bits = allocator.allocate().bits
+                rows.append(User(name=f"bench-user-{number}", role="user", status="active", message_id=now_bits))
+            for row in rows:
+                await repo.add(row)
+            chosen = [(row.id, row.message_id) for row in rows[:: max(1, users // traced)][:traced]]
+        registration_s = time.perf_counter() - started
+    finally:
+        await engine.dispose()
+    return Seeded(chat.api_key, chat.message_id, auditor.api_key, chosen, registration_s)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_server(settings: Settings, secret_env: str, pepper: str, port: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "XMARK_DATABASE_URL": settings.database_url,
+            "XMARK_VAR_DIR": str(settings.var_dir),
+            "XMARK_WATERMARK_SECRETS": secret_env,
+            "XMARK_API_KEY_PEPPER": pepper,
+            "XMARK_MODEL_PATH": str(settings.resolved_model_path()),
+            "XMARK_MODEL_NAME": settings.model_name,
+            "XMARK_LOG_LEVEL": "WARNING",
+            "XMARK_KEYRING_REFRESH_SECONDS": "0",
+        }
+    )
+    command = [
+        sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log",
+    ]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def _wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                error = process.stderr.read().decode(errors="replace")[-2000:] if process.stderr else ""
+                raise RuntimeError(f"the gateway exited during start-up: {error}")
+            try:
+                if (await client.get("/readyz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.25)
+    raise RuntimeError("the gateway did not become ready")
+
+
+async def _overhead(
+    base_url: str, backend: LocalBackend, stamp: WatermarkStamp, api_key: str, model: str, requests: int, max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": OVERHEAD_PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    request = GenerationRequest((ChatTurn("user", OVERHEAD_PROMPT),), max_tokens=max_tokens, temperature=0.0)
+    direct: list[float] = []
+    gateway: list[float] = []
+    authenticated: list[float] = []
+    tokens: set[tuple[int, int]] = set()
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60) as client:
+        for index in range(requests + 5):
+            started = time.perf_counter()
+            result = await backend.generate(request, stamp)
+            direct_ms = (time.perf_counter() - started) * 1000
+            started = time.perf_counter()
+            response = await client.post("/v1/chat/completions", json=body)
+            gateway_ms = (time.perf_counter() - started) * 1000
+            response.raise_for_status()
+            usage = response.json()["usage"]
+            tokens.add((usage["completion_tokens"], result.completion_tokens))
+            if index >= 5:  # warm-up excluded
+                direct.append(direct_ms)
+                gateway.append(gateway_ms)
+        # the authenticated request path alone (no model, no write), for a breakdown of the overhead
+        for index in range(requests + 5):
+            started = time.perf_counter()
+            (await client.get("/v1/models")).raise_for_status()
+            if index >= 5:
+                authenticated.append((time.perf_counter() - started) * 1000)
+    direct_p, gateway_p = _percentiles(direct), _percentiles(gateway)
+    # Paired differences (each gateway call right after its direct twin) cancel most of the
+    # drift in model time, which on a shared CPU is far larger than the gateway's own cost.
+    paired = _percentiles([g - d for g, d in zip(gateway, direct, strict=True)])
+    return {
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "completion_tokens_gateway_vs_direct": sorted(tokens),
+        "direct_ms": direct_p,
+        "gateway_ms": gateway_p,
+        "overhead_ms": {"p50": paired["p50"], "p99": paired["p99"], "mean": paired["mean"]},
+        "overhead_of_percentiles_ms": {
+            "p50": round(gateway_p["p50"] - direct_p["p50"], 3),
+            "p99": round(gateway_p["p99"] - direct_p["p99"], 3),
+        },
+        "authenticated_get_models_ms": _percentiles(authenticated),
+        "target_p50_ms": 3.0,
+        "meets_target": paired["p50"] <= 3.0,
+    }
+
+
+async def _trace_texts(backend: LocalBackend, key: WatermarkKey, users: list[tuple[int, str]], tokens: int) -> list[str]:
+    async def one(index: int, message_id: str) -> str:
+        request = GenerationRequest(
+            (ChatTurn("user", TRACE_PROMPTS[index % len(TRACE_PROMPTS)]),), max_tokens=tokens, temperature=0.8
+        )
+        result = await backend.generate(request, WatermarkStamp(key, Message.from_bits(message_id, key.params)))
+        return result.choices[0].text
+
+    return list(await asyncio.gather(*(one(i, m) for i, (_, m) in enumerate(users))))
+
+
+async def _trace_load(
+    base_url: str, api_key: str, texts: list[str], owners: list[int], concurrency: int, seconds: float
+) -> dict[str, Any]:
+    latencies: list[float] = []
+    outcomes = {"correct": 0, "wrong": 0, "unattributed": 0, "errors": 0}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30, limits=limits
+    ) as client:
+        for index in range(2 * len(texts)):  # warm-up: registry snapshot, connections
+            await client.post("/trace", json={"text": texts[index % len(texts)]})
+        deadline = time.perf_counter() + seconds
+
+        async def worker(offset: int) -> None:
+            index = offset
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                response = await client.post("/trace", json={"text": texts[index % len(texts)]})
+                latencies.append((time.perf_counter() - started) * 1000)
+                if response.status_code != 200:
+                    outcomes["errors"] += 1
+                else:
+                    attribution = response.json()["attribution"]
+                    if attribution is None:
+                        outcomes["unattributed"] += 1
+                    elif attribution["user_id"] == owners[index % len(texts)]:
+                        outcomes["correct"] += 1
+                    else:
+                        outcomes["wrong"] += 1
+                index += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    done = len(latencies)
+    return {
+        "concurrency": concurrency,
+        "duration_s": round(elapsed, 2),
+        "requests": done,
+        "throughput_rps": round(done / elapsed, 1),
+        "latency_ms": _percentiles(latencies),
+        "outcomes": outcomes,
+        "target_rps": 200,
+        "meets_target": done / elapsed >= 200,
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    secret = secrets.token_urlsafe(32)
+    pepper = secrets.token_urlsafe(32)
+    secret_env = f"bench1:{secret}"
+    with tempfile.TemporaryDirectory(prefix="xmark-bench-") as var_dir:
+        settings = Settings(
+            database_url=args.database_url,
+            var_dir=Path(var_dir),
+            watermark_secrets=SecretStr(secret_env),
+            api_key_pepper=SecretStr(pepper),
+            model_path=args.model_path.resolve(),
+        )
+        params = params_from_settings(settings)
+        key = WatermarkKey.from_secret(secret, params)
+        await _fresh_database(settings.database_url)
+        process: subprocess.Popen[bytes] | None = None
+        backend = LocalBackend(settings.resolved_model_path(), settings.model_name)
+        try:
+            seeded = await _seed(settings, pepper, args.users, args.traced_users)
+            port = _free_port()
+            base_url = f"http://127.0.0.1:{port}"
+            process = _start_server(settings, secret_env, pepper, port)
+            await backend.start()
+            if not await backend.wait_ready(300):
+                raise RuntimeError(f"the model did not load: {backend.load_error}")
+            await _wait_ready(base_url, process)
+            stamp = WatermarkStamp(key, Message.from_bits(seeded.chat_message_id, params))
+            overhead = await _overhead(
+                base_url, backend, stamp, seeded.chat_key, settings.model_name, args.requests, args.max_tokens
+            )
+            texts = await _trace_texts(backend, key, seeded.traced_users, args.trace_tokens)
+            await backend.close()
+            tokenizer = backend.tokenizer
+            assert tokenizer is not None
+            text_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+            trace = await _trace_load(
+                base_url,
+                seeded.auditor_key,
+                texts,
+                [user_id for user_id, _ in seeded.traced_users],
+                args.concurrency,
+                args.seconds,
+            )
+            trace.update({"registered_users": args.users + 2, "text_tokens": text_tokens})
+        finally:
+            await backend.close()
+            if process is not None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            if not args.keep_database:
+                await _drop_database(settings.database_url)
+    return {
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "registration": {"users": args.users, "seconds": round(seeded.registration_s, 2)},
+        "gateway_overhead": overhead,
+        "trace": trace,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.service_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object (default: indented JSON)")
+    parser.add_argument(
+        "--database-url",
+        default="postgresql+asyncpg://root@127.0.0.1:5432/xmark_bench",
+        help="database to create, use and drop (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model-path",
+        type=Path,
+        default=Path("var/models/smollm2-135m-instruct"),
+        help="model checkpoint, as built by `xmark fetch-model` (default: %(default)s)",
+    )
+    parser.add_argument("--users", type=int, default=10_000, help="registered users (default: %(default)s)")
+    parser.add_argument("--traced-users", type=int, default=4, help="users whose texts are traced")
+    parser.add_argument("--requests", type=int, default=100, help="overhead samples per path")
+    parser.add_argument("--max-tokens", type=int, default=1, help="completion tokens per overhead request")
+    parser.add_argument("--trace-tokens", type=int, default=300, help="tokens per traced text")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent /trace clients")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of the /trace load")
+    parser.add_argument("--keep-database", action="store_true", help="do not drop the database afterwards")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result = asyncio.run(run(args))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Model backends: the in-process transformers model (``local``) and, later, remote vLLM workers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from service.backends.base import (
+    Backend,
+    ChatTurn,
+    ChoiceDelta,
+    ChoiceResult,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStream,
+    WatermarkStamp,
+)
+from service.config import ConfigurationError
+
+if TYPE_CHECKING:
+    from service.config import Settings
+    from service.metrics import Metrics
+
+__all__ = [
+    "Backend",
+    "ChatTurn",
+    "ChoiceDelta",
+    "ChoiceResult",
+    "GenerationRequest",
+    "GenerationResult",
+    "GenerationStream",
+    "WatermarkStamp",
+    "build_backend",
+]
+
+
+def build_backend(settings: Settings, metrics: Metrics) -> Backend:
+    """The backend named by ``settings.backend``.
+
+    ``metrics`` is accepted for backends that report upstream figures of their own; the local
+    backend's token counts are recorded by the generation service.
+    """
+    if settings.backend == "local":
+        from service.backends.local import LocalBackend
+
+        return LocalBackend(settings.resolved_model_path(), settings.model_name)
+    raise ConfigurationError(
+        f"XMARK_BACKEND={settings.backend!r} is not available in this release; use 'local'"
+    )

@@ -1,0 +1,147 @@
+"""What the gateway asks of a model backend, and the values that cross that boundary."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from xmark_core import Message, WatermarkKey
+
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One chat completion request, already validated and normalised by the gateway.
+
+    ``temperature == 0`` means greedy decoding. ``seed`` makes sampling reproducible.
+    ``stop`` holds up to four strings; the completion is cut before the first one produced.
+    """
+
+    messages: tuple[ChatTurn, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class WatermarkStamp:
+    """The watermark every row of a generation carries: the key version and the caller's message."""
+
+    key: WatermarkKey
+    message: Message
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """Text produced for one choice since the previous delta.
+
+    ``completion_tokens`` counts the tokens generated for this choice so far (the text of every
+    one of them is covered by this and earlier deltas, except text held back at a stop string).
+    ``finish_reason`` is set on the last delta of a choice.
+    """
+
+    index: int
+    text: str
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    choices: list[ChoiceResult] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(choice.completion_tokens for choice in self.choices)
+
+
+@runtime_checkable
+class GenerationStream(Protocol):
+    """Async iterator of deltas of one running generation."""
+
+    prompt_tokens: int
+
+    def __aiter__(self) -> AsyncIterator[ChoiceDelta]: ...
+
+    async def __anext__(self) -> ChoiceDelta: ...
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); remaining choices finish as ``cancelled``."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model that the gateway serves.
+
+    ``start`` may return before the model is loaded; ``ready`` turns true once it can generate.
+    ``tokenizer`` (None until loaded) is the served model's tokenizer, which ``/trace`` uses.
+    """
+
+    model_id: str
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None: ...
+
+    async def start(self) -> None: ...
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the backend can generate (or failed to start); True when ready."""
+        ...
+
+    async def close(self) -> None: ...
+
+    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationStream:
+        """Validate and enqueue ``request``; the returned stream yields its deltas."""
+        ...
+
+    async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
+        """Run ``request`` to completion."""
+        ...
+
+
+async def collect(stream: GenerationStream, n: int) -> GenerationResult:
+    """Drain ``stream`` into a result; cancels the generation if the caller is cancelled."""
+    result = GenerationResult(prompt_tokens=stream.prompt_tokens, choices=[ChoiceResult(i) for i in range(n)])
+    try:
+        async for delta in stream:
+            choice = result.choices[delta.index]
+            choice.text += delta.text
+            choice.completion_tokens = delta.completion_tokens
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason
+    except BaseException:
+        stream.cancel()
+        raise
+    return result

@@ -1,0 +1,160 @@
+"""Jobs waiting for the model, and the per-row bookkeeping of one batched ``generate`` call.
+
+A job is one request (``n`` rows with the same prompt). Jobs with the same sampling settings and
+watermark key share a batch; each row carries its own caller's message. ``RowTracker`` runs as a
+transformers stopping criterion: after every decoding step it detokenizes each row's new token,
+applies stop strings and per-row token limits, honours cancellation, sends the text deltas to the
+waiting client and tells ``generate`` which rows are finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import StoppingCriteria
+
+from service.backends.base import ChoiceDelta, FinishReason, GenerationRequest, WatermarkStamp
+from service.backends.detokenizer import IncrementalDetokenizer
+from service.backends.stop_strings import StopStringBuffer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """Sentinel event: no more deltas for this job."""
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """Event: the generation failed; ``message`` is safe to show to the client."""
+
+    message: str
+
+
+StreamEvent = ChoiceDelta | StreamEnd | StreamFailure
+
+
+@dataclass(eq=False)
+class Job:
+    """One request waiting for, or running on, the model."""
+
+    request: GenerationRequest
+    stamp: WatermarkStamp
+    prompt_ids: list[int]
+    deliver: Callable[[StreamEvent], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rows(self) -> int:
+        return self.request.n
+
+    def batch_key(self) -> tuple[object, ...] | None:
+        """Jobs with equal keys may share a ``generate`` call; None means "run alone"."""
+        if self.request.seed is not None:
+            return None  # reproducible sampling needs the generator to itself
+        request = self.request
+        sampling = ("greedy",) if request.greedy else ("sample", request.temperature, request.top_p)
+        return (*sampling, self.stamp.key.fingerprint)
+
+
+def deliver_to_loop(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[StreamEvent]
+) -> Callable[[StreamEvent], None]:
+    """A thread-safe callback that puts events on an asyncio queue owned by ``loop``."""
+
+    def deliver(event: StreamEvent) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    return deliver
+
+
+@dataclass
+class _Row:
+    job: Job
+    choice_index: int
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    stop_buffer: StopStringBuffer
+    tokens: int = 0
+    done: bool = False
+
+
+class RowTracker(StoppingCriteria):
+    """Per-row streaming, stop strings, limits and cancellation for one batched ``generate``."""
+
+    def __init__(
+        self, jobs: Sequence[Job], tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_length: int
+    ) -> None:
+        self._rows: list[_Row] = [
+            _Row(
+                job=job,
+                choice_index=i,
+                max_tokens=job.request.max_tokens,
+                detokenizer=IncrementalDetokenizer(tokenizer),
+                stop_buffer=StopStringBuffer(job.request.stop),
+            )
+            for job in jobs
+            for i in range(job.rows)
+        ]
+        self._eos_ids = eos_ids
+        self._prompt_length = prompt_length
+        self._done = torch.zeros(len(self._rows), dtype=torch.bool)
+
+    @property
+    def all_done(self) -> bool:
+        return bool(self._done.all())
+
+    def _finish(self, row_number: int, row: _Row, reason: FinishReason, text: str = "") -> None:
+        row.done = True
+        self._done[row_number] = True
+        row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens, reason))
+
+    def _step_row(self, row_number: int, row: _Row, token_id: int) -> None:
+        if row.job.cancelled.is_set():
+            self._finish(row_number, row, "cancelled")
+            return
+        row.tokens += 1
+        if token_id in self._eos_ids:
+            tail = row.stop_buffer.push(row.detokenizer.flush())[0] + row.stop_buffer.flush()
+            self._finish(row_number, row, "stop", tail)
+            return
+        text, stopped = row.stop_buffer.push(row.detokenizer.push(token_id))
+        if stopped:
+            self._finish(row_number, row, "stop", text)
+        elif row.tokens >= row.max_tokens:
+            tail, stopped = row.stop_buffer.push(row.detokenizer.flush())
+            tail = text + tail + ("" if stopped else row.stop_buffer.flush())
+            self._finish(row_number, row, "stop" if stopped else "length", tail)
+        elif text:
+            row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object) -> torch.BoolTensor:
+        # input_ids: [rows, prompt_length + generated] int64; the last column is the newest token.
+        if input_ids.shape[1] > self._prompt_length:
+            newest = input_ids[:, -1].tolist()
+            for row_number, row in enumerate(self._rows):
+                if not row.done:
+                    self._step_row(row_number, row, int(newest[row_number]))
+        return self._done.clone()
+
+    def cancel_unfinished(self) -> None:
+        """Close rows that ``generate`` left open (it stopped for a reason of its own)."""
+        for row_number, row in enumerate(self._rows):
+            if not row.done:
+                tail, stopped = row.stop_buffer.push(row.detokenizer.flush())
+                tail += "" if stopped else row.stop_buffer.flush()
+                reason: FinishReason = "cancelled" if row.job.cancelled.is_set() else "length"
+                self._finish(row_number, row, "stop" if stopped else reason, tail)

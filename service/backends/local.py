@@ -1,0 +1,321 @@
+"""In-process transformers backend (CPU), the embedded default.
+
+One dedicated worker thread owns the model: it loads it (``ready`` flips afterwards), then takes
+jobs from a queue, groups compatible ones into one batched ``generate`` call and streams the text
+of every row back to the event loop. The event loop never runs model code. Every row carries the
+XMark watermark of its own caller's message; nobody's output is left unmarked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.backends.base import (
+    ChoiceDelta,
+    GenerationRequest,
+    GenerationResult,
+    WatermarkStamp,
+    collect,
+)
+from service.backends.batch import Job, RowTracker, StreamEnd, StreamEvent, StreamFailure, deliver_to_loop
+from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_ROWS = 8
+
+
+def default_threads() -> int:
+    """Intra-op threads for the model: every core but one.
+
+    The event loop (HTTP, database, /trace) shares the machine. If torch claimed every core, its
+    threads would spin at their barriers while the loop held one of them, and decoding slows
+    down by an order of magnitude under such contention.
+    """
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+class LocalStream:
+    """Deltas of one job, read on the event loop."""
+
+    def __init__(self, job: Job, events: asyncio.Queue[StreamEvent], prompt_tokens: int) -> None:
+        self._job = job
+        self._events = events
+        self._open_choices = job.request.n
+        self.prompt_tokens = prompt_tokens
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        if self._open_choices == 0:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if isinstance(event, StreamFailure):
+            self._open_choices = 0
+            raise UpstreamUnavailableError(event.message)
+        if isinstance(event, StreamEnd):
+            self._open_choices = 0
+            raise StopAsyncIteration
+        if event.finish_reason is not None:
+            self._open_choices -= 1
+        return event
+
+    def cancel(self) -> None:
+        self._job.cancelled.set()
+
+
+class LocalBackend:
+    """The served model, run by transformers on this machine's CPU."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        model_id: str,
+        *,
+        max_batch_rows: int = MAX_BATCH_ROWS,
+        threads: int | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self._threads = threads if threads is not None else default_threads()
+        self._model_path = model_path
+        self._max_batch_rows = max_batch_rows
+        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._model: PreTrainedModel | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._eos_ids: set[int] = set()
+        self._context_length = 0
+        self._running: list[Job] = []  # jobs of the batch on the model right now (worker thread)
+        self._loaded = threading.Event()
+        self._closing = threading.Event()
+        self.load_error: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded.is_set() and self._model is not None and not self._closing.is_set()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self._tokenizer
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="xmark-local-model", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the model is loaded (or failed to load); True when ready."""
+        await asyncio.to_thread(self._loaded.wait, timeout)
+        return self.ready
+
+    async def close(self) -> None:
+        self._closing.set()
+        for job in list(self._running):
+            job.cancelled.set()  # the batch on the model stops at its next token
+        self._inbox.put(None)
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 60.0)
+
+    def _load(self) -> None:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["TRANSFORMERS_OFFLINE"] = "1"
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(self._threads)
+        tokenizer = AutoTokenizer.from_pretrained(self._model_path, local_files_only=True)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self._tokenizer = tokenizer
+        model = AutoModelForCausalLM.from_pretrained(self._model_path, local_files_only=True, dtype=torch.float32)
+        model.eval()
+        eos = model.generation_config.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self._eos_ids = eos_ids
+        self._context_length = int(getattr(model.config, "max_position_embeddings", 2048))
+        self._warm_up(model, tokenizer)
+        self._model = model
+
+    @staticmethod
+    def _warm_up(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Run one tiny generation so the first request does not pay for lazy initialisation."""
+        import torch
+        from transformers import GenerationConfig
+
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, prompt] int64
+        config = GenerationConfig(max_new_tokens=2, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+
+    def _run(self) -> None:
+        try:
+            self._load()
+            logger.info("local model loaded", extra={"model": self.model_id})
+        except Exception as exc:  # noqa: BLE001 - reported through ready/load_error
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            logger.error("local model failed to load", extra={"model": self.model_id, "error": self.load_error})
+            return
+        finally:
+            self._loaded.set()
+        self._serve()
+
+    # -- request side (event loop) -----------------------------------------------------------
+
+    def _encode_prompt(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self._tokenizer
+        assert tokenizer is not None
+        conversation = [{"role": turn.role, "content": turn.content} for turn in request.messages]
+        encoded: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if hasattr(encoded, "keys"):
+            encoded = encoded["input_ids"]
+        return [int(token) for token in encoded]
+
+    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> LocalStream:
+        if not self.ready:
+            if self.load_error is not None:
+                raise ServiceUnavailableError("The model backend is unavailable", code="backend_failed")
+            raise ServiceUnavailableError("The model is still loading; retry shortly")
+        prompt_ids = await asyncio.to_thread(self._encode_prompt, request)
+        if len(prompt_ids) + request.max_tokens > self._context_length:
+            raise InvalidRequestError(
+                f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
+                f"the model's context length of {self._context_length} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        job = Job(request, stamp, prompt_ids, deliver_to_loop(asyncio.get_running_loop(), events))
+        self._inbox.put(job)
+        return LocalStream(job, events, len(prompt_ids))
+
+    async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
+        return await collect(await self.stream(request, stamp), request.n)
+
+    # -- worker thread -----------------------------------------------------------------------
+
+    def _next_batch(self, backlog: deque[Job]) -> list[Job] | None:
+        """Take the oldest job and every waiting job that may share its ``generate`` call."""
+        if not backlog:
+            first = self._inbox.get()
+            if first is None:
+                return None
+            backlog.append(first)
+        while True:  # gather everything already waiting, without blocking
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._inbox.put(None)  # keep the shutdown signal for the next round
+                break
+            backlog.append(item)
+        first = backlog.popleft()
+        batch, rows, key = [first], first.rows, first.batch_key()
+        if key is not None:
+            for job in list(backlog):
+                if job.batch_key() == key and rows + job.rows <= self._max_batch_rows:
+                    backlog.remove(job)
+                    batch.append(job)
+                    rows += job.rows
+        return batch
+
+    def _serve(self) -> None:
+        backlog: deque[Job] = deque()
+        while True:
+            batch = self._next_batch(backlog)
+            if batch is None or self._closing.is_set():
+                for job in [*(batch or []), *backlog]:
+                    job.deliver(StreamFailure("The model backend is shutting down"))
+                self._drain_on_shutdown()
+                return
+            live = [job for job in batch if not job.cancelled.is_set()]
+            for job in batch:
+                if job.cancelled.is_set():
+                    for index in range(job.rows):
+                        job.deliver(ChoiceDelta(index, "", 0, "cancelled"))
+            if not live:
+                continue
+            self._running = live
+            try:
+                self._generate_batch(live)
+            except Exception as exc:  # noqa: BLE001 - reported to every waiting client
+                logger.exception("generation failed", extra={"error_type": type(exc).__name__})
+                for job in live:
+                    job.deliver(StreamFailure("Generation failed in the model backend"))
+            finally:
+                self._running = []
+
+    def _drain_on_shutdown(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item.deliver(StreamFailure("The model backend is shutting down"))
+
+    def _generate_batch(self, jobs: list[Job]) -> None:
+        import torch
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        from xmark_core.hf import XMarkLogitsProcessor
+
+        model, tokenizer = self._model, self._tokenizer
+        assert model is not None and tokenizer is not None
+        first = jobs[0].request
+        pad_id = int(tokenizer.pad_token_id)
+        prompts = [job.prompt_ids for job in jobs for _ in range(job.rows)]
+        messages = [job.stamp.message for job in jobs for _ in range(job.rows)]
+        width = max(len(p) for p in prompts)
+        # input_ids / attention_mask: [rows, width] int64, left-padded
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        tracker = RowTracker(jobs, tokenizer, self._eos_ids, width)
+        config = GenerationConfig(
+            max_new_tokens=max(job.request.max_tokens for job in jobs),
+            do_sample=not first.greedy,
+            temperature=None if first.greedy else first.temperature,
+            top_p=None if first.greedy else first.top_p,
+            top_k=None if first.greedy else 0,
+            num_beams=1,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(self._eos_ids),
+        )
+        processor = XMarkLogitsProcessor(jobs[0].stamp.key, messages)
+        seed = first.seed if len(jobs) == 1 else None
+        with torch.inference_mode():
+            if seed is not None:
+                torch.manual_seed(seed)
+            try:
+                model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([processor]),
+                    stopping_criteria=StoppingCriteriaList([tracker]),
+                )
+            finally:
+                if seed is not None:
+                    torch.seed()  # later unseeded requests must not be predictable
+                tracker.cancel_unfinished()

@@ -1,0 +1,52 @@
+"""OpenAI-compatible chat completions and model listing."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from sse_starlette import EventSourceResponse
+
+from service.deps import BackendDep, KeyringDep, MetricsDep, PrincipalDep, SessionDep, SettingsDep
+from service.schemas.chat import ChatCompletion, ChatCompletionRequest, ModelList
+from service.schemas.common import ERROR_RESPONSES
+from service.services.generation import GenerationService
+
+router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES)
+
+
+def _generation(
+    session: SessionDep, settings: SettingsDep, backend: BackendDep, keyring: KeyringDep, metrics: MetricsDep
+) -> GenerationService:
+    return GenerationService(session, settings, backend, keyring, metrics)
+
+
+GenerationDep = Annotated[GenerationService, Depends(_generation)]
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(_: PrincipalDep, service: GenerationDep) -> ModelList:
+    return service.list_models()
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "A completion, or SSE chunks when stream=true",
+        }
+    },
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest, principal: PrincipalDep, service: GenerationDep
+) -> ChatCompletion | EventSourceResponse:
+    prepared = service.prepare(principal, body)
+    if not body.stream:
+        return await service.complete(prepared)
+    stream = await service.open_stream(prepared)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return EventSourceResponse(
+        service.sse_events(prepared, stream, include_usage=include_usage), sep="\n", ping=15
+    )

@@ -1,0 +1,296 @@
+"""Chat completions: validate, stamp with the caller's watermark, generate, record, respond.
+
+Every completion is watermarked with the message ID of the authenticated caller under the
+active key version; requests cannot change either. Every choice is recorded in the
+generations table (one row per choice, streamed ones included, also when the client goes away
+midway: then the row holds what was sent and the finish reason ``cancelled``). The completion
+text is kept only when ``retain_completions`` is set; its SHA-256 always is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+from sqlalchemy.ext.asyncio import AsyncSession
+from xmark_core import Message
+
+from service.backends.base import (
+    ChatTurn,
+    ChoiceResult,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStream,
+    WatermarkStamp,
+)
+from service.errors import (
+    GatewayError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+    envelope,
+)
+from service.models import Generation
+from service.repositories.generations import GenerationRepository
+from service.schemas.chat import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    ChunkDelta,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from service.schemas.common import Principal
+
+if TYPE_CHECKING:
+    from service.backends import Backend
+    from service.config import Settings
+    from service.keyring import Keyring
+    from service.metrics import Metrics
+
+OWNED_BY = "xmark-gateway"
+
+
+@dataclass(frozen=True)
+class PreparedCompletion:
+    """A validated request with the identity it is generated for."""
+
+    request_id: str
+    created: int
+    model: str
+    request: GenerationRequest
+    stamp: WatermarkStamp
+    key_version_id: int
+    principal: Principal
+
+
+@dataclass
+class _StreamTally:
+    """What has been sent to the client so far, per choice."""
+
+    choices: list[ChoiceResult] = field(default_factory=list)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class GenerationService:
+    def __init__(
+        self,
+        session: AsyncSession,
+        settings: Settings,
+        backend: Backend,
+        keyring: Keyring,
+        metrics: Metrics,
+    ) -> None:
+        self._session = session
+        self._settings = settings
+        self._backend = backend
+        self._keyring = keyring
+        self._metrics = metrics
+
+    # -- models ------------------------------------------------------------------------------
+
+    def list_models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self._backend.model_id, created=0, owned_by=OWNED_BY)])
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _max_tokens(self, body: ChatCompletionRequest) -> int:
+        limit = self._settings.max_completion_tokens
+        if body.max_completion_tokens is not None:
+            requested, param = body.max_completion_tokens, "max_completion_tokens"
+        elif body.max_tokens is not None:
+            requested, param = body.max_tokens, "max_tokens"
+        else:
+            return limit
+        if requested > limit:
+            raise InvalidRequestError(
+                f"{param} must be at most {limit} (got {requested})", param=param, code="invalid_value"
+            )
+        return requested
+
+    def prepare(self, principal: Principal, body: ChatCompletionRequest) -> PreparedCompletion:
+        """Validate ``body`` against the gateway's limits; raises before anything is generated."""
+        if body.model != self._backend.model_id:
+            raise NotFoundError(
+                f"The model '{body.model}' does not exist", param="model", code="model_not_found"
+            )
+        max_tokens = self._max_tokens(body)
+        turns = tuple(ChatTurn(message.role, message.text()) for message in body.messages)
+        prompt_chars = sum(len(turn.content) for turn in turns)
+        if prompt_chars > self._settings.max_prompt_chars:
+            raise InvalidRequestError(
+                f"The messages total {prompt_chars} characters; the limit is "
+                f"{self._settings.max_prompt_chars}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if not self._backend.ready:
+            raise ServiceUnavailableError("The model is still loading; retry shortly")
+        handle = self._keyring.active()
+        message = Message.from_bits(principal.message_id, handle.key.params)
+        request = GenerationRequest(
+            messages=turns,
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            n=body.n or 1,
+            stop=body.stop_strings(),
+            seed=body.seed,
+        )
+        return PreparedCompletion(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self._backend.model_id,
+            request=request,
+            stamp=WatermarkStamp(handle.key, message),
+            key_version_id=handle.id,
+            principal=principal,
+        )
+
+    # -- recording ---------------------------------------------------------------------------
+
+    async def _record(
+        self, prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult], *, streamed: bool
+    ) -> None:
+        repo = GenerationRepository(self._session)
+        retain = self._settings.retain_completions
+        for choice in choices:
+            finish_reason = choice.finish_reason or "cancelled"
+            await repo.add(
+                Generation(
+                    request_id=prepared.request_id,
+                    user_id=prepared.principal.user_id,
+                    key_version_id=prepared.key_version_id,
+                    model=prepared.model,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=choice.completion_tokens,
+                    finish_reason=finish_reason,
+                    streamed=streamed,
+                    completion_sha256=_sha256(choice.text),
+                    completion_text=choice.text if retain else None,
+                )
+            )
+            self._metrics.generations.labels(finish_reason=finish_reason).inc()
+        self._metrics.tokens_generated.labels(kind="prompt").inc(prompt_tokens)
+        self._metrics.tokens_generated.labels(kind="completion").inc(
+            sum(choice.completion_tokens for choice in choices)
+        )
+
+    # -- non-streamed ------------------------------------------------------------------------
+
+    async def complete(self, prepared: PreparedCompletion) -> ChatCompletion:
+        result: GenerationResult = await self._backend.generate(prepared.request, prepared.stamp)
+        await self._record(prepared, result.prompt_tokens, result.choices, streamed=False)
+        completion_tokens = result.completion_tokens
+        return ChatCompletion(
+            id=prepared.request_id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=[
+                Choice(
+                    index=choice.index,
+                    message=AssistantMessage(content=choice.text),
+                    finish_reason=choice.finish_reason,
+                )
+                for choice in result.choices
+            ],
+            usage=Usage(
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=result.prompt_tokens + completion_tokens,
+            ),
+        )
+
+    # -- streamed ----------------------------------------------------------------------------
+
+    async def open_stream(self, prepared: PreparedCompletion) -> GenerationStream:
+        """Enqueue the generation; errors (not ready, context too long) surface here, before any byte is sent."""
+        return await self._backend.stream(prepared.request, prepared.stamp)
+
+    def _chunk(
+        self,
+        prepared: PreparedCompletion,
+        choices: list[ChunkChoice],
+        *,
+        include_usage: bool,
+        usage: Usage | None = None,
+    ) -> str:
+        chunk = ChatCompletionChunk(
+            id=prepared.request_id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
+        )
+        payload = chunk.model_dump(mode="json", exclude={"choices"})
+        if not include_usage:
+            payload.pop("usage")
+        payload["choices"] = [
+            {
+                "index": c.index,
+                "delta": c.delta.model_dump(mode="json", exclude_none=True),
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+    async def sse_events(
+        self, prepared: PreparedCompletion, stream: GenerationStream, *, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """The ``data:`` payloads of the SSE response, ending with ``[DONE]``.
+
+        The generation is recorded when the stream ends for any reason; if the client leaves
+        midway the backend is told to stop and the record holds what was sent.
+        """
+        n = prepared.request.n
+        tally = _StreamTally([ChoiceResult(i) for i in range(n)])
+        try:
+            yield self._chunk(
+                prepared,
+                [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(n)],
+                include_usage=include_usage,
+            )
+            try:
+                async for delta in stream:
+                    choices = []
+                    if delta.text:
+                        choices.append(ChunkChoice(index=delta.index, delta=ChunkDelta(content=delta.text)))
+                    if delta.finish_reason is not None:
+                        choices.append(
+                            ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=delta.finish_reason)
+                        )
+                    if choices:
+                        yield self._chunk(prepared, choices, include_usage=include_usage)
+                    choice = tally.choices[delta.index]
+                    choice.text += delta.text
+                    choice.completion_tokens = delta.completion_tokens
+                    choice.finish_reason = delta.finish_reason
+            except GatewayError as error:  # the backend failed midway: tell the client in-band
+                for choice in tally.choices:
+                    choice.finish_reason = choice.finish_reason or "error"
+                yield json.dumps(envelope(error.message, type_=error.type, code=error.code))
+                return
+            if include_usage:
+                completion_tokens = sum(c.completion_tokens for c in tally.choices)
+                usage = Usage(
+                    prompt_tokens=stream.prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=stream.prompt_tokens + completion_tokens,
+                )
+                yield self._chunk(prepared, [], include_usage=True, usage=usage)
+            yield "[DONE]"
+        finally:
+            stream.cancel()  # no-op when the generation already finished
+            with anyio.CancelScope(shield=True):
+                await self._record(prepared, stream.prompt_tokens, tally.choices, streamed=True)

@@ -1,0 +1,201 @@
+"""POST /trace: roles, validation, the report, attribution (tombstones included), key versions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from xmark_core import Message
+
+from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
+from service.models import Trace
+from service.services.registry_cache import RegistryCache
+
+MODEL = "smollm2-135m-instruct"
+ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test rolls back its users; make the cache look at the table on every trace."""
+    monkeypatch.setattr(app.state.registry_cache, "check_interval", 0.0)
+
+
+@pytest.fixture
+async def ready(app: Any) -> None:
+    assert await app.state.backend.wait_ready(180), "the local model did not load"
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _trace_count(session: AsyncSession) -> int:
+    return int(await session.scalar(select(func.count()).select_from(Trace)) or 0)
+
+
+async def _watermarked_text(app: Any, message_bits: str, *, key_version: str | None = None, tokens: int = 200) -> str:
+    keyring = app.state.keyring
+    handle = keyring.active() if key_version is None else next(h for h in keyring.usable() if h.name == key_version)
+    stamp = WatermarkStamp(handle.key, Message.from_bits(message_bits, handle.key.params))
+    request = GenerationRequest((ChatTurn("user", ESSAY),), max_tokens=tokens, temperature=0.8, seed=7)
+    result = await app.state.backend.generate(request, stamp)
+    return result.choices[0].text
+
+
+async def test_trace_needs_the_auditor_or_admin_role(
+    client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any
+) -> None:
+    _, user_key = await make_user("user")
+    before = await _trace_count(db_session)
+    denied = await client.post("/trace", json={"text": "some text here"}, headers=_auth(user_key))
+    assert denied.status_code == 403
+    assert denied.json()["error"]["type"] == "permission_error"
+    anonymous = await client.post("/trace", json={"text": "some text here"})
+    assert anonymous.status_code == 401
+    assert await _trace_count(db_session) == before
+
+
+async def test_bad_trace_requests_write_nothing(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, ready: None
+) -> None:
+    _, key = await make_user("auditor")
+    limit = app.state.settings.max_trace_chars
+    cases: list[tuple[dict[str, Any], int, str | None]] = [
+        ({"text": "a" * (limit + 1)}, 413, "text"),
+        ({"text": ""}, 422, "text"),
+        ({}, 422, "text"),
+        ({"text": "hello there", "model": "gpt-4o"}, 404, "model"),
+        ({"text": "hello there", "include_tokens": "sometimes"}, 422, "include_tokens"),
+    ]
+    before = await _trace_count(db_session)
+    for body, status, param in cases:
+        response = await client.post("/trace", json=body, headers=_auth(key))
+        assert response.status_code == status, (body.keys(), response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param
+    assert await _trace_count(db_session) == before
+
+
+async def test_short_text_is_reported_unwatermarked_and_recorded(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, ready: None
+) -> None:
+    auditor, key = await make_user("auditor")
+    before = await _trace_count(db_session)
+    response = await client.post("/trace", json={"text": "Hi", "include_tokens": True}, headers=_auth(key))
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["watermarked"] is False
+    assert report["scored_tokens"] == 0
+    assert report["attribution"] is None
+    assert report["p_value"] == 1.0
+    assert len(report["blocks"]) == app.state.keyring.params.num_blocks
+    assert report["tokens"] and all(t["block"] is None for t in report["tokens"])
+    assert await _trace_count(db_session) == before + 1
+    row = (await db_session.scalars(select(Trace).order_by(Trace.id.desc()).limit(1))).one()
+    assert row.requester_id == auditor["user_id"]
+    assert row.verdict == "not_watermarked"
+    assert row.attributed_user_id is None
+
+
+async def test_generated_text_is_attributed_even_after_the_user_is_deleted(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, admin_key: str, ready: None
+) -> None:
+    target, _ = await make_user("user", "target-user")
+    other, _ = await make_user("user", "other-user")
+    _, auditor_key = await make_user("auditor")
+    text = await _watermarked_text(app, target["message_id"])
+    before = await _trace_count(db_session)
+    metric = app.state.metrics.trace_verdicts.labels(verdict="watermarked", attributed="yes")
+    counted = metric._value.get()
+
+    response = await client.post(
+        "/trace", json={"text": text, "model": MODEL, "include_tokens": True}, headers=_auth(auditor_key)
+    )
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["watermarked"] is True
+    assert report["p_value"] < 1e-3
+    assert report["key_version"] == app.state.keyring.active().name
+    assert report["scored_tokens"] > 100
+    attribution = report["attribution"]
+    assert attribution is not None
+    assert attribution["user_id"] == target["user_id"]
+    assert attribution["name"] == "target-user"
+    assert attribution["p_value"] < 1e-3
+    assert 0.0 < attribution["confidence"] <= 1.0
+    candidates = report["candidates"]
+    assert 1 <= len(candidates) <= 5
+    assert candidates[0]["user_id"] == target["user_id"]
+    assert other["user_id"] not in [c["user_id"] for c in candidates[:1]]
+    assert [c["score"] for c in candidates] == sorted((c["score"] for c in candidates), reverse=True)
+    bits = app.state.keyring.params.bits
+    assert len(report["decoded_message"]) == bits
+    assert candidates[0]["hamming"] == sum(
+        a != b for a, b in zip(report["decoded_message"], target["message_id"], strict=True)
+    )
+    blocks = report["blocks"]
+    assert [b["index"] for b in blocks] == list(range(app.state.keyring.params.num_blocks))
+    assert sum(sum(b["counts"]) for b in blocks) >= report["scored_tokens"]
+    tokens = report["tokens"]
+    tokenizer = app.state.backend.tokenizer
+    assert [t["id"] for t in tokens] == tokenizer.encode(text, add_special_tokens=False)
+    assert tokens[0]["block"] is None and tokens[1]["block"] is None
+    scored = [t for t in tokens if t["block"] is not None]
+    assert len(scored) == report["scored_tokens"]
+    assert all(0 <= t["block"] < len(blocks) and len(t["shards"]) == app.state.keyring.params.num_keys for t in scored)
+    assert "".join(t["text"] for t in tokens) == text
+
+    row = (await db_session.scalars(select(Trace).order_by(Trace.id.desc()).limit(1))).one()
+    assert row.verdict == "watermarked"
+    assert row.attributed_user_id == target["user_id"]
+    assert row.key_version_id == app.state.keyring.active().id
+    assert metric._value.get() == counted + 1
+
+    deleted = await client.delete(f"/admin/users/{target['user_id']}", headers=_auth(admin_key))
+    assert deleted.status_code == 200, deleted.text
+    again = await client.post("/trace", json={"text": text}, headers=_auth(auditor_key))
+    assert again.status_code == 200
+    assert again.json()["attribution"]["user_id"] == target["user_id"]
+    assert "tokens" not in again.json() or again.json()["tokens"] is None
+    assert await _trace_count(db_session) == before + 2
+
+
+async def test_every_usable_key_version_is_tried(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
+) -> None:
+    handles = app.state.keyring.usable()
+    assert len(handles) >= 2, "the test settings configure two key versions"
+    other_version = next(h for h in handles if h.id != app.state.keyring.active().id)
+    target, _ = await make_user("user")
+    _, auditor_key = await make_user("auditor")
+    text = await _watermarked_text(app, target["message_id"], key_version=other_version.name)
+    response = await client.post("/trace", json={"text": text}, headers=_auth(auditor_key))
+    report = response.json()
+    assert report["key_version"] == other_version.name
+    assert report["watermarked"] is True
+    assert report["attribution"]["user_id"] == target["user_id"]
+
+
+async def test_registry_cache_reloads_only_when_users_change(app: Any, db_session: AsyncSession, make_user: Any) -> None:
+    cache = RegistryCache(app.state.sessionmaker, app.state.keyring.params, check_interval=0.0)
+    first = await cache.snapshot(db_session)
+    assert cache.reloads == 1
+    assert await cache.snapshot(db_session) is first
+    assert cache.reloads == 1
+    created, _ = await make_user("user")
+    refreshed = await cache.snapshot(db_session)
+    assert cache.reloads == 2
+    assert len(refreshed) == len(first) + 1
+    assert created["user_id"] in refreshed.users
+
+    throttled = RegistryCache(app.state.sessionmaker, app.state.keyring.params, check_interval=3600.0)
+    snapshot = await throttled.snapshot(db_session)
+    await make_user("user")
+    assert await throttled.snapshot(db_session) is snapshot  # within the interval: no query at all
+    throttled.invalidate()
+    assert len(await throttled.snapshot(db_session)) == len(snapshot) + 1
