@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .attribution import Attribution, CandidateScore, CandidateSet, attribute
+from .attribution import DEFAULT_MIN_CONFIDENCE, Attribution, CandidateScore, CandidateSet, attribute
 from .decoder import DecodeResult, decode, null_inclusion_probability
 from .detect import DEFAULT_ALPHA, Detection, detect, warm_null_cache
 from .hashing import block_index, context_multipliers, shard, token_codes
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_ALPHA",
+    "DEFAULT_MIN_CONFIDENCE",
     "SCHEMES",
     "Attribution",
     "CandidateScore",

@@ -12,6 +12,12 @@ is that LLR (nats) with q1 fitted to the best candidate. Calibration:
   model with a uniform prior -- how sure we are it is this user and not another one.
 * ``margin``: LLR of the best minus LLR of the runner-up (nats).
 
+The best candidate is *named* only when p_value < alpha and confidence >= min_confidence (0.99
+by default). The fitted model under-states how much a wrong block costs a candidate (it scores
+other cells at the null rate, while under the watermark they are boosted), so the posterior is
+conservative. On a synthetic LM with 10,000 allocated 16-bit IDs and 150-token texts, naming at
+p < 1e-3 alone named 2 wrong users of 48; with the confidence rule none of 34 named was wrong.
+
 Because the best candidate is chosen by H_m rather than by exact bit agreement, a user is still
 named when a few blocks decode wrongly.
 """
@@ -29,6 +35,7 @@ from .message import bits_to_blocks
 from .null import binomial_log_cdf
 from .params import WatermarkParams
 
+DEFAULT_MIN_CONFIDENCE = 0.99
 
 class CandidateSet:
     """Registered messages, packed for scoring: two blocks per byte-sized code (D**2 <= 256)."""
@@ -91,9 +98,17 @@ def attribute(
     *,
     top: int = 5,
     alpha: float = DEFAULT_ALPHA,
+    min_confidence: float = DEFAULT_MIN_CONFIDENCE,
 ) -> Attribution:
-    """Score every candidate against the decoded matrix; name the best one if p_value < alpha and it
-    beats the runner-up (an exact tie between two registered IDs names nobody)."""
+    """Score every candidate against the decoded matrix.
+
+    The best candidate is named (``best``) only if the text is unlikely to be unwatermarked
+    (``p_value < alpha``) AND the best is much likelier than every other registered ID
+    (``confidence >= min_confidence``): in a dense registry neighbouring IDs differ in one or two
+    blocks, and a short text can fit a neighbour almost as well as the author.
+    """
+    if not 0.0 <= min_confidence <= 1.0:
+        raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ValueError("candidate messages do not match the decoder's message length")
@@ -136,8 +151,9 @@ def attribute(
     else:
         margin = best_score
     p_best = float(p_values[0])
-    best = out[0] if p_best < alpha and margin > 0 else None  # an exact tie names nobody
-    return Attribution(out, best, p_best, float(posterior[order[0]]), margin)
+    confidence = float(posterior[order[0]])
+    named = p_best < alpha and margin > 0 and confidence >= min_confidence  # an exact tie names nobody
+    return Attribution(out, out[0] if named else None, p_best, confidence, margin)
 
 
 def _hamming_blocks(candidate: np.ndarray, decoded: np.ndarray, params: WatermarkParams) -> int:

@@ -24,7 +24,7 @@ from .null import ROW_SAMPLES, RowNull, _seed, row_null, sigma_tail, sum_pmf
 from .params import WatermarkParams
 
 DEFAULT_ALPHA = 1e-3
-SIGMA_RESAMPLES = 10_000
+SIGMA_RESAMPLES = 4_000
 P_VALUE_FLOOR = 1.0 / ROW_SAMPLES
 
 

@@ -106,9 +106,10 @@ def sigma_tail(rows: list[RowNull], num_blocks: int, observed: float, samples: i
     if not rows:
         return 1.0
     rng = np.random.default_rng(seed)
+    picks = rng.integers(0, SIGMA_SAMPLES, size=(len(rows), samples), dtype=np.int32)  # [rows, samples]
     total = np.zeros(samples)
-    for row in rows:
-        total += row.sigma[rng.integers(0, row.sigma.size, size=samples)]
+    for row, pick in zip(rows, picks):
+        total += row.sigma[pick]
     sims = total / num_blocks
     exceed = int(np.count_nonzero(sims >= observed - 1e-12))
     return (exceed + 1) / (samples + 1)

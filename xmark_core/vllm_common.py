@@ -66,15 +66,12 @@ def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
         if not sep or not secret:
             raise WorkerConfigError(f"{source}: every entry must look like name:secret")
         if not KEY_VERSION_NAME.match(name):
-            raise WorkerConfigError(
-                f"{source}: a key version name must match {KEY_VERSION_NAME.pattern}"
-            )
+            raise WorkerConfigError(f"{source}: a key version name must match {KEY_VERSION_NAME.pattern}")
         if name in entries:
             raise WorkerConfigError(f"{source}: key version {name!r} is listed twice")
         if len(secret.encode()) < MIN_SECRET_BYTES:
             raise WorkerConfigError(
-                f"{source}: the secret of key version {name!r} is shorter than "
-                f"{MIN_SECRET_BYTES} bytes"
+                f"{source}: the secret of key version {name!r} is shorter than {MIN_SECRET_BYTES} bytes"
             )
         entries[name] = secret.encode()
     if not entries:
@@ -82,8 +79,8 @@ def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
     return entries
 
 
-def _int_setting(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name)
+def _int_setting(variables: Mapping[str, str], name: str, default: int) -> int:
+    raw = variables.get(name)
     if raw is None or not raw.strip():
         return default
     try:
@@ -92,8 +89,8 @@ def _int_setting(environ: Mapping[str, str], name: str, default: int) -> int:
         raise WorkerConfigError(f"{name} must be an integer") from None
 
 
-def _float_setting(environ: Mapping[str, str], name: str, default: float) -> float:
-    raw = environ.get(name)
+def _float_setting(variables: Mapping[str, str], name: str, default: float) -> float:
+    raw = variables.get(name)
     if raw is None or not raw.strip():
         return default
     try:
@@ -120,10 +117,10 @@ class WorkerKeyring:
         return cls(params, names, tuple(WatermarkKey.from_secret(secrets[n], params) for n in names))
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> WorkerKeyring:
-        """Read the secrets and parameters from ``environ`` (see the module docstring)."""
-        inline = environ.get(ENV_SECRETS, "").strip()
-        path = environ.get(ENV_SECRETS_FILE, "").strip()
+    def from_variables(cls, variables: Mapping[str, str]) -> WorkerKeyring:
+        """Read the secrets and parameters from ``variables`` (the process environment at start-up)."""
+        inline = variables.get(ENV_SECRETS, "").strip()
+        path = variables.get(ENV_SECRETS_FILE, "").strip()
         if inline and path:
             raise WorkerConfigError(f"set either {ENV_SECRETS} or {ENV_SECRETS_FILE}, not both")
         if inline:
@@ -132,9 +129,7 @@ class WorkerKeyring:
             try:
                 text = Path(path).read_text(encoding="utf-8")
             except OSError as exc:
-                raise WorkerConfigError(
-                    f"cannot read {ENV_SECRETS_FILE} {path}: {exc.strerror}"
-                ) from None
+                raise WorkerConfigError(f"cannot read {ENV_SECRETS_FILE} {path}: {exc.strerror}") from None
             secrets = parse_secret_entries(text, source=f"{ENV_SECRETS_FILE} {path}")
         else:
             raise WorkerConfigError(
@@ -143,10 +138,10 @@ class WorkerKeyring:
             )
         try:
             params = WatermarkParams(
-                bits=_int_setting(environ, ENV_BITS, 16),
-                block_bits=_int_setting(environ, ENV_BLOCK_BITS, 2),
-                num_keys=_int_setting(environ, ENV_NUM_KEYS, 2),
-                delta=_float_setting(environ, ENV_DELTA, 2.0),
+                bits=_int_setting(variables, ENV_BITS, 16),
+                block_bits=_int_setting(variables, ENV_BLOCK_BITS, 2),
+                num_keys=_int_setting(variables, ENV_NUM_KEYS, 2),
+                delta=_float_setting(variables, ENV_DELTA, 2.0),
             )
         except (TypeError, ValueError) as exc:
             raise WorkerConfigError(f"invalid watermark parameters: {exc}") from None
@@ -160,13 +155,13 @@ class WorkerKeyring:
 
     def describe(self) -> str:
         """Key version names with fingerprint prefixes (safe to log)."""
-        return ", ".join(f"{n} ({k.fingerprint[:12]})" for n, k in zip(self.names, self.keys))
+        return ", ".join(f"{n} ({k.fingerprint[:12]})" for n, k in zip(self.names, self.keys, strict=True))
 
 
 @functools.cache
 def worker_keyring() -> WorkerKeyring:
     """The keyring of this process, read from its environment once (start-up)."""
-    return WorkerKeyring.from_environ(os.environ)
+    return WorkerKeyring.from_variables(os.environ)  # the worker's one read of its environment
 
 
 @dataclass(frozen=True)
@@ -193,12 +188,13 @@ def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) 
     unknown = sorted(ours - KNOWN_XARGS)
     if unknown:
         raise ValueError(
-            f"unknown XMark argument(s) {', '.join(unknown)}; expected exactly "
-            f"{XARG_MESSAGE} and {XARG_KEY_VERSION}"
+            f"unknown XMark argument(s) {', '.join(unknown)}; expected exactly {XARG_MESSAGE} and {XARG_KEY_VERSION}"
         )
     missing = sorted(KNOWN_XARGS - ours)
     if missing:
-        raise ValueError(f"XMark argument {missing[0]} is missing (both {XARG_MESSAGE} and {XARG_KEY_VERSION} are required)")
+        raise ValueError(
+            f"XMark argument {missing[0]} is missing (both {XARG_MESSAGE} and {XARG_KEY_VERSION} are required)"
+        )
     params = keyring.params
     message = extra_args[XARG_MESSAGE]
     if not isinstance(message, str) or len(message) != params.bits or message.strip("01"):

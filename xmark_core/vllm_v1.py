@@ -59,6 +59,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
         keyring = worker_keyring()
         self._keyring = keyring
         self._device = device
+        self._pin = is_pin_memory and device.type != "cpu"
         self._watermarkers = [TorchWatermarker(key) for key in keyring.keys]
         rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
         r = keyring.params.num_blocks
@@ -135,6 +136,13 @@ class XMarkLogitsProcessor(LogitsProcessor):
 
     # -- sampling step -----------------------------------------------------------------------
 
+    def _to_device(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+        """A small host array on the logits' device; pinned + non-blocking on GPUs (no host sync)."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if not self._pin:
+            return host.to(device)
+        return host.pin_memory().to(device, non_blocking=True)  # the pinned copy lives until copied
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: float [B, V], row i = persistent-batch row i. Modified in place and returned."""
         batch = logits.shape[0]
@@ -147,11 +155,11 @@ class XMarkLogitsProcessor(LogitsProcessor):
         active = self._active[:batch] & (context >= 0).all(axis=1)  # placeholders: skip this step
         keys = self._key[:batch]
         device = logits.device
-        context_t = torch.from_numpy(context).to(device)
-        blocks_t = torch.from_numpy(self._blocks[:batch]).to(device)
+        context_t = self._to_device(context, device)
+        blocks_t = self._to_device(self._blocks[:batch], device)
         for key_index in np.unique(keys[active]):
             rows_of_key = active & (keys == key_index)
             self._watermarkers[int(key_index)].apply(
-                logits, context_t, blocks_t, torch.from_numpy(rows_of_key).to(device), inplace=True
+                logits, context_t, blocks_t, self._to_device(rows_of_key, device), inplace=True
             )
         return logits

@@ -13,7 +13,9 @@ non-blocking copy and scatters them on the device. ``apply`` then works on the d
 * context (x[t-2], x[t-1]) = ``req_states.all_token_ids[slot, total_len-2 : total_len]``: the
   runner appends each sampled token to that history on the device (``post_update``) before the
   next step's sampler runs, so async scheduling has no placeholders to wait for, and on
-  resumption the history holds prompt + output so far;
+  resumption the history holds prompt + output so far; prefix caching only skips computing
+  cached prompt tokens, the runner still stages the whole prompt into the history;
+* ``n > 1`` arrives as n requests (slots) sharing copies of the same sampling params;
 * one call of the encoder op for the whole batch (one per key version present in the batch:
   one in steady state, two while a rotation is in flight).
 

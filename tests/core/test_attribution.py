@@ -193,3 +193,56 @@ def test_a_tie_between_two_registered_users_names_nobody() -> None:
             found += 1
             assert a.best is None, "named one of two equally likely users"
     assert found >= 1
+
+
+def test_naming_requires_p_value_margin_and_confidence() -> None:
+    """best is set exactly when p < alpha, the best beats the runner-up, and confidence >= min_confidence."""
+    import random
+
+    from xmark_core import MessageAllocator, WatermarkKey, WatermarkParams
+
+    from .synthetic import generate
+
+    params = WatermarkParams(bits=16)
+    key = WatermarkKey.from_secret("naming-rule-secret-0123", params)
+    allocator = MessageAllocator([], params, random.Random(7))
+    messages = [allocator.allocate() for _ in range(2000)]
+    candidates = CandidateSet([m.bits for m in messages], list(range(len(messages))), params)
+    tokens = generate(key, messages[:24], 60, seed=11).tokens[:, 2:]
+    seen_unnamed_for_confidence = False
+    for row in tokens:
+        result = decode(row, key)
+        for threshold in (0.0, 0.99):
+            got = attribute(result, candidates, min_confidence=threshold)
+            expected = got.p_value < 1e-3 and got.margin > 0 and got.confidence >= threshold
+            assert (got.best is not None) == expected
+            if got.p_value < 1e-3 and got.margin > 0 and got.confidence < 0.99 and threshold == 0.99:
+                seen_unnamed_for_confidence = True
+    assert seen_unnamed_for_confidence, "short texts in a dense registry should include uncertain cases"
+
+
+def test_dense_registry_names_no_wrong_user_by_default() -> None:
+    """10,000 allocated 16-bit IDs (neighbours ~2 bits apart), 150-token texts: the confidence rule
+    keeps wrong users from being named, while most authors are still named."""
+    import random
+
+    from xmark_core import MessageAllocator, WatermarkKey, WatermarkParams
+
+    from .synthetic import generate
+
+    params = WatermarkParams(bits=16)
+    key = WatermarkKey.from_secret("dense-registry-secret-01", params)
+    allocator = MessageAllocator([], params, random.Random(1))
+    messages = [allocator.allocate() for _ in range(10_000)]
+    candidates = CandidateSet([m.bits for m in messages], list(range(len(messages))), params)
+    rng = np.random.default_rng(3)
+    users = rng.choice(len(messages), 48, replace=False)
+    tokens = generate(key, [messages[u] for u in users], 150, seed=154).tokens[:, 2:]
+    named = wrong = 0
+    for user, row in zip(users, tokens):
+        best = attribute(decode(row, key), candidates).best
+        if best is not None:
+            named += 1
+            wrong += best.id != user
+    assert wrong <= 1
+    assert named >= 24
