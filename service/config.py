@@ -13,10 +13,10 @@ import secrets as _secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.security import ApiKeyFormatError, parse_api_key
 
@@ -104,6 +104,10 @@ class Settings(BaseSettings):
     api_key_pepper: SecretStr | None = None
 
     backend: Literal["local", "vllm"] = "local"
+    vllm_urls: Annotated[list[str], NoDecode] = []
+    vllm_timeout_s: float = 60.0
+    vllm_health_interval_s: float = 5.0
+    vllm_api_key: SecretStr | None = None
     model_path: Path | None = None
     model_name: str = "smollm2-135m-instruct"
     retain_completions: bool = False
@@ -120,6 +124,28 @@ class Settings(BaseSettings):
     trace_alpha: float = 1e-3
     keyring_refresh_seconds: float = 30.0
     database_pool_size: int = 10
+
+    @field_validator("vllm_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
+
+    @field_validator("vllm_urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError("every worker URL must start with http:// or https://")
+        return value
+
+    @field_validator("vllm_timeout_s", "vllm_health_interval_s")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
 
     @field_validator("log_level")
     @classmethod

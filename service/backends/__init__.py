@@ -43,6 +43,17 @@ def build_backend(settings: Settings, metrics: Metrics) -> Backend:
         from service.backends.local import LocalBackend
 
         return LocalBackend(settings.resolved_model_path(), settings.model_name)
-    raise ConfigurationError(
-        f"XMARK_BACKEND={settings.backend!r} is not available in this release; use 'local'"
-    )
+    if settings.backend == "vllm":
+        from service.backends.vllm import VllmBackend
+
+        if not settings.vllm_urls:
+            raise ConfigurationError("XMARK_BACKEND=vllm needs XMARK_VLLM_URLS (comma-separated worker URLs)")
+        return VllmBackend(
+            settings.vllm_urls,
+            settings.model_name,
+            settings.resolved_model_path(),
+            timeout_s=settings.vllm_timeout_s,
+            api_key=None if settings.vllm_api_key is None else settings.vllm_api_key.get_secret_value(),
+            health_interval_s=settings.vllm_health_interval_s,
+        )
+    raise ConfigurationError(f"XMARK_BACKEND={settings.backend!r} is not a known backend; use 'local' or 'vllm'")

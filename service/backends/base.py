@@ -48,6 +48,7 @@ class WatermarkStamp:
 
     key: WatermarkKey
     message: Message
+    key_version: str = ""  # the key version's name; remote workers look the secret up by it
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class GenerationService:
             created=int(time.time()),
             model=self._backend.model_id,
             request=request,
-            stamp=WatermarkStamp(handle.key, message),
+            stamp=WatermarkStamp(handle.key, message, handle.name),
             key_version_id=handle.id,
             principal=principal,
         )

@@ -126,14 +126,17 @@ def analyze_text(
             ]
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
+    # Trying several key versions is several tests: Bonferroni-correct the level and the p-values.
+    tries = len(versions)
+    alpha_each = alpha / tries
     best: _Reading | None = None
     for handle in versions:
         result = decode(ids, handle.key, skip_ids=special, per_token=include_tokens)
         reading = _Reading(
             handle,
             result,
-            detect(result, alpha=alpha),
-            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha),
+            detect(result, alpha=alpha_each),
+            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha_each),
         )
         if best is None or reading.strength < best.strength:
             best = reading
@@ -148,7 +151,7 @@ def analyze_text(
     attributed = attribution.best
     report = TraceReport(
         watermarked=detection.is_watermarked,
-        p_value=detection.p_value,
+        p_value=min(1.0, detection.p_value * tries),
         statistic=detection.statistic,
         scored_tokens=result.scored_tokens,
         key_version=best.handle.name,
@@ -170,14 +173,14 @@ def analyze_text(
             user_id=int(attributed.id),  # type: ignore[call-overload]
             name=name_of(attributed.id),
             confidence=attribution.confidence,
-            p_value=attributed.p_value,
+            p_value=min(1.0, attributed.p_value * tries),
         ),
         candidates=[
             CandidateReport(
                 user_id=int(c.id),  # type: ignore[call-overload]
                 name=name_of(c.id),
                 score=c.score,
-                p_value=c.p_value,
+                p_value=min(1.0, c.p_value * tries),
                 hamming=c.hamming,
             )
             for c in attribution.candidates

@@ -1,0 +1,454 @@
+"""Remote vLLM workers (``XMARK_BACKEND=vllm``): the gateway's client side.
+
+Each worker is a ``vllm serve`` OpenAI server running the XMark logits processor
+(``xmark_core.vllm_v1`` / ``xmark_core.vllm_v2``). The gateway keeps one httpx AsyncClient per
+worker, sends each request to the healthy worker with the fewest requests in flight, and
+streams the worker's SSE deltas through as they arrive.
+
+* The watermark is the gateway's decision: the upstream body is built from the validated
+  request alone, with the gateway's own ``vllm_xargs`` (the caller's message and the key
+  version's name). Nothing the client sent is forwarded verbatim, so a client-supplied
+  ``vllm_xargs`` never reaches a worker.
+* Health: a background task polls every worker's ``/health``; a worker that fails a check or a
+  connection is taken out of rotation and comes back once a check passes.
+* Failures: no worker reachable -> 503 ``upstream_unavailable``; no answer within the timeout
+  -> 504 ``upstream_timeout``. A request is retried on another worker only while nothing has
+  been generated for it (connection refused or reset before the first token); once tokens
+  have streamed it is never retried.
+* ``/trace`` uses the tokenizer loaded from the same local checkpoint the workers serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from service.backends.base import (
+    ChoiceDelta,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    WatermarkStamp,
+    collect,
+)
+from service.errors import (
+    GatewayError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
+    scrub,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+XARG_MESSAGE = "xmark_message"  # the names xmark_core.vllm_common expects
+XARG_KEY_VERSION = "xmark_key_version"
+CHAT_PATH = "/v1/chat/completions"
+HEALTH_PATH = "/health"
+HEALTH_TIMEOUT_S = 2.0
+MAX_UPSTREAM_ERROR_CHARS = 500
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def _origin(url: str) -> str:
+    """scheme://host:port of a worker URL, for log lines (never credentials or paths)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
+
+
+@dataclass
+class Worker:
+    """One upstream vLLM server and what the gateway knows about it."""
+
+    url: str
+    client: httpx.AsyncClient
+    healthy: bool = False
+    in_flight: int = 0
+    served: int = 0
+
+    @property
+    def origin(self) -> str:
+        return _origin(self.url)
+
+
+class WorkerPool:
+    """The workers, their health, and least-in-flight selection."""
+
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        if not workers:
+            raise ValueError("at least one vLLM worker URL is required")
+        self.workers = list(workers)
+
+    def pick(self, exclude: set[str]) -> Worker | None:
+        """The healthy worker with the fewest requests in flight (then the least used)."""
+        candidates = [w for w in self.workers if w.healthy and w.url not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (w.in_flight, w.served))
+
+    def mark(self, worker: Worker, healthy: bool) -> None:
+        if worker.healthy != healthy:
+            logger.warning(
+                "vLLM worker %s",
+                "back in rotation" if healthy else "taken out of rotation",
+                extra={"worker": worker.origin},
+            )
+        worker.healthy = healthy
+
+    async def check(self, worker: Worker) -> bool:
+        try:
+            response = await worker.client.get(HEALTH_PATH, timeout=HEALTH_TIMEOUT_S)
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        self.mark(worker, ok)
+        return ok
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(w.healthy for w in self.workers)
+
+
+def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str) -> dict[str, Any]:
+    """The OpenAI request sent to a worker: the validated fields plus the gateway's watermark args."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": turn.role, "content": turn.content} for turn in request.messages],
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "n": request.n,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "vllm_xargs": {XARG_MESSAGE: stamp.message.bits, XARG_KEY_VERSION: stamp.key_version},
+    }
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.seed is not None:
+        body["seed"] = request.seed
+    return body
+
+
+def _upstream_error_message(payload: Any, fallback: str) -> str:
+    """vLLM's error text (it never holds our secrets), trimmed and scrubbed of credentials."""
+    message = None
+    if isinstance(payload, dict):
+        error = payload.get("error", payload)
+        if isinstance(error, dict):
+            message = error.get("message")
+        elif isinstance(error, str):
+            message = error
+    text = message if isinstance(message, str) and message else fallback
+    return scrub(text[:MAX_UPSTREAM_ERROR_CHARS])
+
+
+def _status_error(status: int, payload: Any) -> GatewayError:
+    if status in (400, 422):
+        return InvalidRequestError(
+            _upstream_error_message(payload, "The model worker rejected the request"),
+            code="invalid_request",
+        )
+    if status == 413:
+        return InvalidRequestError("The request is too large for the model worker", code="payload_too_large")
+    return UpstreamUnavailableError(f"The model worker answered HTTP {status}")
+
+
+class VllmStream:
+    """The deltas of one upstream SSE response, as the gateway's ChoiceDelta values."""
+
+    def __init__(self, pool: WorkerPool, worker: Worker, response: httpx.Response, n: int, *, timeout_s: float) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._worker = worker
+        self._response = response
+        self._lines: AsyncIterator[str] = response.aiter_lines()
+        self._tokens = [0] * n
+        self._open = set(range(n))
+        self._pending: deque[ChoiceDelta] = deque()
+        self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        self.prompt_tokens = 0
+        self.connection_lost = False
+
+    def __aiter__(self) -> VllmStream:
+        return self
+
+    async def prime(self) -> None:
+        """Read up to the first chunk (the worker has admitted the request and produced a token)."""
+        while not self._pending and self._open:
+            if not await self._read_event():
+                break
+
+    async def __anext__(self) -> ChoiceDelta:
+        while not self._pending:
+            if not self._open:
+                while await self._read_event():  # the usage chunk, then [DONE]
+                    pass
+                await self.aclose()
+                raise StopAsyncIteration
+            if not await self._read_event():
+                await self.aclose()
+                if self._open:
+                    self._open.clear()
+                    raise UpstreamUnavailableError("The model worker ended the stream early")
+        return self._pending.popleft()
+
+    async def _read_event(self) -> bool:
+        """Consume one SSE data line; False at the end of the stream."""
+        try:
+            while True:
+                async with asyncio.timeout(self._timeout_s):
+                    line = await anext(self._lines, None)
+                if line is None:
+                    return False
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return False
+                self._handle(json.loads(data))
+                return True
+        except (TimeoutError, httpx.TimeoutException):
+            await self.aclose()
+            raise UpstreamTimeoutError("The model worker did not answer in time") from None
+        except (httpx.TransportError, json.JSONDecodeError):
+            self.connection_lost = True
+            self._pool.mark(self._worker, False)
+            await self.aclose()
+            raise UpstreamUnavailableError("The connection to the model worker was lost") from None
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def _handle(self, chunk: dict[str, Any]) -> None:
+        if "error" in chunk:
+            raise UpstreamUnavailableError(_upstream_error_message(chunk, "The model worker failed"))
+        if self.prompt_tokens == 0 and chunk.get("prompt_token_ids"):
+            self.prompt_tokens = len(chunk["prompt_token_ids"])
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and usage.get("prompt_tokens"):
+            self.prompt_tokens = int(usage["prompt_tokens"])
+        for choice in chunk.get("choices") or ():
+            index = int(choice["index"])
+            if index not in self._open:
+                continue
+            self._tokens[index] += len(choice.get("token_ids") or ())
+            text = (choice.get("delta") or {}).get("content") or ""
+            raw_reason = choice.get("finish_reason")
+            reason: FinishReason | None = None
+            if raw_reason is not None:
+                if raw_reason == "error":
+                    raise UpstreamUnavailableError("The model worker failed while generating")
+                reason = _FINISH_REASONS.get(raw_reason, "stop")
+                self._open.discard(index)
+            if text or reason is not None or choice.get("token_ids"):
+                self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.in_flight -= 1
+        with contextlib.suppress(httpx.HTTPError):
+            await self._response.aclose()
+
+    @property
+    def upstream_closed(self) -> bool:
+        """True once the upstream response is closed (vLLM aborts a request whose client left)."""
+        return self._response.is_closed
+
+    def cancel(self) -> None:
+        """Stop generating: closing the upstream response makes vLLM abort the request."""
+        if self._closed or self._close_task is not None:
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing left to close from
+            self._close_task = asyncio.get_running_loop().create_task(self.aclose())
+
+
+@dataclass
+class _Lifecycle:
+    health_task: asyncio.Task[None] | None = None
+    tokenizer_task: asyncio.Task[None] | None = None
+    closed: bool = False
+
+
+class VllmBackend:
+    """Chat completions served by one or more vLLM workers."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        model_id: str,
+        tokenizer_path: Path,
+        *,
+        timeout_s: float = 60.0,
+        api_key: str | None = None,
+        health_interval_s: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("XMARK_VLLM_URLS must name at least one worker")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self.model_id = model_id
+        self._tokenizer_path = tokenizer_path
+        self._health_interval_s = health_interval_s
+        self._timeout_s = timeout_s
+        self._pool = WorkerPool(
+            [
+                Worker(
+                    url=url.rstrip("/"),
+                    client=httpx.AsyncClient(
+                        base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits, transport=transport
+                    ),
+                )
+                for url in urls
+            ]
+        )
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._state = _Lifecycle()
+        self.load_error: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True once the tokenizer is loaded; worker outages surface per request as 503."""
+        return self._tokenizer is not None and not self._state.closed
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self._tokenizer
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
+
+    async def start(self) -> None:
+        if self._state.health_task is not None:
+            return
+        self._state.tokenizer_task = asyncio.create_task(self._load_tokenizer())
+        await self._pool.check_all()
+        self._state.health_task = asyncio.create_task(self._watch_health())
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        task = self._state.tokenizer_task
+        if task is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+        return self.ready
+
+    async def _load_tokenizer(self) -> None:
+        def load() -> PreTrainedTokenizerBase:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
+
+        try:
+            self._tokenizer = await asyncio.to_thread(load)
+        except Exception as exc:  # noqa: BLE001 - reported through ready/load_error
+            self.load_error = type(exc).__name__
+            logger.error("tokenizer failed to load", extra={"error_type": type(exc).__name__})
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                await self._pool.check_all()
+            except Exception as exc:  # noqa: BLE001 - keep watching
+                logger.warning("health check failed", extra={"error_type": type(exc).__name__})
+
+    async def close(self) -> None:
+        self._state.closed = True
+        for task in (self._state.health_task, self._state.tokenizer_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for worker in self._pool.workers:
+            await worker.client.aclose()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> VllmStream:
+        if not self.ready:
+            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
+        body = upstream_body(request, stamp, self.model_id)
+        tried: set[str] = set()
+        while True:
+            worker = self._pool.pick(tried)
+            if worker is None:
+                raise UpstreamUnavailableError("No model worker is available; retry shortly")
+            tried.add(worker.url)
+            stream = await self._open(worker, body, request.n)
+            if stream is not None:
+                return stream
+
+    async def _open(self, worker: Worker, body: dict[str, Any], n: int) -> VllmStream | None:
+        """Send ``body`` to ``worker`` and read up to its first token; None: try another worker."""
+        worker.in_flight += 1
+        worker.served += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                response = await worker.client.send(
+                    worker.client.build_request("POST", CHAT_PATH, json=body), stream=True
+                )
+        except (TimeoutError, httpx.TimeoutException):
+            worker.in_flight -= 1
+            raise UpstreamTimeoutError("The model worker did not answer in time") from None
+        except httpx.TransportError:
+            worker.in_flight -= 1
+            self._pool.mark(worker, False)
+            return None
+        except BaseException:
+            worker.in_flight -= 1
+            raise
+        if response.status_code != 200:
+            try:
+                await response.aread()
+                payload: Any = response.json()
+            except (httpx.HTTPError, ValueError):
+                payload = None
+            finally:
+                await response.aclose()
+                worker.in_flight -= 1
+            logger.warning(
+                "vLLM worker refused a request",
+                extra={"worker": worker.origin, "status": response.status_code},
+            )
+            if response.status_code == 503:
+                self._pool.mark(worker, False)
+                return None
+            raise _status_error(response.status_code, payload)
+        stream = VllmStream(self._pool, worker, response, n, timeout_s=self._timeout_s)
+        try:
+            await stream.prime()
+        except UpstreamUnavailableError:
+            if stream.connection_lost:  # dropped before any token: nothing was generated
+                return None
+            raise
+        return stream
+
+    async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
+        return await collect(await self.stream(request, stamp), request.n)

@@ -1,0 +1,218 @@
+"""Real processes for the vLLM end-to-end test: a ``vllm serve`` worker and an ``xmark serve`` gateway.
+
+Both run on loopback ports chosen at start-up. The worker is the CPU engine (V1 runner) with
+the XMark processor loaded through ``--logits-processors``; the gateway runs with
+``XMARK_BACKEND=vllm`` against the PostgreSQL test database built by the migrations. Both use
+the test suite's watermark secrets. Every process is started in its own session and killed by
+its process-group id when the fixture ends, whatever happened. Nothing here imports vLLM, so
+this file loads (and the tests skip) in an interpreter without it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.config import Settings
+from service.security import generate_api_key
+
+REPO_ROOT = Path(__file__).absolute().parents[2]
+MODEL_NAME = "smollm2-135m-instruct"
+WORKER_START_TIMEOUT_S = 900.0
+GATEWAY_START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _base_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XMARK_")}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    return env
+
+
+class ManagedProcess:
+    """A child process in its own session, so that it and everything it spawns stop together."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path, health_url: str) -> None:
+        self.name = name
+        self.command = command
+        self.env = env
+        self.log = log
+        self.health_url = health_url
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self.process is None or self.process.poll() is not None, f"{self.name} is already running"
+        with self.log.open("ab") as handle:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                cwd=REPO_ROOT,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.health_url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, as far as the gateway can tell)."""
+        self._signal_group(signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._signal_group(signal.SIGTERM)
+        if self.process is not None and self.process.poll() is None:
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        process = self.process
+        if process is None:
+            return
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            if signum != signal.SIGKILL:
+                return
+            raise
+        # engine processes outlive the server for a moment after SIGKILL: wait for the group
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    database_url: str
+    watermark_secrets: str
+    api_key_pepper: str
+    model_path: Path
+    admin_key: str
+
+
+@pytest.fixture(scope="session")
+def e2e_config(settings: Settings, migrated_database: str) -> E2EConfig:
+    model_path = settings.resolved_model_path()
+    if not (model_path / "config.json").is_file():
+        pytest.skip(f"no model checkpoint at {model_path} (run `make model`)")
+    assert settings.watermark_secrets is not None and settings.api_key_pepper is not None
+    return E2EConfig(
+        database_url=migrated_database,
+        watermark_secrets=settings.watermark_secrets.get_secret_value(),
+        api_key_pepper=settings.api_key_pepper.get_secret_value(),
+        model_path=model_path,
+        admin_key=generate_api_key().plaintext,
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    port = free_port()
+    env = _base_environment()
+    env.update(
+        {
+            "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(e2e_config.model_path),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--logits-processors",
+        "xmark_core.vllm_v1:XMarkLogitsProcessor",
+    ]
+    worker = ManagedProcess(
+        "vllm worker", command, env, tmp_path_factory.mktemp("vllm") / "worker.log", f"http://127.0.0.1:{port}/health"
+    )
+    worker.start()
+    try:
+        worker.wait_healthy(WORKER_START_TIMEOUT_S)
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    e2e_config: E2EConfig, vllm_worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
+    port = free_port()
+    var_dir = tmp_path_factory.mktemp("gateway-var")
+    env = _base_environment()
+    env.update(
+        {
+            "XMARK_DATABASE_URL": e2e_config.database_url,
+            "XMARK_BACKEND": "vllm",
+            "XMARK_VLLM_URLS": vllm_worker.health_url.removesuffix("/health"),
+            "XMARK_VLLM_HEALTH_INTERVAL_S": "1",
+            "XMARK_VLLM_TIMEOUT_S": "120",
+            "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
+            "XMARK_API_KEY_PEPPER": e2e_config.api_key_pepper,
+            "XMARK_BOOTSTRAP_ADMIN_KEY": e2e_config.admin_key,
+            "XMARK_MODEL_PATH": str(e2e_config.model_path),
+            "XMARK_MODEL_NAME": MODEL_NAME,
+            "XMARK_VAR_DIR": str(var_dir),
+            "XMARK_RETAIN_COMPLETIONS": "true",
+        }
+    )
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    process = ManagedProcess("gateway", command, env, var_dir / "gateway.log", f"http://127.0.0.1:{port}/readyz")
+    process.start()
+    try:
+        process.wait_healthy(GATEWAY_START_TIMEOUT_S)
+        yield process
+    finally:
+        process.stop()

@@ -1,0 +1,30 @@
+"""Worker-side fixtures: XMark secrets in the environment, read through the cached worker keyring."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from xmark_core.vllm_common import ENV_SECRETS, WorkerKeyring, worker_keyring
+
+WORKER_SECRETS = {
+    "v1": "worker-test-secret-v1-0d7c41e9a2b85f36",
+    "v2": "worker-test-secret-v2-9b15e08c3f6a27d4",
+}
+
+
+@pytest.fixture
+def worker_secrets() -> dict[str, str]:
+    return dict(WORKER_SECRETS)
+
+
+@pytest.fixture
+def keyring(monkeypatch: pytest.MonkeyPatch) -> Iterator[WorkerKeyring]:
+    """This process's worker keyring, configured with two key versions (v1, v2)."""
+    monkeypatch.setenv(ENV_SECRETS, ",".join(f"{k}:{v}" for k, v in WORKER_SECRETS.items()))
+    worker_keyring.cache_clear()
+    try:
+        yield worker_keyring()
+    finally:
+        worker_keyring.cache_clear()

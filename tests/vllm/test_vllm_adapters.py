@@ -1,0 +1,431 @@
+"""The vLLM V1 and V2 adapters against each other and against the transformers adapter.
+
+The V2 runner needs a GPU (Triton); its inputs (``req_states`` buffers, ``LogitsContext``) are
+built here directly from CPU tensors with the layout the 0.32 runner uses, and every adapter
+must produce bit-identical logits for the same batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+# a submodule: tests/vllm itself would pass for a namespace package named vllm
+pytest.importorskip(
+    "vllm.sampling_params", reason="vLLM is not installed in this interpreter (make test-vllm installs it)"
+)
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.v1.sample.logits_processor import (  # noqa: E402
+    BatchUpdate,
+    MoveDirectionality,
+    validate_logits_processors_parameters,
+)
+from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns as load_v1_classes  # noqa: E402
+from vllm.v1.worker.gpu.sample.logits_processor import (  # noqa: E402
+    LogitsContext,
+    LogitsProcRequestState,
+    build_custom_logits_processors_params_validator,
+)
+from vllm.v1.worker.gpu.sample.logits_processor.loader import (  # noqa: E402
+    _load_v2_logitsprocs_by_fqcns as load_v2_classes,
+)
+
+from xmark_core import (  # noqa: E402
+    Message,
+    WatermarkKey,
+    vllm_common,  # noqa: E402
+)
+from xmark_core.hf import XMarkLogitsProcessor as HFProcessor  # noqa: E402
+from xmark_core.vllm_common import WorkerConfigError, WorkerKeyring  # noqa: E402
+from xmark_core.vllm_v1 import XMarkLogitsProcessor as V1Processor  # noqa: E402
+from xmark_core.vllm_v2 import XMarkLogitsProcessor as V2Processor  # noqa: E402
+
+V1_FQCN = "xmark_core.vllm_v1:XMarkLogitsProcessor"
+V2_FQCN = "xmark_core.vllm_v2:XMarkLogitsProcessor"
+VOCAB = 49152  # SmolLM2's vocabulary
+MAX_SLOTS = 8
+MAX_MODEL_LEN = 64
+
+MESSAGES = ["0110110000011011", "1111000010100101", "0000000000000000", None, "1010101010101010", "0011001100110011"]
+# (prompt, output so far) per batch row: fresh prompts, long outputs, a one-token prompt, a resumed one
+HISTORIES: list[tuple[list[int], list[int]]] = [
+    ([1, 9, 3021, 44], []),
+    ([1, 9, 77], [5012, 14, 2]),
+    ([31], []),
+    ([1, 2, 3, 4, 5], [6, 7]),
+    ([1, 9, 3021, 44], [49151]),
+    ([12, 0], [0, 0, 0, 1]),
+]
+
+
+def xargs(bits: str | None, version: str = "v1") -> dict[str, Any] | None:
+    return None if bits is None else {"xmark_message": bits, "xmark_key_version": version}
+
+
+def params_for(bits: str | None, version: str = "v1") -> SamplingParams:
+    return SamplingParams(max_tokens=8, extra_args=xargs(bits, version))
+
+
+def logits_for(batch: int, seed: int = 7) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, VOCAB, generator=generator)  # [B, V] float32
+
+
+@dataclass
+class DeviceBuffer:
+    """Stands in for the runner's StagedWriteTensor / UvaBackedTensor: ``gpu`` is the device view."""
+
+    gpu: torch.Tensor
+
+    @property
+    def np(self) -> np.ndarray:
+        return self.gpu.numpy()
+
+
+class V2Runner:
+    """The slice of the 0.32 V2 runner a logits processor sees, on CPU tensors."""
+
+    def __init__(self, keyring: WorkerKeyring) -> None:
+        self.all_token_ids = torch.zeros((MAX_SLOTS, MAX_MODEL_LEN), dtype=torch.int32)
+        self.total_len = torch.zeros(MAX_SLOTS, dtype=torch.int32)
+        self.prompt_len = torch.zeros(MAX_SLOTS, dtype=torch.int32)
+        self.req_states = LogitsProcRequestState(
+            device=torch.device("cpu"),
+            max_num_reqs=MAX_SLOTS,
+            vocab_size=VOCAB,
+            all_token_ids=DeviceBuffer(self.all_token_ids),  # type: ignore[arg-type]
+            prompt_len=DeviceBuffer(self.prompt_len),  # type: ignore[arg-type]
+            prefill_len=DeviceBuffer(self.prompt_len.clone()),  # type: ignore[arg-type]
+            total_len=DeviceBuffer(self.total_len),  # type: ignore[arg-type]
+        )
+        self.processor = V2Processor(VllmConfig(), self.req_states)
+
+    def admit(self, slot: int, params: SamplingParams, prompt: list[int], output: list[int]) -> bool:
+        """add_request as the runner does it: (re)fill the slot's history, stage the processor."""
+        history = prompt + output
+        self.all_token_ids[slot].zero_()
+        self.all_token_ids[slot, : len(history)] = torch.tensor(history, dtype=torch.int32)
+        self.total_len[slot] = len(history)
+        self.prompt_len[slot] = len(prompt)
+        return self.processor.add_request(slot, params)
+
+    def commit(self, slot: int, token: int) -> None:
+        """post_update: the sampled token joins the device-side history."""
+        self.all_token_ids[slot, int(self.total_len[slot])] = token
+        self.total_len[slot] += 1
+
+    def step(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        self.processor.apply_staged_writes()
+        mapping = torch.tensor(slots, dtype=torch.int32)
+        total = self.total_len[mapping.clamp(min=0).long()]
+        ctx = LogitsContext(
+            expanded_idx_mapping=mapping,
+            idx_mapping=mapping,
+            idx_mapping_np=mapping.numpy().copy(),
+            expanded_local_pos=torch.zeros(len(slots), dtype=torch.int32),
+            input_ids=self.all_token_ids[mapping.clamp(min=0).long(), (total - 1).clamp(min=0).long()],
+            pos=(total - 1).clamp(min=0),
+            seq_lens_upper_bound_np=total.numpy().copy(),
+        )
+        return self.processor.apply(logits, ctx)
+
+
+def v1_processor(config: VllmConfig | None = None) -> V1Processor:
+    return V1Processor(config or VllmConfig(), torch.device("cpu"), False)
+
+
+def v1_step(processor: V1Processor, logits: torch.Tensor) -> torch.Tensor:
+    return processor.apply(logits)
+
+
+def hf_step(
+    key: WatermarkKey, messages: list[str | None], histories: list[list[int]], logits: torch.Tensor
+) -> torch.Tensor:
+    width = max(len(h) for h in histories)
+    input_ids = torch.tensor([[0] * (width - len(h)) + h for h in histories], dtype=torch.long)  # [B, width]
+    processor = HFProcessor(key, [None if m is None else Message.from_bits(m, key.params) for m in messages])
+    return processor(input_ids, logits)
+
+
+# -- the three adapters agree ----------------------------------------------------------------
+
+
+def test_v2_equals_v1_equals_transformers_for_one_batch(keyring: WorkerKeyring) -> None:
+    batch = len(HISTORIES)
+    base = logits_for(batch)
+
+    v1 = v1_processor()
+    v1.update_state(
+        BatchUpdate(
+            batch_size=batch,
+            removed=[],
+            added=[(row, params_for(MESSAGES[row]), list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)],
+            moved=[],
+        )
+    )
+    out_v1 = v1_step(v1, base.clone())
+
+    runner = V2Runner(keyring)
+    slots = [5, 2, 7, 0, 3, 6]  # rows map to arbitrary persistent slots
+    declared = [runner.admit(slot, params_for(MESSAGES[row]), *HISTORIES[row]) for row, slot in enumerate(slots)]
+    assert declared == [m is not None for m in MESSAGES]
+    out_v2 = runner.step(base.clone(), slots)
+
+    out_hf = hf_step(keyring.keys[0], MESSAGES, [p + o for p, o in HISTORIES], base.clone())
+
+    assert torch.equal(out_v1, out_hf)
+    assert torch.equal(out_v2, out_hf)
+    delta = keyring.params.delta
+    for row, message in enumerate(MESSAGES):
+        changed = out_v2[row] != base[row]
+        if message is None:
+            assert not changed.any()
+        else:  # δ on the evergreen list only: about (3/4)^2 of the vocabulary
+            assert torch.allclose(out_v2[row][changed] - base[row][changed], torch.tensor(delta))
+            assert 0.5 < changed.float().mean().item() < 0.63
+
+
+def test_rows_with_different_key_versions_in_one_batch(keyring: WorkerKeyring) -> None:
+    versions = ["v1", "v2", "v1", "v2", "v2", "v1"]
+    batch = len(HISTORIES)
+    base = logits_for(batch, seed=11)
+
+    v1 = v1_processor()
+    v1.update_state(
+        BatchUpdate(
+            batch_size=batch,
+            removed=[],
+            added=[(r, params_for(MESSAGES[r], versions[r]), list(p), list(o)) for r, (p, o) in enumerate(HISTORIES)],
+            moved=[],
+        )
+    )
+    out_v1 = v1_step(v1, base.clone())
+
+    runner = V2Runner(keyring)
+    slots = list(range(batch))
+    for row, slot in enumerate(slots):
+        runner.admit(slot, params_for(MESSAGES[row], versions[row]), *HISTORIES[row])
+    out_v2 = runner.step(base.clone(), slots)
+
+    histories = [p + o for p, o in HISTORIES]
+    expected = base.clone()
+    for index, name in enumerate(keyring.names):
+        own = [m if v == name else None for m, v in zip(MESSAGES, versions, strict=True)]
+        expected = hf_step(keyring.keys[index], own, histories, expected)
+    assert torch.equal(out_v1, expected)
+    assert torch.equal(out_v2, expected)
+
+
+# -- V1: the persistent batch ----------------------------------------------------------------
+
+
+def test_v1_follows_removed_added_moved_and_swapped_rows(keyring: WorkerKeyring) -> None:
+    processor = v1_processor()
+    rows = [(params_for(MESSAGES[r]), list(p), list(o)) for r, (p, o) in enumerate(HISTORIES[:4])]
+    processor.update_state(BatchUpdate(batch_size=4, removed=[], added=[(i, *rows[i]) for i in range(4)], moved=[]))
+    # request 1 finishes; request 3 moves into its row (condense); requests 0 and 2 swap
+    processor.update_state(
+        BatchUpdate(
+            batch_size=3,
+            removed=[1],
+            added=[],
+            moved=[(3, 1, MoveDirectionality.UNIDIRECTIONAL), (0, 2, MoveDirectionality.SWAP)],
+        )
+    )
+    layout = [2, 3, 0]  # original request in each row now
+    base = logits_for(3, seed=3)
+    out = processor.apply(base.clone())
+    expected = hf_step(
+        keyring.keys[0],
+        [MESSAGES[i] for i in layout],
+        [HISTORIES[i][0] + HISTORIES[i][1] for i in layout],
+        base.clone(),
+    )
+    assert torch.equal(out, expected)
+
+
+def test_v1_reads_live_output_lists_and_skips_async_placeholders(keyring: WorkerKeyring) -> None:
+    processor = v1_processor()
+    prompt, output = [1, 9, 3021, 44], [5012, -1]  # the last token is not known yet
+    processor.update_state(
+        BatchUpdate(batch_size=1, removed=[], added=[(0, params_for(MESSAGES[0]), prompt, output)], moved=[])
+    )
+    base = logits_for(1, seed=5)
+    assert torch.equal(processor.apply(base.clone()), base)  # unknown context: no bias this step
+    output[-1] = 14  # vLLM fills the placeholder in place before sampling
+    expected = hf_step(keyring.keys[0], [MESSAGES[0]], [prompt + output], base.clone())
+    assert torch.equal(processor.apply(base.clone()), expected)
+    output.append(2)  # next step: the same list object grows
+    expected = hf_step(keyring.keys[0], [MESSAGES[0]], [prompt + output], base.clone())
+    assert torch.equal(processor.apply(base.clone()), expected)
+
+
+def test_v1_resumed_request_after_preemption(keyring: WorkerKeyring) -> None:
+    processor = v1_processor()
+    prompt, output = [1, 9, 3021, 44], [5012, 14]
+    params = params_for(MESSAGES[1])
+    processor.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, prompt, output)], moved=[]))
+    processor.update_state(BatchUpdate(batch_size=0, removed=[0], added=[], moved=[]))  # preempted
+    base = logits_for(1, seed=9)
+    assert torch.equal(processor.apply(base.clone()), base)  # the row is empty now
+    output.append(2)
+    processor.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, prompt, output)], moved=[]))
+    expected = hf_step(keyring.keys[0], [MESSAGES[1]], [prompt + output], base.clone())
+    assert torch.equal(processor.apply(base.clone()), expected)
+
+
+def test_v1_n_greater_than_one_marks_every_sample_with_the_message(keyring: WorkerKeyring) -> None:
+    processor = v1_processor()
+    params = params_for(MESSAGES[0])  # n children share copies of the parent's params
+    prompt = [1, 9, 3021, 44]
+    outputs = [[5012], [77]]
+    processor.update_state(
+        BatchUpdate(batch_size=2, removed=[], added=[(i, params, prompt, outputs[i]) for i in range(2)], moved=[])
+    )
+    base = logits_for(2, seed=13)
+    expected = hf_step(keyring.keys[0], [MESSAGES[0]] * 2, [prompt + o for o in outputs], base.clone())
+    assert torch.equal(processor.apply(base.clone()), expected)
+
+
+def test_v1_does_not_claim_argmax_invariance(keyring: WorkerKeyring) -> None:
+    assert v1_processor().is_argmax_invariant() is False
+
+
+# -- V2: request slots on the device ---------------------------------------------------------
+
+
+def test_v2_resumption_after_preemption_uses_prompt_plus_partial_output(keyring: WorkerKeyring) -> None:
+    runner = V2Runner(keyring)
+    prompt, output = [1, 9, 3021, 44], [5012, 14, 2]
+    runner.admit(4, params_for(MESSAGES[0]), prompt, output[:1])
+    runner.commit(4, output[1])
+    base = logits_for(1, seed=17)
+    first = runner.step(base.clone(), [4])
+    assert torch.equal(first, hf_step(keyring.keys[0], [MESSAGES[0]], [prompt + output[:2]], base.clone()))
+    # preempted, resumed in another slot with prefill = prompt + output so far
+    runner.admit(1, params_for(MESSAGES[0]), prompt, output)
+    resumed = runner.step(base.clone(), [1])
+    assert torch.equal(resumed, hf_step(keyring.keys[0], [MESSAGES[0]], [prompt + output], base.clone()))
+
+
+def test_v2_recycled_slot_loses_the_previous_watermark(keyring: WorkerKeyring) -> None:
+    runner = V2Runner(keyring)
+    assert runner.admit(3, params_for(MESSAGES[0]), [1, 2, 3], [])
+    base = logits_for(1, seed=19)
+    assert not torch.equal(runner.step(base.clone(), [3]), base)
+    assert runner.admit(3, params_for(None), [1, 2, 3], []) is False  # a new request, no xargs
+    assert torch.equal(runner.step(base.clone(), [3]), base)
+
+
+def test_v2_padded_rows_and_declined_rows_are_untouched(keyring: WorkerKeyring) -> None:
+    runner = V2Runner(keyring)
+    runner.admit(0, params_for(MESSAGES[0]), [1, 2, 3], [4])
+    runner.admit(1, params_for(None), [1, 2, 3], [4])
+    base = logits_for(3, seed=23)
+    out = runner.step(base.clone(), [0, 1, -1])
+    assert not torch.equal(out[0], base[0])
+    assert torch.equal(out[1:], base[1:])
+
+
+def test_v2_n_greater_than_one(keyring: WorkerKeyring) -> None:
+    runner = V2Runner(keyring)
+    params = params_for(MESSAGES[4], "v2")
+    runner.admit(2, params, [1, 9, 3021, 44], [5012])
+    runner.admit(6, params, [1, 9, 3021, 44], [77])
+    base = logits_for(2, seed=29)
+    out = runner.step(base.clone(), [2, 6])
+    expected = hf_step(keyring.keys[1], [MESSAGES[4]] * 2, [[1, 9, 3021, 44, 5012], [1, 9, 3021, 44, 77]], base.clone())
+    assert torch.equal(out, expected)
+
+
+def test_v2_apply_without_watermarked_requests_returns_logits_unchanged(keyring: WorkerKeyring) -> None:
+    runner = V2Runner(keyring)
+    runner.admit(0, params_for(None), [1, 2, 3], [])
+    base = logits_for(1, seed=31)
+    out = runner.step(base.clone(), [0])
+    assert torch.equal(out, base)
+
+
+# -- loading through vLLM's own machinery ----------------------------------------------------
+
+
+def test_vllm_loaders_accept_each_class_for_its_runner_only() -> None:
+    assert load_v1_classes([V1_FQCN]) == [V1Processor]
+    assert load_v2_classes([V2_FQCN]) == [V2Processor]
+    with pytest.raises(ValueError, match="not a subclass"):
+        load_v2_classes([V1_FQCN])
+
+
+def test_vllm_admission_turns_malformed_xargs_into_validation_errors(keyring: WorkerKeyring) -> None:
+    bad = SamplingParams(extra_args={"xmark_message": "01"})
+    good = params_for(MESSAGES[0], "v2")
+    validate_logits_processors_parameters([V1_FQCN], good)
+    with pytest.raises(VLLMValidationError, match="xmark_key_version is missing"):
+        validate_logits_processors_parameters([V1_FQCN], bad)
+    validate_v2 = build_custom_logits_processors_params_validator([V2_FQCN])
+    validate_v2(good)
+    with pytest.raises(VLLMValidationError, match="xmark_key_version is missing"):
+        validate_v2(bad)
+
+
+def test_speculative_decoding_is_refused_by_both_adapters(keyring: WorkerKeyring) -> None:
+    config = VllmConfig()
+    config.speculative_config = SimpleNamespace(num_speculative_tokens=2)  # type: ignore[assignment]
+    with pytest.raises(WorkerConfigError, match="speculative decoding"):
+        v1_processor(config)
+    with pytest.raises(WorkerConfigError, match="speculative decoding"):
+        V2Processor(config, V2Runner(keyring).req_states)
+
+
+def test_worker_without_secrets_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_common.ENV_SECRETS, raising=False)
+    monkeypatch.delenv(vllm_common.ENV_SECRETS_FILE, raising=False)
+    vllm_common.worker_keyring.cache_clear()
+    try:
+        with pytest.raises(WorkerConfigError, match="needs the watermark secrets"):
+            v1_processor()
+    finally:
+        vllm_common.worker_keyring.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def model_config_factory() -> Any:
+    """Real vLLM ModelConfigs on the local checkpoint (the processor reads ``logits_processors``)."""
+    from vllm.config import ModelConfig
+
+    root = os.environ.get("XMARK_MODEL_PATH") or os.path.join(
+        os.path.dirname(__file__), "..", "..", "var", "models", "smollm2-135m-instruct"
+    )
+    if not os.path.isfile(os.path.join(root, "config.json")):
+        pytest.skip("the SmolLM2 checkpoint is not built (make model)")
+
+    def build(processors: list[str]) -> ModelConfig:
+        return ModelConfig(model=root, logits_processors=processors, skip_tokenizer_init=True)
+
+    return build
+
+
+def test_loading_through_flag_and_entry_point_is_refused(
+    keyring: WorkerKeyring, monkeypatch: pytest.MonkeyPatch, model_config_factory: Any
+) -> None:
+    flag_only = VllmConfig(model_config=model_config_factory([V1_FQCN]))
+    v1_processor(flag_only)  # loaded once: fine
+    twice_by_flag = VllmConfig(model_config=model_config_factory([V1_FQCN, V1_FQCN]))
+    with pytest.raises(WorkerConfigError, match="loaded 2 times"):
+        v1_processor(twice_by_flag)
+    plugin = EntryPoint("xmark", V1_FQCN, vllm_common.LOGITS_PROCESSORS_GROUP)
+    monkeypatch.setattr(vllm_common, "entry_points", lambda group: [plugin] if group == plugin.group else [])
+    with pytest.raises(WorkerConfigError, match="loaded 2 times"):
+        v1_processor(flag_only)
+    v2_flag = VllmConfig(model_config=model_config_factory([V2_FQCN]))
+    V2Processor(v2_flag, V2Runner(keyring).req_states)  # the V1 plugin is not a V2 processor

@@ -1,0 +1,393 @@
+"""The gateway's vLLM backend against scripted upstreams (httpx.MockTransport).
+
+The real worker is exercised by tests/e2e_vllm; these tests cover what a live engine cannot be
+made to do on demand: a worker that refuses connections, times out, drops the stream after some
+tokens, answers 503 to health checks, or runs beside a second worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
+from service.backends.vllm import VllmBackend, upstream_body
+from service.errors import InvalidRequestError, UpstreamTimeoutError, UpstreamUnavailableError
+from xmark_core import Message, WatermarkKey, WatermarkParams
+
+PARAMS = WatermarkParams()
+KEY = WatermarkKey.from_secret("gateway-test-secret-4c1d9e8a7b", PARAMS)
+STAMP = WatermarkStamp(KEY, Message.from_bits("0110110000011011", PARAMS), "v1")
+REQUEST = GenerationRequest(messages=(ChatTurn("user", "Tell me about cats."),), max_tokens=3, seed=5)
+MODEL = "smollm2-135m-instruct"
+PROMPT_IDS = [1, 9690, 198, 2683, 359]
+
+
+def checkpoint() -> Path:
+    explicit = os.environ.get("XMARK_MODEL_PATH")
+    root = Path(__file__).resolve().parents[2]
+    return Path(explicit) if explicit else root / "var" / "models" / MODEL
+
+
+def sse(*events: dict[str, Any] | str) -> list[bytes]:
+    return [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events]
+
+
+def completion_events(pieces: list[list[str]], finish: str = "length") -> list[bytes]:
+    """vLLM's stream for n = len(pieces) choices: role chunks, one chunk per token, usage, [DONE]."""
+    n = len(pieces)
+    events: list[dict[str, Any] | str] = [
+        {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": PROMPT_IDS}
+        for i in range(n)
+    ]
+    for step in range(max(len(p) for p in pieces)):
+        for i, choice_pieces in enumerate(pieces):
+            if step < len(choice_pieces):
+                last = step == len(choice_pieces) - 1
+                events.append(
+                    {
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"content": choice_pieces[step]},
+                                "token_ids": [100 + step],
+                                "finish_reason": finish if last else None,
+                            }
+                        ]
+                    }
+                )
+    total = sum(len(p) for p in pieces)
+    events.append({"choices": [], "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": total}})
+    events.append("[DONE]")
+    return sse(*events)
+
+
+class FakeWorker:
+    """A scripted vLLM server: records what it receives, answers what the test says."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests: list[dict[str, Any]] = []
+        self.health_status = 200
+        self.on_chat: Callable[[dict[str, Any]], Any] = lambda body: completion_events([["Cats", " are", " great"]])
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(self.health_status)
+        body = json.loads(request.content)
+        self.requests.append(body)
+        answer = self.on_chat(body)
+        if isinstance(answer, httpx.Response):
+            return answer
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(answer))
+
+    async def _stream(self, chunks: Any) -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            if isinstance(chunk, Exception):
+                raise chunk
+            if isinstance(chunk, float):  # a pause, in seconds
+                await asyncio.sleep(chunk)
+                continue
+            yield chunk
+
+
+class Upstreams:
+    """Several fake workers behind one MockTransport, routed by host."""
+
+    def __init__(self, *names: str) -> None:
+        self.workers = {name: FakeWorker(name) for name in names}
+        self.refused: set[str] = set()
+        self.timing_out: set[str] = set()
+
+    def urls(self) -> list[str]:
+        return [f"http://{name}:8000" for name in self.workers]
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in self.refused:
+            raise httpx.ConnectError("connection refused", request=request)
+        if host in self.timing_out and request.url.path != "/health":
+            raise httpx.ReadTimeout("timed out", request=request)
+        return await self.workers[host].handle(request)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+
+async def started(upstreams: Upstreams, **options: Any) -> VllmBackend:
+    path = checkpoint()
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip("the SmolLM2 checkpoint is not built (make model)")
+    backend = VllmBackend(upstreams.urls(), MODEL, path, transport=upstreams.transport(), **options)
+    await backend.start()
+    assert await backend.wait_ready(120)
+    return backend
+
+
+# -- the upstream request ----------------------------------------------------------------------
+
+
+def test_upstream_body_carries_only_the_validated_request_and_the_gateways_xargs() -> None:
+    request = GenerationRequest(
+        messages=(ChatTurn("system", "Be brief."), ChatTurn("user", "Hi")),
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        n=2,
+        stop=("\n\n",),
+        seed=3,
+    )
+    body = upstream_body(request, STAMP, MODEL)
+    assert body == {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "n": 2,
+        "stop": ["\n\n"],
+        "seed": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "vllm_xargs": {"xmark_message": "0110110000011011", "xmark_key_version": "v1"},
+    }
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+
+async def test_stream_passes_deltas_through_with_token_counts() -> None:
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams)
+    try:
+        stream = await backend.stream(REQUEST, STAMP)
+        assert stream.prompt_tokens == len(PROMPT_IDS)
+        deltas = [d async for d in stream]
+        assert [(d.text, d.completion_tokens, d.finish_reason) for d in deltas] == [
+            ("Cats", 1, None),
+            (" are", 2, None),
+            (" great", 3, "length"),
+        ]
+        sent = upstreams.workers["w1"].requests
+        assert len(sent) == 1 and sent[0]["vllm_xargs"] == {
+            "xmark_message": STAMP.message.bits,
+            "xmark_key_version": "v1",
+        }
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_generate_collects_every_choice() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_chat = lambda body: completion_events([["A", "B"], ["C", "D", "E"]], finish="stop")
+    backend = await started(upstreams)
+    try:
+        result = await backend.generate(GenerationRequest(messages=REQUEST.messages, max_tokens=3, n=2), STAMP)
+        assert result.prompt_tokens == len(PROMPT_IDS)
+        assert [(c.text, c.completion_tokens, c.finish_reason) for c in result.choices] == [
+            ("AB", 2, "stop"),
+            ("CDE", 3, "stop"),
+        ]
+    finally:
+        await backend.close()
+
+
+async def test_upstream_abort_is_reported_as_cancelled() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_chat = lambda body: completion_events([["x", "y"]], finish="abort")
+    backend = await started(upstreams)
+    try:
+        result = await backend.generate(REQUEST, STAMP)
+        assert result.choices[0].finish_reason == "cancelled"
+    finally:
+        await backend.close()
+
+
+# -- routing and health ----------------------------------------------------------------------
+
+
+async def test_least_in_flight_routing_spreads_concurrent_requests() -> None:
+    upstreams = Upstreams("w1", "w2")
+    backend = await started(upstreams)
+    try:
+        first = await backend.stream(REQUEST, STAMP)
+        second = await backend.stream(REQUEST, STAMP)
+        assert [len(w.requests) for w in upstreams.workers.values()] == [1, 1]
+        async for _ in first:
+            pass
+        third = await backend.stream(REQUEST, STAMP)  # w1 is idle again, w2 still busy
+        assert [len(w.requests) for w in upstreams.workers.values()] == [2, 1]
+        for stream in (second, third):
+            async for _ in stream:
+                pass
+        assert [w.in_flight for w in backend.pool.workers] == [0, 0]
+    finally:
+        await backend.close()
+
+
+async def test_health_checks_take_a_worker_out_and_bring_it_back() -> None:
+    upstreams = Upstreams("w1", "w2")
+    backend = await started(upstreams, health_interval_s=0.05)
+    try:
+        upstreams.workers["w1"].health_status = 503
+        await asyncio.sleep(0.3)
+        assert [w.healthy for w in backend.pool.workers] == [False, True]
+        for _ in range(3):
+            await backend.generate(REQUEST, STAMP)
+        assert [len(w.requests) for w in upstreams.workers.values()] == [0, 3]
+        upstreams.workers["w1"].health_status = 200
+        await asyncio.sleep(0.3)
+        assert [w.healthy for w in backend.pool.workers] == [True, True]
+        await backend.generate(REQUEST, STAMP)
+        assert len(upstreams.workers["w1"].requests) == 1
+    finally:
+        await backend.close()
+
+
+async def test_no_reachable_worker_is_a_503_upstream_unavailable() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.refused.add("w1")
+    backend = await started(upstreams)
+    try:
+        assert backend.ready  # the gateway itself is up: /trace still works
+        with pytest.raises(UpstreamUnavailableError) as caught:
+            await backend.generate(REQUEST, STAMP)
+        assert caught.value.status_code == 503 and caught.value.code == "upstream_unavailable"
+    finally:
+        await backend.close()
+
+
+async def test_refused_connection_is_retried_on_another_worker() -> None:
+    upstreams = Upstreams("w1", "w2")
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        upstreams.refused.add("w1")  # dies after the start-up check
+        result = await backend.generate(REQUEST, STAMP)
+        assert result.choices[0].text == "Cats are great"
+        assert [w.healthy for w in backend.pool.workers] == [False, True]
+        assert [w.in_flight for w in backend.pool.workers] == [0, 0]
+    finally:
+        await backend.close()
+
+
+async def test_timeout_is_a_504() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.timing_out.add("w1")
+    backend = await started(upstreams)
+    try:
+        with pytest.raises(UpstreamTimeoutError) as caught:
+            await backend.generate(REQUEST, STAMP)
+        assert caught.value.status_code == 504 and caught.value.code == "upstream_timeout"
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_slow_stream_times_out_between_chunks() -> None:
+    upstreams = Upstreams("w1")
+    events = completion_events([["a", "b", "c"]])
+    upstreams.workers["w1"].on_chat = lambda body: [*events[:2], 5.0, *events[2:]]
+    backend = await started(upstreams, timeout_s=0.2)
+    try:
+        stream = await backend.stream(REQUEST, STAMP)
+        with pytest.raises(UpstreamTimeoutError):
+            async for _ in stream:
+                pass
+    finally:
+        await backend.close()
+
+
+async def test_a_stream_that_already_produced_tokens_is_not_retried() -> None:
+    upstreams = Upstreams("w1", "w2")
+    events = completion_events([["a", "b", "c"]])
+    upstreams.workers["w1"].on_chat = lambda body: [*events[:3], httpx.ReadError("connection reset")]
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        stream = await backend.stream(REQUEST, STAMP)
+        received = []
+        with pytest.raises(UpstreamUnavailableError):
+            async for delta in stream:
+                received.append(delta.text)
+        assert received == ["a", "b"]
+        assert [len(w.requests) for w in upstreams.workers.values()] == [1, 0]
+        assert backend.pool.workers[0].healthy is False
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_connection_lost_before_the_first_token_is_retried() -> None:
+    upstreams = Upstreams("w1", "w2")
+    upstreams.workers["w1"].on_chat = lambda body: [httpx.ReadError("connection reset")]
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        result = await backend.generate(REQUEST, STAMP)
+        assert result.choices[0].text == "Cats are great"
+        assert [len(w.requests) for w in upstreams.workers.values()] == [1, 1]
+    finally:
+        await backend.close()
+
+
+async def test_upstream_rejection_is_a_400_with_the_workers_reason() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_chat = lambda body: httpx.Response(
+        400, json={"error": {"message": "This model's maximum context length is 2048 tokens.", "code": 400}}
+    )
+    backend = await started(upstreams)
+    try:
+        with pytest.raises(InvalidRequestError, match="maximum context length"):
+            await backend.generate(REQUEST, STAMP)
+        assert backend.pool.workers[0].in_flight == 0 and backend.pool.workers[0].healthy
+    finally:
+        await backend.close()
+
+
+async def test_error_event_in_the_stream_fails_the_request() -> None:
+    upstreams = Upstreams("w1")
+    events = completion_events([["a", "b"]])
+    upstreams.workers["w1"].on_chat = lambda body: [*events[:2], *sse({"error": {"message": "engine died"}})]
+    backend = await started(upstreams)
+    try:
+        with pytest.raises(UpstreamUnavailableError, match="engine died"):
+            await backend.generate(REQUEST, STAMP)
+    finally:
+        await backend.close()
+
+
+async def test_cancel_closes_the_upstream_stream() -> None:
+    upstreams = Upstreams("w1")
+    events = completion_events([["a", "b", "c"]])
+    upstreams.workers["w1"].on_chat = lambda body: [*events[:2], 30.0, *events[2:]]
+    backend = await started(upstreams)
+    try:
+        stream = await backend.stream(REQUEST, STAMP)
+        assert (await stream.__anext__()).text == "a"
+        stream.cancel()
+        for _ in range(50):
+            if backend.pool.workers[0].in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert backend.pool.workers[0].in_flight == 0
+        assert stream.upstream_closed
+    finally:
+        await backend.close()
+
+
+async def test_tokenizer_is_the_checkpoints_own() -> None:
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams)
+    try:
+        tokenizer = backend.tokenizer
+        assert tokenizer is not None
+        assert tokenizer.encode("Tell me about cats.", add_special_tokens=False) == [31530, 549, 563, 7680, 30]
+    finally:
+        await backend.close()

@@ -1,0 +1,177 @@
+"""Worker configuration, per-request arguments and start-up checks shared by the vLLM adapters."""
+
+from __future__ import annotations
+
+import collections
+from importlib.metadata import EntryPoint
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from xmark_core import Message, WatermarkKey, WatermarkParams, vllm_common
+from xmark_core.vllm_common import (
+    ENV_BITS,
+    ENV_DELTA,
+    ENV_SECRETS,
+    ENV_SECRETS_FILE,
+    XARG_KEY_VERSION,
+    XARG_MESSAGE,
+    WorkerConfigError,
+    WorkerKeyring,
+    count_loads,
+    last_two,
+    parse_request,
+    refuse_duplicate_load,
+    refuse_speculative_decoding,
+)
+
+SECRET_A = "alpha-secret-0123456789abcdef"
+SECRET_B = "bravo-secret-fedcba9876543210"
+
+
+# -- worker keyring --------------------------------------------------------------------------
+
+
+def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
+    keyring = WorkerKeyring.from_variables({ENV_SECRETS: f"v2:{SECRET_B}, v1:{SECRET_A}"})
+    assert keyring.names == ("v1", "v2")
+    assert keyring.params == WatermarkParams()
+    # the same secret and parameters give the same key the gateway derives
+    assert keyring.keys[0].fingerprint == WatermarkKey.from_secret(SECRET_A, WatermarkParams()).fingerprint
+    assert keyring.index("v2") == 1
+    assert keyring.index("v3") is None
+
+
+def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
+    path = tmp_path / "secrets"
+    path.write_text(f"# rotated 2024\nold:{SECRET_A}\nnew:{SECRET_B}\n")
+    keyring = WorkerKeyring.from_variables({ENV_SECRETS_FILE: str(path), ENV_BITS: "24", ENV_DELTA: "3.5"})
+    assert keyring.names == ("new", "old")
+    assert keyring.params.bits == 24 and keyring.params.delta == 3.5
+
+
+@pytest.mark.parametrize(
+    ("environ", "fragment"),
+    [
+        ({}, "needs the watermark secrets"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SECRETS_FILE: "/x"}, "not both"),
+        ({ENV_SECRETS: SECRET_A}, "name:secret"),
+        ({ENV_SECRETS: "v1:short"}, "shorter than 16 bytes"),
+        ({ENV_SECRETS: f"v1:{SECRET_A},v1:{SECRET_B}"}, "listed twice"),
+        ({ENV_SECRETS: f"bad name:{SECRET_A}"}, "must match"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "15"}, "invalid watermark parameters"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "sixteen"}, "must be an integer"),
+        ({ENV_SECRETS_FILE: "/nonexistent/xmark-secrets"}, "cannot read"),
+    ],
+)
+def test_keyring_configuration_errors_are_clear_and_never_show_a_secret(environ: dict[str, str], fragment: str) -> None:
+    with pytest.raises(WorkerConfigError) as caught:
+        WorkerKeyring.from_variables(environ)
+    assert fragment in str(caught.value)
+    assert SECRET_A not in str(caught.value) and SECRET_B not in str(caught.value)
+
+
+def test_keyring_description_shows_fingerprint_prefixes_only() -> None:
+    keyring = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}"})
+    text = keyring.describe() + repr(keyring)
+    assert "v1 (" in text and keyring.keys[0].fingerprint[:12] in text
+    assert SECRET_A not in text and keyring.keys[0].fingerprint not in text
+
+
+# -- per-request arguments -------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_keys() -> WorkerKeyring:
+    return WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}"})
+
+
+@pytest.mark.parametrize("extra_args", [None, {}, {"session_id": "abc", "other": 1}])
+def test_requests_without_xmark_arguments_are_not_watermarked(two_keys: WorkerKeyring, extra_args: object) -> None:
+    assert parse_request(extra_args, two_keys) is None  # type: ignore[arg-type]
+
+
+def test_a_well_formed_request_names_its_key_slot_and_message_blocks(two_keys: WorkerKeyring) -> None:
+    bits = "0110110000011011"
+    mark = parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v2", "session_id": "s"}, two_keys)
+    assert mark is not None
+    assert mark.key_index == 1
+    np.testing.assert_array_equal(mark.blocks, Message.from_bits(bits, two_keys.params).blocks)
+    assert mark.blocks.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "fragment"),
+    [
+        ({XARG_MESSAGE: "0" * 16}, "xmark_key_version is missing"),
+        ({XARG_KEY_VERSION: "v1"}, "xmark_message is missing"),
+        ({XARG_MESSAGE: "0" * 16, XARG_KEY_VERSION: "v1", "xmark_delta": 9}, "unknown XMark argument(s) xmark_delta"),
+        ({XARG_MESSAGE: "0" * 15, XARG_KEY_VERSION: "v1"}, "exactly 16 characters"),
+        ({XARG_MESSAGE: "0" * 15 + "2", XARG_KEY_VERSION: "v1"}, "exactly 16 characters"),
+        ({XARG_MESSAGE: 12345, XARG_KEY_VERSION: "v1"}, "exactly 16 characters"),
+        ({XARG_MESSAGE: "0" * 16, XARG_KEY_VERSION: 1}, "must be a key version name"),
+        ({XARG_MESSAGE: "0" * 16, XARG_KEY_VERSION: "v9"}, "not configured"),
+    ],
+)
+def test_malformed_arguments_are_rejected_with_the_rule(
+    two_keys: WorkerKeyring, extra_args: dict, fragment: str
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_request(extra_args, two_keys)
+    assert fragment in str(caught.value)
+
+
+def test_rejections_do_not_echo_the_submitted_values(two_keys: WorkerKeyring) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_request({XARG_MESSAGE: "0" * 16, XARG_KEY_VERSION: "attacker-chosen"}, two_keys)
+    assert "attacker-chosen" not in str(caught.value)
+
+
+# -- context of a step -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output", "expected"),
+    [
+        ([5, 6, 7], [], (6, 7)),
+        ([5, 6, 7], [8], (7, 8)),
+        ([5, 6, 7], [8, 9, 10], (9, 10)),
+        ([7], [], (0, 7)),
+        ([], [], (0, 0)),
+        (None, [8], (0, 8)),
+        ([5, 6], [8, -1], (8, -1)),  # placeholder left visible: callers skip the row
+    ],
+)
+def test_last_two_tokens_of_prompt_and_output(
+    prompt: list[int] | None, output: list[int], expected: tuple[int, int]
+) -> None:
+    assert last_two(prompt, output) == expected
+
+
+# -- start-up checks -------------------------------------------------------------------------
+
+
+def test_speculative_decoding_is_refused_at_start_up() -> None:
+    refuse_speculative_decoding(SimpleNamespace(speculative_config=None))
+    with pytest.raises(WorkerConfigError, match="does not support speculative decoding"):
+        refuse_speculative_decoding(SimpleNamespace(speculative_config=object()))
+
+
+def test_count_loads_counts_every_route_to_the_processor() -> None:
+    assert count_loads([], [], dict) == 0
+    assert count_loads(["collections:OrderedDict"], [], dict) == 1
+    assert count_loads(["collections:OrderedDict"], [collections.OrderedDict], dict) == 2
+    assert count_loads([collections.OrderedDict, "collections:Counter"], [list], dict) == 2
+    assert count_loads(["collections:deque"], [list], dict) == 0
+
+
+def test_loading_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = EntryPoint("xmark", "collections:OrderedDict", vllm_common.LOGITS_PROCESSORS_GROUP)
+    monkeypatch.setattr(vllm_common, "entry_points", lambda group: [plugin] if group == plugin.group else [])
+    once = SimpleNamespace(model_config=SimpleNamespace(logits_processors=None))
+    refuse_duplicate_load(once, dict)  # entry point only: fine
+    twice = SimpleNamespace(model_config=SimpleNamespace(logits_processors=["collections:OrderedDict"]))
+    with pytest.raises(WorkerConfigError, match="loaded 2 times"):
+        refuse_duplicate_load(twice, dict)
