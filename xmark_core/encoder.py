@@ -7,6 +7,10 @@ host-device synchronisation: every step is a tensor op on the logits' device.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from .hashing import MASK32, context_multipliers, token_codes
@@ -87,17 +91,55 @@ def _check(
         raise ValueError(f"codes must be int64 [{params.num_keys}, >= {vocab}] (got {tuple(codes.shape)})")
 
 
+def _fused_apply(
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    active: torch.Tensor,
+    words: torch.Tensor,
+    codes: torch.Tensor,
+    *,
+    params: WatermarkParams,
+) -> torch.Tensor:
+    """The same computation as ``apply_watermark`` written as one expression chain, for torch.compile
+    to fuse into a single pass over [B, V] (the eager version makes about ten passes)."""
+    vocab = logits.shape[1]
+    prev2, prev1 = context[:, 0], context[:, 1]
+    value = blocks.gather(1, ((prev2 + prev1) % params.num_blocks)[:, None])  # [B, 1]
+    multipliers = context_multipliers(words, prev2, prev1)  # [B, k]
+    shift = 32 - params.block_bits
+    mask = active[:, None]
+    for j in range(params.num_keys):
+        shard = ((multipliers[:, j : j + 1] * codes[j, None, :vocab]) & MASK32) >> shift  # [B, V]
+        mask = mask & ((shard == value) if params.scheme == "mpac" else (shard != value))
+    return torch.where(mask, logits + params.delta, logits)
+
+
 class TorchWatermarker:
     """Device-side key material for one key version, with the token codes cached per device and width.
 
     Adapters (transformers, vLLM) hold one of these and call :meth:`apply` once per decoding step.
+    With ``compile=True`` the op runs as one fused kernel built by ``torch.compile`` on CPU tensors
+    (bit-identical; about 10x faster on this kind of CPU, after a one-off compilation of ~20 s on
+    the first call); if compilation is unavailable it falls back to the eager op.
     """
 
-    def __init__(self, key: WatermarkKey) -> None:
+    def __init__(self, key: WatermarkKey, *, compile: bool = False) -> None:
         self.key = key
         self.params = key.params
         self._words: dict[torch.device, torch.Tensor] = {}
         self._codes: dict[torch.device, torch.Tensor] = {}
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if compile:
+            self._compiled = torch.compile(partial(_fused_apply, params=self.params), dynamic=True)
+
+    def warm_up(self, device: torch.device, width: int) -> None:
+        """Run the op once on dummy inputs so a fused kernel is compiled before the first request."""
+        for batch in (1, 2):  # two sizes: the dynamic-shape kernel is built for any batch
+            logits = torch.zeros((batch, width), dtype=torch.float32, device=device)
+            context = torch.zeros((batch, 2), dtype=torch.int64, device=device)
+            blocks = torch.zeros((batch, self.params.num_blocks), dtype=torch.int64, device=device)
+            self.apply(logits, context, blocks, torch.ones(batch, dtype=torch.bool, device=device))
 
     def words(self, device: torch.device) -> torch.Tensor:
         words = self._words.get(device)
@@ -125,6 +167,17 @@ class TorchWatermarker:
         inplace: bool = False,
     ) -> torch.Tensor:
         device = logits.device
+        if self._compiled is not None and device.type == "cpu":
+            _check(logits, context, blocks, active, self.codes(device, logits.shape[1]), self.params)
+            try:
+                out = self._compiled(
+                    logits, context, blocks, active, self.words(device), self.codes(device, logits.shape[1])
+                )
+            except Exception as exc:  # no C++ toolchain, unsupported platform: keep serving, eagerly
+                warnings.warn(f"fused watermark kernel unavailable, using the eager op ({type(exc).__name__})")
+                self._compiled = None
+            else:
+                return logits.copy_(out) if inplace else out
         return apply_watermark(
             logits,
             context,

@@ -60,7 +60,15 @@ class XMarkLogitsProcessor(LogitsProcessor):
         self._keyring = keyring
         self._device = device
         self._pin = is_pin_memory and device.type != "cpu"
-        self._watermarkers = [TorchWatermarker(key) for key in keyring.keys]
+        # On CPU workers the op runs as one fused kernel (torch.compile), built here at start-up
+        # rather than on the first request; CUDA keeps the eager op (already far below a step).
+        fused = device.type == "cpu"
+        self._watermarkers = [TorchWatermarker(key, compile=fused) for key in keyring.keys]
+        model_config = getattr(vllm_config, "model_config", None)
+        if fused and model_config is not None:
+            width = int(model_config.get_vocab_size())
+            for marker in self._watermarkers:
+                marker.warm_up(device, width)
         rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
         r = keyring.params.num_blocks
         # Per batch row (host side; rows move as the persistent batch changes).
