@@ -75,9 +75,8 @@ async def current_principal(
     request: Request, session: SessionDep, hasher: ApiKeyHasherDep
 ) -> Principal:
     """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user."""
-    principal = await ApiKeyService(session, hasher).authenticate(
-        request.headers.get("authorization")
-    )
+    service = ApiKeyService(session, hasher, usage_sessionmaker=request.app.state.sessionmaker)
+    principal = await service.authenticate(request.headers.get("authorization"))
     request.state.principal = principal
     return principal
 

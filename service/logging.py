@@ -72,3 +72,5 @@ def configure_logging(level: str, secrets: Iterable[bytes | str] = ()) -> None:
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    for chatty in ("httpx", "httpcore"):  # one line per upstream call and health check otherwise
+        logging.getLogger(chatty).setLevel(max(level if isinstance(level, int) else logging.INFO, logging.WARNING))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from service.db import session_scope
 
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
 from service.models import ApiKey
@@ -37,10 +39,19 @@ def _unauthorized(message: str) -> AuthenticationError:
 
 
 class ApiKeyService:
-    def __init__(self, session: AsyncSession, hasher: ApiKeyHasher) -> None:
+    def __init__(
+        self,
+        session: AsyncSession,
+        hasher: ApiKeyHasher,
+        usage_sessionmaker: async_sessionmaker[AsyncSession] | None = None,
+    ) -> None:
         self._hasher = hasher
         self._keys = ApiKeyRepository(session)
         self._users = UserRepository(session)
+        # last_used_at is bookkeeping: written in its own short unit of work when a sessionmaker is
+        # given, so the row lock is not held for the whole request (a long stream would otherwise
+        # make every concurrent request with the same key wait, and SQLite's single writer too).
+        self._usage_sessionmaker = usage_sessionmaker
 
     async def issue_key(self, user_id: int) -> IssuedKey:
         user = await self._users.get(user_id)
@@ -98,7 +109,11 @@ class ApiKeyService:
             raise PermissionDeniedError("This user has been deleted", code="user_deleted")
         now = datetime.now(UTC)
         if key.last_used_at is None or now - key.last_used_at >= LAST_USED_RESOLUTION:
-            await self._keys.touch(key.id, now)
+            if self._usage_sessionmaker is None:
+                await self._keys.touch(key.id, now)
+            else:
+                async with session_scope(self._usage_sessionmaker) as usage:
+                    await ApiKeyRepository(usage).touch(key.id, now)
         return Principal(
             user_id=user.id,
             name=user.name,
