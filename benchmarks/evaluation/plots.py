@@ -1,0 +1,143 @@
+"""PNG plots (matplotlib, Agg): BA vs T per method, BA vs b, ROC curves, BA vs copy-paste fraction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHODS = ("MPAC", "LoSo", "XMark- (k=2)", "XMark (k=2)")
+STYLE = {"MPAC": "tab:blue", "LoSo": "tab:orange", "XMark- (k=2)": "tab:gray", "XMark (k=2)": "tab:red"}
+
+
+def _rows(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ba_vs_t(results: dict[str, Any], path: Path) -> bool:
+    cfg, q = results["config"], results["quality"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for method in METHODS:
+        rows = sorted(_rows(q, method=method, bits=cfg["main_bits"], delta=cfg["main_delta"], temperature=cfg["main_temperature"]), key=lambda r: r["T"])
+        rows = [r for r in rows if r.get("ba") is not None]
+        if not rows:
+            continue
+        drawn = True
+        ax.plot([r["T"] for r in rows], [100 * r["ba"] for r in rows], "o-", color=STYLE[method], label=method)
+        ax.plot([r["T"] for r in rows], [100 * r["ba_retok"] for r in rows], "x--", color=STYLE[method], alpha=0.6)
+    ax.set_xlabel("T (tokens per user)")
+    ax.set_ylabel("bit accuracy (%)")
+    ax.set_title(f"BA vs T (b={cfg['main_bits']}, δ={cfg['main_delta']:g}); dashed: re-tokenized text")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend()
+    _save(fig, path)
+    return drawn
+
+
+def ba_vs_b(results: dict[str, Any], path: Path) -> bool:
+    cfg, q = results["config"], results["quality"]
+    t_grid = cfg["t_grid"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for method in METHODS:
+        for t, style in ((t_grid[0], "o--"), (t_grid[-1], "o-")):
+            rows = sorted(_rows(q, method=method, delta=cfg["main_delta"], temperature=cfg["main_temperature"], T=t), key=lambda r: r["bits"])
+            rows = [r for r in rows if r["bits"] in cfg["bits_grid"] and r.get("ba") is not None]
+            if not rows:
+                continue
+            drawn = True
+            ax.plot([r["bits"] for r in rows], [100 * r["ba"] for r in rows], style, color=STYLE[method], label=f"{method}, T={t}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cfg["bits_grid"], [str(b) for b in cfg["bits_grid"]])
+    ax.set_xlabel("message length b (bits)")
+    ax.set_ylabel("bit accuracy (%)")
+    ax.set_title(f"BA vs b (δ={cfg['main_delta']:g})")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=7)
+    _save(fig, path)
+    return drawn
+
+
+def roc(results: dict[str, Any], path: Path) -> bool:
+    curves = results.get("roc_curves", [])
+    if not curves:
+        return False
+    panels = sorted({(c["bits"], c["T"]) for c in curves})
+    ts = sorted({t for _, t in panels})
+    bits = sorted({b for b, _ in panels})
+    fig, axes = plt.subplots(len(bits), len(ts), figsize=(5 * len(ts), 3.6 * len(bits)), squeeze=False)
+    for i, b in enumerate(bits):
+        for j, t in enumerate(ts):
+            ax = axes[i][j]
+            for c in curves:
+                if (c["bits"], c["T"]) != (b, t):
+                    continue
+                fpr = [max(x, 1e-4) for x in c["fpr"]]
+                ax.step(fpr, c["tpr"], where="post", color=STYLE.get(c["method"], "black"), label=c["method"])
+            ax.set_xscale("log")
+            ax.set_xlim(1e-4, 1)
+            ax.set_ylim(0, 1.02)
+            ax.set_xlabel("false-positive rate")
+            ax.set_ylabel("true-positive rate")
+            ax.set_title(f"ROC, b={b}, T={t}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="lower right")
+    _save(fig, path)
+    return True
+
+
+def ba_vs_copy_paste(results: dict[str, Any], path: Path) -> bool:
+    rows = results.get("robustness", [])
+    if not rows:
+        return False
+    t = max(r["T"] for r in rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for method in METHODS:
+        attacked = sorted(_rows(rows, method=method, attack="copy_paste", T=t), key=lambda r: r["level"])
+        clean = _rows(results["quality"], method=method, bits=results["config"]["main_bits"], delta=results["config"]["main_delta"],
+                      temperature=results["config"]["main_temperature"], T=t)
+        points = ([(0.0, clean[0]["ba"])] if clean and clean[0].get("ba") is not None else []) + [
+            (r["level"], r["ba"]) for r in attacked if r.get("ba") is not None
+        ]
+        if len(points) < 2:
+            continue
+        drawn = True
+        ax.plot([p[0] for p in points], [100 * p[1] for p in points], "o-", color=STYLE[method], label=method)
+    ax.set_xlabel("copy-paste fraction Δ (replaced by unwatermarked text)")
+    ax.set_ylabel("bit accuracy (%)")
+    ax.set_title(f"BA vs copy-paste Δ (b={results['config']['main_bits']}, T={t})")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend()
+    _save(fig, path)
+    return drawn
+
+
+def draw_all(results: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """Write the plots that have data; return {file name: caption}."""
+    made: dict[str, str] = {}
+    for name, caption, draw in (
+        ("ba_vs_T.png", "Bit accuracy against T per method", ba_vs_t),
+        ("ba_vs_b.png", "Bit accuracy against message length b", ba_vs_b),
+        ("roc.png", "ROC curves of the false-positive test", roc),
+        ("ba_vs_copy_paste.png", "Bit accuracy against copy-paste fraction", ba_vs_copy_paste),
+    ):
+        if draw(results, out_dir / name):
+            made[name] = caption
+        else:
+            (out_dir / name).unlink(missing_ok=True)
+    return made

@@ -1,0 +1,317 @@
+"""The markdown report: tables laid out like the paper's Table 1 and ablation table, then the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+Row = dict[str, Any]
+
+MAIN_METHODS = ("MPAC", "LoSo", "XMark- (k=2)", "XMark (k=2)")
+
+# The paper's own numbers (LLaMA-2-7B, text completion on C4; PPL by LLaMA-2-13B), shown for reference
+# beside ours: {method: {T: (BA %, PPL or None)}}.
+PAPER_TABLE1 = {
+    "MPAC": {150: (94.00, 5.19), 200: (94.00, 5.00), 250: (96.25, 5.03), 300: (98.25, 5.10)},
+    "XMark (k=2)": {150: (98.75, 4.68), 200: (99.00, 4.61), 250: (99.75, 4.60), 300: (100.00, 4.56)},
+}
+PAPER_ABLATION = {
+    "LoSo": {150: (74.06, 4.45), 250: (81.38, 4.46)},
+    "XMark (k=2)": {150: (82.62, 4.84), 250: (88.00, 4.60)},
+    "XMark (k=3)": {150: (82.94, 5.01), 250: (89.38, 4.97)},
+    "XMark (k=4)": {150: (84.25, 5.07), 250: (92.06, 5.14)},
+    "XMark- (k=2)": {150: (81.31, None), 250: (88.06, None)},
+    "XMark- (k=3)": {150: (80.69, None), 250: (87.75, None)},
+    "XMark- (k=4)": {150: (80.31, None), 250: (89.56, None)},
+}
+
+
+def paper_rows(reference: dict[str, dict[int, tuple[float, float | None]]], t_grid: list[int]) -> list[str]:
+    """Reference rows in the t_table layout, only where the paper reports every T of the grid."""
+    out = []
+    for method, cells in reference.items():
+        if not all(t in cells for t in t_grid):
+            continue
+        values = [cells[t] for t in t_grid]
+        row = [f"*paper: {method}*"]
+        for ba, ppl in values:
+            row += [f"*{ba:.2f}*", "—" if ppl is None else f"*{ppl:.2f}*"]
+        avg_ppl = None if any(p is None for _, p in values) else sum(p for _, p in values if p is not None) / len(values)
+        row += [f"*{sum(b for b, _ in values) / len(values):.2f}*", "—" if avg_ppl is None else f"*{avg_ppl:.2f}*"]
+        out.append("| " + " | ".join(row) + " |")
+    return out
+
+
+def _pct(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{100 * value:.{digits}f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _find(rows: Iterable[Row], **match: Any) -> Row | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _avg(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present and len(present) == len(values) else None
+
+
+def _table(header: list[str], body: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in body]
+    return out
+
+
+def t_table(quality: list[Row], methods: Iterable[str], t_grid: list[int], *, bits: int, delta: float,
+            temperature: float, field: str = "ba", ppl: bool = True, num_keys: int | None = None) -> list[str]:
+    """Paper Table 1 layout: per T a BA and a PPL column, then Avg. BA and Avg. PPL."""
+    header = ["Method"]
+    for t in t_grid:
+        header += [f"T={t} BA↑"] + ([f"T={t} PPL↓"] if ppl else [])
+    header += ["Avg. BA↑"] + (["Avg. PPL↓"] if ppl else [])
+    body = []
+    for method in methods:
+        bas: list[float | None] = []
+        ppls: list[float | None] = []
+        cells = []
+        for t in t_grid:
+            if method == "Unwatermarked":
+                row = _find(quality, method=method, temperature=temperature, T=t)
+            else:
+                match: dict[str, Any] = dict(method=method, bits=bits, delta=delta, temperature=temperature, T=t)
+                if num_keys is not None:
+                    match["num_keys"] = num_keys
+                row = _find(quality, **match)
+            ba = row.get(field) if row else None
+            pp = row.get("ppl") if row else None
+            if method.startswith("XMark-"):
+                pp = None  # same generations as XMark: the paper leaves this cell empty
+            bas.append(ba)
+            ppls.append(pp)
+            cells += [_pct(ba)] + ([_num(pp)] if ppl else [])
+        label = f"{method} (BA: chance)" if method == "Unwatermarked" else method
+        body.append([label] + cells + [_pct(_avg(bas))] + ([_num(_avg(ppls))] if ppl else []))
+    return _table(header, body)
+
+
+def _n_users(quality: list[Row], **match: Any) -> str:
+    row = _find(quality, **match)
+    return str(row["n_users"]) if row else "0"
+
+
+def render(results: dict[str, Any]) -> str:
+    cfg = results["config"]
+    q: list[Row] = results["quality"]
+    t_grid = list(cfg["t_grid"])
+    b0, d0, temp0 = cfg["main_bits"], cfg["main_delta"], cfg["main_temperature"]
+    timing = results["timing"]
+    lines: list[str] = []
+    add = lines.append
+    add(f"# XMark evaluation on {results['model']['name']}")
+    add("")
+    add(f"Run **{cfg['name']}**: {results['run_description']}")
+    add("")
+    add("## Protocol")
+    for item in results["protocol_notes"]:
+        add(f"- {item}")
+    add("")
+    add(f"## Table 1 — bit accuracy (%) and perplexity against T (b={b0}, δ={d0:g}, temperature {temp0:g})")
+    add("")
+    add(f"Users per cell: {_n_users(q, method='XMark (k=2)', bits=b0, delta=d0, temperature=temp0, T=t_grid[0])}. "
+        "BA decoded from the generated token ids. The unwatermarked row's BA is the XMark decoder read on "
+        "unwatermarked text (chance level, ≈ 50 %); its PPL is the reference the increase is measured against.")
+    ses = [r["ba_se"] for r in q if r.get("ba_se") is not None and r["method"] != "Unwatermarked"]
+    if ses:
+        add("")
+        add(f"Sampling noise: the standard error of a BA cell across users is at most {100 * max(ses):.1f} points "
+            f"(median {100 * sorted(ses)[len(ses) // 2]:.1f}) over all tables of this run; differences smaller than "
+            "that are not resolved.")
+    add("")
+    lines += t_table(q, ("Unwatermarked",) + MAIN_METHODS, t_grid, bits=b0, delta=d0, temperature=temp0)
+    if b0 == 8 and d0 == 2.0:
+        lines += paper_rows(PAPER_TABLE1, t_grid)
+        add("")
+        add("Rows in italics are the paper's (LLaMA-2-7B, text completion on C4, PPL by LLaMA-2-13B; its unwatermarked "
+            "PPL is 3.97), for reference only: a different model, task mix and judge.")
+    add("")
+    add("Perplexity increase against unwatermarked text (same T, same temperature):")
+    add("")
+    body = []
+    for method in ("MPAC", "LoSo", "XMark (k=2)"):
+        body.append([method] + [_num((_find(q, method=method, bits=b0, delta=d0, temperature=temp0, T=t) or {}).get("ppl_increase")) for t in t_grid])
+    lines += _table(["Method"] + [f"T={t} ΔPPL" for t in t_grid], body)
+    add("")
+    add("### The same texts read back from their re-tokenized text (what `/trace` sees)")
+    add("")
+    lines += t_table(q, MAIN_METHODS, t_grid, bits=b0, delta=d0, temperature=temp0, field="ba_retok", ppl=False)
+    add("")
+    add("Exact-message rate (%), generated ids / re-tokenized text:")
+    add("")
+    body = []
+    for method in MAIN_METHODS:
+        cells = []
+        for t in t_grid:
+            row = _find(q, method=method, bits=b0, delta=d0, temperature=temp0, T=t)
+            cells.append(f"{_pct(row.get('exact') if row else None, 1)} / {_pct(row.get('exact_retok') if row else None, 1)}")
+        body.append([method] + cells)
+    lines += _table(["Method"] + [f"T={t}" for t in t_grid], body)
+    add("")
+    for temp in cfg["temperatures"]:
+        if temp == temp0:
+            continue
+        add(f"### Table 1 at temperature {temp:g}")
+        add("")
+        lines += t_table(q, ("Unwatermarked",) + MAIN_METHODS, t_grid, bits=b0, delta=d0, temperature=temp)
+        add("")
+    bits_grid = list(cfg["bits_grid"])
+    if len(bits_grid) > 1:
+        add(f"## Bit accuracy (%) against message length b (δ={d0:g}, temperature {temp0:g})")
+        add("")
+        header = ["Method"] + [f"b={b} T={t}" for b in bits_grid for t in (t_grid[0], t_grid[-1])]
+        body = []
+        for method in MAIN_METHODS:
+            body.append([method] + [_pct((_find(q, method=method, bits=b, delta=d0, temperature=temp0, T=t) or {}).get("ba"))
+                                    for b in bits_grid for t in (t_grid[0], t_grid[-1])])
+        lines += _table(header, body)
+        add("")
+        add("Re-tokenized text, same cells:")
+        add("")
+        body = []
+        for method in MAIN_METHODS:
+            body.append([method] + [_pct((_find(q, method=method, bits=b, delta=d0, temperature=temp0, T=t) or {}).get("ba_retok"))
+                                    for b in bits_grid for t in (t_grid[0], t_grid[-1])])
+        lines += _table(header, body)
+        add("")
+    lines += _ablation(q, cfg)
+    lines += _delta(q, cfg)
+    lines += _attribution(results.get("attribution", []), cfg)
+    lines += _detection(results.get("detection", []), cfg)
+    lines += _robustness(results.get("robustness", []), cfg)
+    add("## Plots")
+    add("")
+    for name, caption in results.get("plots", {}).items():
+        add(f"![{caption}]({name})")
+        add("")
+    add("## Run time")
+    add("")
+    gen = timing["generation"]
+    add(f"- Generation: {gen['rows']} completions of {cfg['t_grid'][-1] // 2} tokens in {gen['seconds']:.0f} s "
+        f"({gen['generated_tokens_per_s']} generated tokens/s, {gen['seconds_per_row']} s per completion) on "
+        f"{timing['hardware']}, {cfg['threads']} torch thread(s), batches of up to {cfg['batch_size']} rows; "
+        f"{gen.get('invocations', 1)} invocation(s) filled the completion cache.")
+    add(f"- Analysis (decoding, tests, attribution, attacks): {timing['analysis_s']:.0f} s.")
+    for name, estimate in timing.get("estimates", {}).items():
+        add(f"- Estimated generation time of the `{name}` preset at this rate: {estimate['completions']} completions, "
+            f"≈ {estimate['hours']:.1f} h.")
+    add("")
+    return "\n".join(lines) + "\n"
+
+
+def _ablation(q: list[Row], cfg: dict[str, Any]) -> list[str]:
+    b, d0, temp0 = cfg["ablation_bits"], cfg["main_delta"], cfg["main_temperature"]
+    keys = [k for k in cfg["keys_grid"]]
+    ts = [t for t in cfg["t_grid"] if t in (150, 250)] or list(cfg["t_grid"])[:2]
+    methods = ["LoSo"] + [f"XMark (k={k})" for k in keys if k > 1] + [f"XMark- (k={k})" for k in keys if k > 1]
+    out = [f"## Ablation — number of keys k and cTMM vs TMM (b={b}, δ={d0:g}, temperature {temp0:g})", ""]
+    out += t_table(q, methods, ts, bits=b, delta=d0, temperature=temp0)
+    if b == 32 and d0 == 2.0:
+        out += paper_rows(PAPER_ABLATION, ts)
+        out += ["", "Rows in italics are the paper's (LLaMA-2-7B, text completion, b = 32), for reference only."]
+    out.append("")
+    out.append("XMark⁻ decodes the XMark generations with the TMM, so its PPL is XMark's (left empty as in the paper).")
+    out.append("")
+    return out
+
+
+def _delta(q: list[Row], cfg: dict[str, Any]) -> list[str]:
+    deltas = list(cfg["delta_grid"])
+    if len(deltas) < 2:
+        return []
+    b0, temp0 = cfg["main_bits"], cfg["main_temperature"]
+    ts = (cfg["t_grid"][0], cfg["t_grid"][-1])
+    out = [f"## Bias δ (b={b0}, temperature {temp0:g})", ""]
+    header = ["Method", "δ"] + [f"T={t} BA↑" for t in ts] + [f"T={t} PPL↓" for t in ts]
+    body = []
+    for method in ("MPAC", "LoSo", "XMark- (k=2)", "XMark (k=2)"):
+        for d in deltas:
+            rows = [_find(q, method=method, bits=b0, delta=d, temperature=temp0, T=t) for t in ts]
+            body.append([method, f"{d:g}"] + [_pct(r.get("ba") if r else None) for r in rows]
+                        + [("—" if method.startswith("XMark-") else _num(r.get("ppl") if r else None)) for r in rows])
+    out += _table(header, body)
+    out.append("")
+    return out
+
+
+def _attribution(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
+    if not rows:
+        return []
+    out = [f"## Attribution among {rows[0]['registry_size']:,} registered users (α = {cfg['alpha']:g})", "",
+           "Right user ranked first / named (`attribute` names the best candidate only when p < α and its "
+           "posterior confidence is at least 0.99, the library defaults) / a wrong user named; the same from the re-tokenized "
+           "text; false attribution = share of unwatermarked user texts (under the run's key and "
+           f"{cfg['null_keys']} independent keys) for which any user is named.", ""]
+    header = ["b", "Method", "T", "Top-1 %", "Named %", "Wrong named %", "Top-1 retok %", "Named retok %", "False attribution %"]
+    body = []
+    for r in rows:
+        body.append([str(r["bits"]), r["method"], str(r["T"]), _pct(r["top1"], 1), _pct(r["named"], 1), _pct(r["named_wrong"], 1),
+                     _pct(r["top1_retok"], 1), _pct(r["named_retok"], 1), f"{_pct(r['false_attribution'], 2)} (n={r['n_null']})"])
+    out += _table(header, body)
+    out.append("")
+    return out
+
+
+def _detection(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
+    if not rows:
+        return []
+    a = cfg["alphas"]
+    out = ["## Is it watermarked? False-positive test", "",
+           "Positives: each user's T tokens under the run's key. Negatives: unwatermarked users' texts under the "
+           f"run's key and {cfg['null_keys']} independent keys (keys that never touched the text). Score = −log10 p of "
+           "`xmark_core.detect` (calibrated to the observed token count and block profile). The paper's rule "
+           f"(mean row standard deviation σ > {cfg['sigma_threshold']:.2f}) is evaluated on the same texts.", ""]
+    header = ["b", "Method", "T", "AUC", "TPR@1%FPR", "TPR@0.1%FPR"]
+    for alpha in a:
+        header += [f"FPR @α={alpha:g}", f"TPR @α={alpha:g}"]
+    header += ["σ>3.30 FPR", "σ>3.30 TPR", "AUC(σ)", "negatives"]
+    body = []
+    for r in rows:
+        cells = [str(r["bits"]), r["method"], str(r["T"]), _num(r["auc"], 4), _pct(r["tpr_at_1pct"], 1), _pct(r["tpr_at_01pct"], 1)]
+        for alpha in a:
+            cells += [_pct(r[f"fpr_at_alpha_{alpha:g}"], 2), _pct(r[f"tpr_at_alpha_{alpha:g}"], 1)]
+        cells += [_pct(r["sigma_rule_fpr"], 1), _pct(r["sigma_rule_tpr"], 1), _num(r["auc_sigma"], 4), str(r["n_negatives"])]
+        body.append(cells)
+    out += _table(header, body)
+    out.append("")
+    return out
+
+
+def _robustness(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
+    if not rows:
+        return []
+    out = ["## Robustness", "",
+           "Copy-paste: one contiguous span of a fraction Δ of each completion replaced by the same span of the "
+           "model's unwatermarked completion of the same prompt (token level). Word deletion: that share of "
+           "whitespace-separated words deleted, then re-tokenized. Token substitution: that share of tokens "
+           f"replaced by uniformly random vocabulary tokens. BA % / detected % (p < α = {cfg['alpha']:g}).", ""]
+    methods = sorted({r["method"] for r in rows}, key=lambda m: (not m.startswith("MPAC"), not m.startswith("LoSo"), m))
+    ts = sorted({r["T"] for r in rows})
+    columns = sorted({(r["attack"], r["level"]) for r in rows}, key=lambda c: (("copy_paste", "word_deletion", "token_substitution").index(c[0]), c[1]))
+    names = {"copy_paste": "CP Δ=", "word_deletion": "del ", "token_substitution": "sub "}
+    header = ["Method", "T"] + [f"{names[a]}{lvl:g}" for a, lvl in columns]
+    body = []
+    for method in methods:
+        for t in ts:
+            cells = []
+            for attack, level in columns:
+                r = _find(rows, method=method, T=t, attack=attack, level=level)
+                cells.append(f"{_pct(r['ba'] if r else None, 1)} / {_pct(r['detected'] if r else None, 0)}")
+            body.append([method, str(t)] + cells)
+    out += _table(header, body)
+    out.append("")
+    return out
