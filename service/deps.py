@@ -43,23 +43,23 @@ async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
         yield session
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
-def get_keyring(request: Request) -> Keyring:
+async def get_keyring(request: Request) -> Keyring:
     return request.app.state.keyring  # type: ignore[no-any-return]
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics  # type: ignore[no-any-return]
 
 
-def get_backend(request: Request) -> Backend:
+async def get_backend(request: Request) -> Backend:
     return request.app.state.backend  # type: ignore[no-any-return]
 
 
-def get_api_key_hasher(request: Request) -> ApiKeyHasher:
+async def get_api_key_hasher(request: Request) -> ApiKeyHasher:
     return request.app.state.api_key_hasher  # type: ignore[no-any-return]
 
 

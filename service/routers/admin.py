@@ -41,18 +41,18 @@ UserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-def _users(
+async def _users(
     request: Request, session: SessionDep, keyring: KeyringDep, hasher: ApiKeyHasherDep
 ) -> UserService:
     registry = request.app.state.registry_cache
     return UserService(session, keyring.params, hasher, on_change=registry.invalidate)
 
 
-def _keys(session: SessionDep, hasher: ApiKeyHasherDep) -> ApiKeyService:
+async def _keys(session: SessionDep, hasher: ApiKeyHasherDep) -> ApiKeyService:
     return ApiKeyService(session, hasher)
 
 
-def _key_versions(
+async def _key_versions(
     request: Request, session: SessionDep, keyring: KeyringDep, settings: SettingsDep
 ) -> KeyVersionService:
     return KeyVersionService(

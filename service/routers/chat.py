@@ -15,7 +15,7 @@ from service.services.generation import GenerationService
 router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES)
 
 
-def _generation(
+async def _generation(
     session: SessionDep, settings: SettingsDep, backend: BackendDep, keyring: KeyringDep, metrics: MetricsDep
 ) -> GenerationService:
     return GenerationService(session, settings, backend, keyring, metrics)

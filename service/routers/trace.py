@@ -17,11 +17,11 @@ router = APIRouter(tags=["trace"], responses=ERROR_RESPONSES)
 ForensicDep = Annotated[Principal, Depends(require_roles("auditor", "admin"))]
 
 
-def _registry(request: Request) -> RegistryCache:
+async def _registry(request: Request) -> RegistryCache:
     return request.app.state.registry_cache  # type: ignore[no-any-return]
 
 
-def _tracing(
+async def _tracing(
     session: SessionDep,
     settings: SettingsDep,
     backend: BackendDep,
