@@ -125,19 +125,29 @@ def decode(
     if min_observations < 1:
         raise ValueError("min_observations must be >= 1")
     r, shards_n, k = params.num_blocks, params.num_shards, params.num_keys
-    prev2 = np.concatenate([t[:-2] for t in texts if t.size >= 3])
-    prev1 = np.concatenate([t[1:-1] for t in texts if t.size >= 3])
-    token = np.concatenate([t[2:] for t in texts if t.size >= 3])
-    keep = np.ones(token.size, dtype=bool)
+    scored_texts = [t for t in texts if t.size >= 3]
+    if len(scored_texts) == 1:  # the common case: views, no copies
+        text = scored_texts[0]
+        prev2, prev1, token = text[:-2], text[1:-1], text[2:]
+    else:
+        prev2 = np.concatenate([t[:-2] for t in scored_texts])
+        prev1 = np.concatenate([t[1:-1] for t in scored_texts])
+        token = np.concatenate([t[2:] for t in scored_texts])
+    top_id = max(int(t.max()) for t in scored_texts)
+    keep: np.ndarray | None = None  # bool [n] mask of scored positions (None = all)
     skip = np.fromiter(skip_ids, dtype=np.int64)
     if skip.size:
-        keep &= ~np.isin(token, skip)
+        keep = ~np.isin(token, skip)
     if dedup:
-        order, first = _first_occurrences(prev2, prev1, token)
+        order, first = _first_occurrences(prev2, prev1, token, top_id)
         unique = np.zeros(token.size, dtype=bool)
         unique[order[first]] = True
-        keep &= unique
-    p2, p1, tok = prev2[keep], prev1[keep], token[keep]
+        keep = unique if keep is None else keep & unique
+    if keep is None:
+        keep = np.ones(token.size, dtype=bool)
+        p2, p1, tok = prev2, prev1, token
+    else:
+        p2, p1, tok = prev2[keep], prev1[keep], token[keep]
     rows = block_index(p2, p1, r)  # [n]
     shard_ids = shard(key.words, p2, p1, tok, params.block_bits)  # [n, k]
     cells = rows[:, None] * shards_n + shard_ids  # [n, k] flat cell index
@@ -174,11 +184,14 @@ def decode(
     )
 
 
-def _first_occurrences(prev2: np.ndarray, prev1: np.ndarray, token: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Stable sort order of the (x[t-2], x[t-1], x[t]) triples and a mask of each triple's first occurrence."""
+def _first_occurrences(
+    prev2: np.ndarray, prev1: np.ndarray, token: np.ndarray, top_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stable sort order of the (x[t-2], x[t-1], x[t]) triples and a mask of each triple's first
+    occurrence in that order. top_id: the largest id in the texts."""
     first = np.empty(token.size, dtype=bool)
     first[:1] = True
-    if max(int(prev2.max()), int(prev1.max()), int(token.max())) < (1 << 21):
+    if top_id < (1 << 21):
         keys = (prev2 << 42) | (prev1 << 21) | token  # one exact int64 key per triple
         order = np.argsort(keys, kind="stable")  # equal triples keep their text order
         ordered = keys[order]
