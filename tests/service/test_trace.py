@@ -37,7 +37,9 @@ async def _trace_count(session: AsyncSession) -> int:
     return int(await session.scalar(select(func.count()).select_from(Trace)) or 0)
 
 
-async def _watermarked_text(app: Any, message_bits: str, *, key_version: str | None = None, tokens: int = 200) -> str:
+async def _watermarked_text(app: Any, message_bits: str, *, key_version: str | None = None, tokens: int = 400) -> str:
+    # 400 tokens: the detection verdict (a test over all 2**b messages at alpha = 1e-3) is not
+    # guaranteed on a single 200-token answer; attribution among a few users is far more sensitive.
     keyring = app.state.keyring
     handle = keyring.active() if key_version is None else next(h for h in keyring.usable() if h.name == key_version)
     stamp = WatermarkStamp(handle.key, Message.from_bits(message_bits, handle.key.params))
