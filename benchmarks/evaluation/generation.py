@@ -10,6 +10,7 @@ own (processors, then the temperature warper): the watermark bias is added befor
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import __version__ as transformers_version
 
 from xmark_core import Message, WatermarkKey
 from xmark_core.hf import XMarkLogitsProcessor
@@ -107,6 +109,27 @@ class MixedRowsProcessor(LogitsProcessor):
         """float64 [B, n]: the NLL of every generated token (call once, with the last generated tokens)."""
         self._record(last_tokens)
         return torch.stack(self._nll, dim=1).double()
+
+
+class TransformersGenerator:
+    """The in-process transformers model: rows of several settings share one ``model.generate`` call."""
+
+    name = "transformers"
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, threads: int) -> None:
+        self._model, self._tokenizer, self._threads = model, tokenizer, threads
+
+    def describe(self) -> str:
+        return f"in-process transformers {transformers_version} on the CPU, float32, {self._threads} torch thread(s)"
+
+    def generate(self, jobs: Sequence[RowJob], max_new_tokens: int, run_seed: int) -> list[RowResult]:
+        return generate_rows(self._model, self._tokenizer, jobs, max_new_tokens, batch_seed(run_seed, jobs))
+
+
+def batch_seed(seed: int, jobs: Sequence[RowJob]) -> int:
+    """The sampling seed of one transformers batch (a function of the run seed and its rows)."""
+    ident = repr((seed, [(j.spec_name, j.user, j.slot) for j in jobs])).encode()
+    return int.from_bytes(hashlib.sha256(ident).digest()[:4], "little")
 
 
 def generate_rows(

@@ -203,7 +203,7 @@ def render(results: dict[str, Any]) -> str:
     gen = timing["generation"]
     add(f"- Generation: {gen['rows']} completions of {cfg['t_grid'][-1] // 2} tokens in {gen['seconds']:.0f} s "
         f"({gen['generated_tokens_per_s']} generated tokens/s, {gen['seconds_per_row']} s per completion) on "
-        f"{timing['hardware']}, {cfg['threads']} torch thread(s), batches of up to {cfg['batch_size']} rows; "
+        f"{timing['hardware']}, with the {gen.get('engine') or 'engine not recorded'}; "
         f"{gen.get('invocations', 1)} invocation(s) filled the completion cache.")
     add(f"- Analysis (decoding, tests, attribution, attacks): {timing['analysis_s']:.0f} s.")
     for name, estimate in timing.get("estimates", {}).items():

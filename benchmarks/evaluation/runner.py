@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from .config import EvalConfig, GenSpec
-from .generation import RowJob, chat_prompt, generate_rows
+from .generation import RowJob, RowResult, chat_prompt
 from .population import evaluation_key, user_messages
 from .prompts import Prompt, assign_prompts
 from .store import GenerationStore
@@ -66,22 +65,32 @@ def all_jobs(config: EvalConfig, prompts: list[Prompt]) -> list[tuple[GenSpec, R
     return jobs
 
 
-def _batch_seed(seed: int, jobs: list[RowJob]) -> int:
-    ident = repr((seed, [(j.spec_name, j.user, j.slot) for j in jobs])).encode()
-    return int.from_bytes(hashlib.sha256(ident).digest()[:4], "little")
+class Generator(Protocol):
+    """An engine that completes rows of any mix of settings (``generation.TransformersGenerator``,
+    ``vllm_engine.VllmGenerator``)."""
+
+    name: str
+
+    def describe(self) -> str: ...
+
+    def generate(self, jobs: Sequence[RowJob], max_new_tokens: int, run_seed: int) -> list[RowResult]: ...
 
 
 def generate_all(
     config: EvalConfig,
     prompts: list[Prompt],
-    model: PreTrainedModel,
+    generator: Generator,
     tokenizer: PreTrainedTokenizerBase,
     store: GenerationStore,
+    batch_size: int,
     *,
     budget_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> GenerationLog:
-    """Generate every missing completion, tier by tier, batching rows of similar prompt length."""
+    """Generate every missing completion, tier by tier, ``batch_size`` rows of similar prompt length per call.
+
+    Each call's results are appended to the store before the next call starts.
+    """
     stats = GenerationLog()
     pending = [(spec, job) for spec, job in all_jobs(config, prompts) if (job.spec_name, job.user, job.slot) not in store]
     lengths = {p.id: len(tokenizer(chat_prompt(tokenizer, p.text), add_special_tokens=False)["input_ids"]) for p in prompts}
@@ -94,7 +103,7 @@ def generate_all(
         tier = pending[index][0].tier
         batch = [pending[index][1]]
         index += 1
-        while index < total and len(batch) < config.batch_size and pending[index][0].tier == tier:
+        while index < total and len(batch) < batch_size and pending[index][0].tier == tier:
             batch.append(pending[index][1])
             index += 1
         if budget_s is not None and time.monotonic() - start > budget_s:
@@ -102,7 +111,7 @@ def generate_all(
             log(f"generation budget of {budget_s:.0f} s spent; stopping with {total - index + len(batch)} completions left")
             break
         t0 = time.monotonic()
-        results = generate_rows(model, tokenizer, batch, config.max_new_tokens, _batch_seed(config.seed, batch))
+        results = generator.generate(batch, config.max_new_tokens, config.seed)
         elapsed = time.monotonic() - t0
         store.add(results)
         stats.batches += 1

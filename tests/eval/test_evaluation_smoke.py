@@ -36,7 +36,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out, cache = base / "out", base / "cache"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.evaluation", "--smoke", "--model-path", str(model),
+        [sys.executable, "-m", "benchmarks.evaluation", "--smoke", "--engine", "transformers", "--model-path", str(model),
          "--output-dir", str(out), "--cache-dir", str(cache)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
     )

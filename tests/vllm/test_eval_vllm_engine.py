@@ -1,0 +1,172 @@
+"""The evaluation's vLLM engine: its processor against the transformers path, and a real engine run.
+
+``EvalLogitsProcessor`` must give exactly the logits of ``generation.MixedRowsProcessor`` (the
+transformers path) for any mix of settings, follow vLLM's persistent batch, and the engine must
+return exactly max_new_tokens tokens with the raw model NLL of each.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "vllm.sampling_params", reason="vLLM is not installed in this interpreter (make test-vllm installs it)"
+)
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+
+from benchmarks.evaluation.config import GenSpec  # noqa: E402
+from benchmarks.evaluation.generation import MixedRowsProcessor, RowJob  # noqa: E402
+from benchmarks.evaluation.population import evaluation_key, user_messages  # noqa: E402
+from benchmarks.evaluation.vllm_engine import EvalLogitsProcessor, request_args  # noqa: E402
+from xmark_core.hf import XMarkLogitsProcessor  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 49152
+SEED = 5
+SUPPRESS = [0, 1, 2, 7, 16]
+SPECS = [
+    GenSpec("xmark", 16, 2, 2.0),
+    GenSpec("mpac", 8, 1, 3.0),
+    GenSpec("none"),
+    GenSpec("loso", 32, 1, 1.0),
+    GenSpec("xmark", 32, 4, 2.0),
+    GenSpec("xmark", 16, 2, 2.0),
+]
+HISTORIES = [
+    ([1, 9, 3021, 44], []),
+    ([1, 9, 77], [5012, 14, 2]),
+    ([31], []),
+    ([1, 2, 3, 4, 5], [6, 7]),
+    ([1, 9, 3021, 44], [49151]),
+    ([12, 0], [0, 0, 0, 1]),
+]
+
+
+def job(row: int) -> RowJob:
+    spec = SPECS[row]
+    key = evaluation_key(spec.params(), SEED) if spec.watermarked else None
+    message = user_messages(spec.bits, 6, SEED)[row] if spec.watermarked else None
+    return RowJob(spec.name, row, 0, "p", "prompt", 1.0, key, message)
+
+
+def sampling(row_job: RowJob) -> SamplingParams:
+    return SamplingParams(max_tokens=8, extra_args=request_args(row_job, SEED, SUPPRESS))
+
+
+def base_logits(batch: int, seed: int = 3) -> torch.Tensor:
+    return torch.randn((batch, VOCAB), generator=torch.Generator().manual_seed(seed))
+
+
+def transformers_logits(jobs: list[RowJob], histories: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    """What the transformers path does to the same rows (temperature 1: no scaling)."""
+    width = max(len(h) for h in histories)
+    input_ids = torch.tensor([[0] * (width - len(h)) + h for h in histories], dtype=torch.long)
+    groups: dict[str, list[int]] = {}
+    for row, j in enumerate(jobs):
+        if j.key is not None:
+            groups.setdefault(j.spec_name, []).append(row)
+    processors = [
+        (torch.tensor(rows), XMarkLogitsProcessor(jobs[rows[0]].key, [jobs[r].message for r in rows]))  # type: ignore[arg-type]
+        for rows in groups.values()
+    ]
+    mixer = MixedRowsProcessor(processors, torch.ones(len(jobs)), SUPPRESS)
+    return mixer(input_ids, logits)
+
+
+def processor_with(rows: list[int]) -> EvalLogitsProcessor:
+    processor = EvalLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    added = [(i, sampling(job(r)), list(HISTORIES[r][0]), list(HISTORIES[r][1])) for i, r in enumerate(rows)]
+    processor.update_state(BatchUpdate(batch_size=len(rows), removed=[], added=added, moved=[]))
+    return processor
+
+
+def test_mixed_settings_match_the_transformers_path_exactly() -> None:
+    rows = list(range(len(SPECS)))
+    base = base_logits(len(rows))
+    out = processor_with(rows).apply(base.clone())
+    expected = transformers_logits([job(r) for r in rows], [p + o for p, o in HISTORIES], base.clone())
+    assert torch.equal(out, expected)
+    assert torch.isinf(out[:, SUPPRESS]).all()
+    unwatermarked = 2
+    keep = torch.ones(VOCAB, dtype=torch.bool)
+    keep[SUPPRESS] = False
+    assert torch.equal(out[unwatermarked, keep], base[unwatermarked, keep])
+    for row in (0, 1, 3, 4):
+        assert (out[row, keep] != base[row, keep]).any()
+
+
+def test_rows_follow_removals_moves_and_swaps() -> None:
+    processor = processor_with([0, 1, 2, 3])
+    processor.update_state(
+        BatchUpdate(
+            batch_size=3,
+            removed=[1],
+            added=[],
+            moved=[(3, 1, MoveDirectionality.UNIDIRECTIONAL), (0, 2, MoveDirectionality.SWAP)],
+        )
+    )
+    layout = [2, 3, 0]
+    base = base_logits(3, seed=9)
+    out = processor.apply(base.clone())
+    expected = transformers_logits(
+        [job(r) for r in layout], [HISTORIES[r][0] + HISTORIES[r][1] for r in layout], base.clone()
+    )
+    assert torch.equal(out, expected)
+
+
+def test_requests_without_or_with_a_malformed_setting_are_refused() -> None:
+    with pytest.raises(ValueError, match="xmark_eval"):
+        EvalLogitsProcessor.validate_params(SamplingParams(max_tokens=4))
+    args = request_args(job(0), SEED, SUPPRESS)
+    args["xmark_eval"]["message"] = "01"
+    with pytest.raises(ValueError, match="message"):
+        EvalLogitsProcessor.validate_params(SamplingParams(max_tokens=4, extra_args=args))
+
+
+def _model_path() -> Path:
+    explicit = os.environ.get("XMARK_MODEL_PATH")
+    return Path(explicit) if explicit else REPO_ROOT / "var" / "models" / "smollm2-135m-instruct"
+
+
+def test_real_engine_gives_exact_lengths_and_the_raw_model_nll() -> None:
+    """A real CPU engine: every row has max_new_tokens non-special tokens; its NLLs are the model's own."""
+    from benchmarks.evaluation.generation import chat_prompt, load_model
+    from benchmarks.evaluation.vllm_engine import VllmGenerator
+
+    model_path = _model_path()
+    if not (model_path / "config.json").is_file():
+        pytest.fail(f"no model checkpoint at {model_path}: run `xmark fetch-model` first")
+    model, tokenizer = load_model(model_path)
+    generator = VllmGenerator(model_path, tokenizer, max_model_len=256, max_num_seqs=4)
+    spec = GenSpec("xmark", 8, 2, 2.0, temperature=0.7)
+    key = evaluation_key(spec.params(), SEED)
+    messages = user_messages(8, 2, SEED)
+    jobs = [
+        RowJob(spec.name, 0, 0, "a", "Write a short poem about rivers.", 0.7, key, messages[0]),
+        RowJob(spec.name, 1, 0, "b", "Explain what a compiler does.", 0.7, key, messages[1]),
+        RowJob("none-t1", 0, 0, "c", "Tell me about tea.", 1.0, None, None),
+    ]
+    max_new = 24
+    results = generator.generate(jobs, max_new, SEED)
+    again = generator.generate(jobs, max_new, SEED)
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]  # a seed per row: reproducible
+    special = set(tokenizer.all_special_ids)
+    for result in results:
+        assert len(result.token_ids) == max_new and len(result.nll) == max_new
+        assert not special & set(result.token_ids)
+        prompt = tokenizer(chat_prompt(tokenizer, result.job.prompt), add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + result.token_ids])
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+        nll = -logprobs.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
+        for got, want in zip(result.nll, nll.tolist(), strict=True):
+            assert math.isfinite(got) and got >= 0
+            assert abs(got - want) < 2e-3 + 2e-3 * want
