@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation", description=__doc__)
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--smoke", dest="preset", action="store_const", const="smoke", help="minutes: 8 users, b=8, T in {150, 300}")
-    preset.add_argument("--reduced", dest="preset", action="store_const", const="reduced", help="full grids, 20 users")
+    preset.add_argument("--reduced", dest="preset", action="store_const", const="reduced", help="full grids, 16 users")
     preset.add_argument("--full", dest="preset", action="store_const", const="full", help="the paper's protocol: 50 users, full grids")
     parser.set_defaults(preset="smoke")
     parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL, help=f"local transformers checkpoint (default {DEFAULT_MODEL})")

@@ -136,7 +136,7 @@ FULL = EvalConfig(
     null_keys=19,
 )
 
-# The largest run that fits in about 45 minutes of one shared CPU core: the full grids, 16 users.
+# The full grids with 16 users (about a third of the full run).
 REDUCED = replace(FULL, name="reduced", users=16, null_keys=74)
 
 PRESETS: dict[str, EvalConfig] = {c.name: c for c in (SMOKE, REDUCED, FULL)}
