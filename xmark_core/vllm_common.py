@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -30,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from .keys import MIN_SECRET_BYTES, WatermarkKey
+from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - re-exported
 from .message import bits_to_blocks
 from .params import WatermarkParams
+from .secrets import KEY_VERSION_NAME
+from .secrets import parse_secret_entries as _parse_secret_entries
 
 XARG_MESSAGE = "xmark_message"
 XARG_KEY_VERSION = "xmark_key_version"
@@ -47,7 +48,6 @@ ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
 ENV_DELTA = "XMARK_WATERMARK_DELTA"
 
 LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"  # vLLM's entry-point group for processors
-KEY_VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class WorkerConfigError(ValueError):
@@ -55,28 +55,12 @@ class WorkerConfigError(ValueError):
 
 
 def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
-    """``name:secret`` entries separated by commas or new lines; ``#`` starts a comment line."""
-    entries: dict[str, bytes] = {}
-    for chunk in re.split(r"[,\n]", text):
-        item = chunk.strip()
-        if not item or item.startswith("#"):
-            continue
-        name, sep, secret = item.partition(":")
-        name, secret = name.strip(), secret.strip()
-        if not sep or not secret:
-            raise WorkerConfigError(f"{source}: every entry must look like name:secret")
-        if not KEY_VERSION_NAME.match(name):
-            raise WorkerConfigError(f"{source}: a key version name must match {KEY_VERSION_NAME.pattern}")
-        if name in entries:
-            raise WorkerConfigError(f"{source}: key version {name!r} is listed twice")
-        if len(secret.encode()) < MIN_SECRET_BYTES:
-            raise WorkerConfigError(
-                f"{source}: the secret of key version {name!r} is shorter than {MIN_SECRET_BYTES} bytes"
-            )
-        entries[name] = secret.encode()
-    if not entries:
-        raise WorkerConfigError(f"{source}: no watermark secret configured")
-    return entries
+    """``name:secret`` entries separated by commas or new lines; ``#`` starts a comment line.
+
+    The gateway's rules (:func:`xmark_core.secrets.parse_secret_entries`), placeholder check
+    included; problems raise :class:`WorkerConfigError`.
+    """
+    return _parse_secret_entries(text, source=source, error=WorkerConfigError)
 
 
 def _int_setting(variables: Mapping[str, str], name: str, default: int) -> int:
