@@ -20,6 +20,8 @@ from service.metrics import Metrics
 from service.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from service.routers import admin, chat, health, trace
 from service.security import ApiKeyHasher, parse_api_key
+from service.services.auth import Authenticator
+from service.services.auth_cache import AuthCache
 from service.services.bootstrap import ensure_first_admin
 from service.services.registry_cache import RegistryCache
 
@@ -69,6 +71,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             ) from None
         app.state.keyring = keyring
         app.state.api_key_hasher = ApiKeyHasher(secrets.api_key_pepper)
+        app.state.authenticator = Authenticator(
+            app.state.sessionmaker,
+            app.state.api_key_hasher,
+            AuthCache(settings.auth_cache_ttl_s, settings.auth_cache_size),
+        )
         app.state.secrets_can_generate = settings.embedded and secrets.watermark_source == "generated"
         if settings.bootstrap_admin_key is not None:
             async with session_scope(app.state.sessionmaker) as session:

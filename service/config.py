@@ -8,7 +8,6 @@ may generate them, and then keeps them under ``var/`` with 0600 permissions.
 from __future__ import annotations
 
 import os
-import re
 import secrets as _secrets
 import stat
 from dataclasses import dataclass, field
@@ -17,27 +16,14 @@ from typing import Annotated, Literal
 
 from pydantic import SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
+    KEY_VERSION_NAME,
+    MIN_SECRET_BYTES,
+    placeholder_reason,
+)
+from xmark_core.secrets import parse_secret_entries as _parse_secret_entries
 
 from service.security import ApiKeyFormatError, parse_api_key
-
-KEY_VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-MIN_SECRET_BYTES = 16
-_PLACEHOLDER_WORDS = (
-    "changeme",
-    "change-me",
-    "change_me",
-    "replaceme",
-    "replace-me",
-    "replace_me",
-    "placeholder",
-    "your-secret",
-    "your_secret",
-    "yoursecret",
-    "example",
-    "secret-here",
-    "todo",
-)
-_PLACEHOLDER_VALUES = {"secret", "password", "default", "test", "xxx", "none", "null"}
 
 WATERMARK_SECRETS_FILE = "watermark_secrets"
 API_KEY_PEPPER_FILE = "api_key_pepper"
@@ -47,44 +33,13 @@ class ConfigurationError(Exception):
     """The configuration cannot be used; the message says what to change (never a secret)."""
 
 
-def placeholder_reason(value: str | bytes) -> str | None:
-    """Why ``value`` is not acceptable as a secret, or None when it is."""
-    raw = value.encode() if isinstance(value, str) else value
-    if len(raw) < MIN_SECRET_BYTES:
-        return f"shorter than {MIN_SECRET_BYTES} bytes"
-    text = raw.decode(errors="ignore").strip().lower()
-    if text in _PLACEHOLDER_VALUES or any(word in text for word in _PLACEHOLDER_WORDS):
-        return "a placeholder value"
-    if len(set(raw)) < 4:
-        return "too few distinct characters"
-    return None
-
-
 def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
-    """Parse ``name:secret`` entries separated by commas or new lines (``#`` starts a comment line)."""
-    entries: dict[str, bytes] = {}
-    for chunk in re.split(r"[,\n]", text):
-        item = chunk.strip()
-        if not item or item.startswith("#"):
-            continue
-        name, sep, secret = item.partition(":")
-        name = name.strip()
-        secret = secret.strip()
-        if not sep or not secret:
-            raise ConfigurationError(f"{source}: every entry must look like name:secret")
-        if not KEY_VERSION_NAME.match(name):
-            raise ConfigurationError(
-                f"{source}: key version name {name!r} must match {KEY_VERSION_NAME.pattern}"
-            )
-        if name in entries:
-            raise ConfigurationError(f"{source}: key version {name!r} is listed twice")
-        reason = placeholder_reason(secret)
-        if reason is not None:
-            raise ConfigurationError(f"{source}: the secret of key version {name!r} is {reason}")
-        entries[name] = secret.encode()
-    if not entries:
-        raise ConfigurationError(f"{source}: no watermark secret configured")
-    return entries
+    """Parse ``name:secret`` entries separated by commas or new lines (``#`` starts a comment line).
+
+    The rules are those of the vLLM workers (:func:`xmark_core.secrets.parse_secret_entries`);
+    problems raise :class:`ConfigurationError`.
+    """
+    return _parse_secret_entries(text, source=source, error=ConfigurationError)
 
 
 class Settings(BaseSettings):
@@ -124,6 +79,13 @@ class Settings(BaseSettings):
     trace_alpha: float = 1e-3
     keyring_refresh_seconds: float = 30.0
     database_pool_size: int = 10
+    # Authenticated API keys are remembered per process for this long (0 disables the cache).
+    auth_cache_ttl_s: float = 5.0
+    auth_cache_size: int = 10_000
+    # Local backend: intra-op threads of the model (default: every core but one) and the most
+    # rows (requests x n) one batched generate call takes.
+    model_threads: int | None = None
+    max_batch_size: int = 8
 
     @field_validator("vllm_urls", mode="before")
     @classmethod
@@ -145,6 +107,27 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, value: float) -> float:
         if not value > 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("auth_cache_ttl_s")
+    @classmethod
+    def _not_negative_seconds(cls, value: float) -> float:
+        if not value >= 0:
+            raise ValueError("must be zero (disabled) or a positive number of seconds")
+        return value
+
+    @field_validator("auth_cache_size", "max_batch_size")
+    @classmethod
+    def _positive_count(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    @field_validator("model_threads")
+    @classmethod
+    def _positive_threads(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be a positive number of threads")
         return value
 
     @field_validator("log_level")

@@ -16,7 +16,7 @@ from service.keyring import Keyring
 from service.metrics import Metrics
 from service.schemas.common import Principal, Role
 from service.security import ApiKeyHasher
-from service.services.keys import ApiKeyService
+from service.services.auth import Authenticator
 
 __all__ = [
     "AdminDep",
@@ -31,13 +31,16 @@ __all__ = [
     "current_principal",
     "get_session",
     "require_roles",
+    "resolve_principal",
 ]
 
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
-    """The request's unit of work: commits when the request succeeds, rolls back otherwise.
+    """The request's unit of work: commits when the endpoint succeeds, rolls back otherwise.
 
-    It stays open until the response (a stream included) has been sent.
+    It is closed (committed) before the response is sent (``scope="function"`` below), so a
+    client never sees a success whose writes are not durable yet, and a failing commit turns into
+    an error response. Streamed responses write in units of work of their own.
     """
     async with session_scope(request.app.state.sessionmaker) as session:
         yield session
@@ -63,7 +66,7 @@ async def get_api_key_hasher(request: Request) -> ApiKeyHasher:
     return request.app.state.api_key_hasher  # type: ignore[no-any-return]
 
 
-SessionDep = Annotated[AsyncSession, Depends(get_session)]
+SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 KeyringDep = Annotated[Keyring, Depends(get_keyring)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
@@ -71,14 +74,22 @@ BackendDep = Annotated[Backend, Depends(get_backend)]
 ApiKeyHasherDep = Annotated[ApiKeyHasher, Depends(get_api_key_hasher)]
 
 
-async def current_principal(
-    request: Request, session: SessionDep, hasher: ApiKeyHasherDep
-) -> Principal:
-    """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user."""
-    service = ApiKeyService(session, hasher, usage_sessionmaker=request.app.state.sessionmaker)
-    principal = await service.authenticate(request.headers.get("authorization"))
-    request.state.principal = principal
+async def resolve_principal(request: Request) -> Principal:
+    """Authenticate the request once (cached on ``request.state``)."""
+    principal: Principal | None = getattr(request.state, "principal", None)
+    if principal is None:
+        authenticator: Authenticator = request.app.state.authenticator
+        principal = await authenticator.authenticate(request.headers.get("authorization"))
+        request.state.principal = principal
     return principal
+
+
+async def current_principal(request: Request) -> Principal:
+    """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user.
+
+    Needs no database round trip when the key is in the authentication cache.
+    """
+    return await resolve_principal(request)
 
 
 PrincipalDep = Annotated[Principal, Depends(current_principal)]

@@ -42,7 +42,12 @@ def build_backend(settings: Settings, metrics: Metrics) -> Backend:
     if settings.backend == "local":
         from service.backends.local import LocalBackend
 
-        return LocalBackend(settings.resolved_model_path(), settings.model_name)
+        return LocalBackend(
+            settings.resolved_model_path(),
+            settings.model_name,
+            max_batch_rows=settings.max_batch_size,
+            threads=settings.model_threads,
+        )
     if settings.backend == "vllm":
         from service.backends.vllm import VllmBackend
 

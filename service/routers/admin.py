@@ -13,6 +13,7 @@ from service.deps import (
     SettingsDep,
     require_roles,
 )
+from service.routing import AuthenticatedRoute
 from service.schemas.admin import (
     AddKeyVersionRequest,
     ApiKeyList,
@@ -35,6 +36,7 @@ router = APIRouter(
     tags=["admin"],
     responses=ERROR_RESPONSES,
     dependencies=[Depends(require_roles("admin"))],
+    route_class=AuthenticatedRoute,
 )
 
 UserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
@@ -45,11 +47,17 @@ async def _users(
     request: Request, session: SessionDep, keyring: KeyringDep, hasher: ApiKeyHasherDep
 ) -> UserService:
     registry = request.app.state.registry_cache
-    return UserService(session, keyring.params, hasher, on_change=registry.invalidate)
+    return UserService(
+        session,
+        keyring.params,
+        hasher,
+        on_change=registry.invalidate,
+        auth_cache=request.app.state.authenticator.cache,
+    )
 
 
-async def _keys(session: SessionDep, hasher: ApiKeyHasherDep) -> ApiKeyService:
-    return ApiKeyService(session, hasher)
+async def _keys(request: Request, session: SessionDep, hasher: ApiKeyHasherDep) -> ApiKeyService:
+    return ApiKeyService(session, hasher, auth_cache=request.app.state.authenticator.cache)
 
 
 async def _key_versions(

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from service.deps import BackendDep, KeyringDep, MetricsDep, PrincipalDep, SessionDep, SettingsDep
+from service.deps import BackendDep, KeyringDep, MetricsDep, PrincipalDep, SettingsDep
+from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionRequest, ModelList
 from service.schemas.common import ERROR_RESPONSES
 from service.services.generation import GenerationService
 
-router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES)
+router = APIRouter(
+    prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute
+)
 
 
 async def _generation(
-    session: SessionDep, settings: SettingsDep, backend: BackendDep, keyring: KeyringDep, metrics: MetricsDep
+    request: Request, settings: SettingsDep, backend: BackendDep, keyring: KeyringDep, metrics: MetricsDep
 ) -> GenerationService:
-    return GenerationService(session, settings, backend, keyring, metrics)
+    # No request-wide unit of work: the generation record commits in a short one of its own.
+    return GenerationService(request.app.state.sessionmaker, settings, backend, keyring, metrics)
 
 
 GenerationDep = Annotated[GenerationService, Depends(_generation)]

@@ -7,12 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from service.deps import BackendDep, KeyringDep, MetricsDep, SessionDep, SettingsDep, require_roles
+from service.routing import AuthenticatedRoute
 from service.schemas.common import ERROR_RESPONSES, Principal
 from service.schemas.trace import TraceReport, TraceRequest
 from service.services.registry_cache import RegistryCache
 from service.services.tracing import TracingService
 
-router = APIRouter(tags=["trace"], responses=ERROR_RESPONSES)
+router = APIRouter(tags=["trace"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)
 
 ForensicDep = Annotated[Principal, Depends(require_roles("auditor", "admin"))]
 

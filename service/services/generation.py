@@ -5,6 +5,11 @@ active key version; requests cannot change either. Every choice is recorded in t
 generations table (one row per choice, streamed ones included, also when the client goes away
 midway: then the row holds what was sent and the finish reason ``cancelled``). The completion
 text is kept only when ``retain_completions`` is set; its SHA-256 always is.
+
+The rows of a completion are written by one INSERT in a short unit of work of their own, opened
+only once the text exists: no transaction stays open while the model generates. A non-streamed
+completion is returned only after that unit of work has committed; a stream writes its rows
+when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from xmark_core import Message
 
 from service.backends.base import (
@@ -36,8 +42,8 @@ from service.errors import (
     ServiceUnavailableError,
     envelope,
 )
-from service.models import Generation
-from service.repositories.generations import GenerationRepository
+from service.db import execute_committed
+from service.models import Generation, utcnow
 from service.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -88,13 +94,13 @@ def _sha256(text: str) -> str:
 class GenerationService:
     def __init__(
         self,
-        session: AsyncSession,
+        sessionmaker: async_sessionmaker[AsyncSession],
         settings: Settings,
         backend: Backend,
         keyring: Keyring,
         metrics: Metrics,
     ) -> None:
-        self._session = session
+        self._sessionmaker = sessionmaker
         self._settings = settings
         self._backend = backend
         self._keyring = keyring
@@ -165,25 +171,28 @@ class GenerationService:
     async def _record(
         self, prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult], *, streamed: bool
     ) -> None:
-        repo = GenerationRepository(self._session)
+        """Write one generations row per choice (one INSERT, committed before this returns)."""
         retain = self._settings.retain_completions
-        for choice in choices:
-            finish_reason = choice.finish_reason or "cancelled"
-            await repo.add(
-                Generation(
-                    request_id=prepared.request_id,
-                    user_id=prepared.principal.user_id,
-                    key_version_id=prepared.key_version_id,
-                    model=prepared.model,
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=choice.completion_tokens,
-                    finish_reason=finish_reason,
-                    streamed=streamed,
-                    completion_sha256=_sha256(choice.text),
-                    completion_text=choice.text if retain else None,
-                )
-            )
-            self._metrics.generations.labels(finish_reason=finish_reason).inc()
+        created_at = utcnow()
+        rows = [
+            {
+                "request_id": prepared.request_id,
+                "user_id": prepared.principal.user_id,
+                "key_version_id": prepared.key_version_id,
+                "model": prepared.model,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": choice.completion_tokens,
+                "finish_reason": choice.finish_reason or "cancelled",
+                "streamed": streamed,
+                "completion_sha256": _sha256(choice.text),
+                "completion_text": choice.text if retain else None,
+                "created_at": created_at,
+            }
+            for choice in choices
+        ]
+        await execute_committed(self._sessionmaker, insert(Generation.__table__), rows)
+        for row in rows:
+            self._metrics.generations.labels(finish_reason=row["finish_reason"]).inc()
         self._metrics.tokens_generated.labels(kind="prompt").inc(prompt_tokens)
         self._metrics.tokens_generated.labels(kind="completion").inc(
             sum(choice.completion_tokens for choice in choices)

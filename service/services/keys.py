@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.db import session_scope
-
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
-from service.models import ApiKey
+from service.models import ApiKey, User
 from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, IssuedKey
 from service.schemas.common import Principal
-from service.security import ApiKeyFormatError, ApiKeyHasher, generate_api_key, parse_api_key
+from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
+
+if TYPE_CHECKING:
+    from service.services.auth_cache import AuthCache
 
 logger = logging.getLogger("xmark.keys")
 
@@ -38,13 +42,44 @@ def _unauthorized(message: str) -> AuthenticationError:
     return AuthenticationError(message, headers=_AUTH_HEADERS)
 
 
+def parse_bearer(authorization: str | None) -> ParsedKey:
+    """The well-formed key of an ``Authorization: Bearer <key>`` header (401 otherwise; no database)."""
+    if not authorization or not authorization.strip():
+        raise _unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'")
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise _unauthorized("Malformed Authorization header: expected 'Bearer <key>'")
+    try:
+        return parse_api_key(token.strip())
+    except ApiKeyFormatError:
+        raise _unauthorized("Invalid API key") from None
+
+
+def principal_of(key: ApiKey, user: User) -> Principal:
+    return Principal(
+        user_id=user.id,
+        name=user.name,
+        role=user.role,  # type: ignore[arg-type]
+        message_id=user.message_id,
+        api_key_id=key.id,
+    )
+
+
+def touch_due(last_used_at: datetime | None, now: datetime) -> bool:
+    """Whether a use at ``now`` must be written (``last_used_at`` has a resolution of a minute)."""
+    return last_used_at is None or now - last_used_at >= LAST_USED_RESOLUTION
+
+
 class ApiKeyService:
     def __init__(
         self,
         session: AsyncSession,
         hasher: ApiKeyHasher,
         usage_sessionmaker: async_sessionmaker[AsyncSession] | None = None,
+        *,
+        auth_cache: AuthCache | None = None,
     ) -> None:
+        self._session = session
         self._hasher = hasher
         self._keys = ApiKeyRepository(session)
         self._users = UserRepository(session)
@@ -52,6 +87,7 @@ class ApiKeyService:
         # given, so the row lock is not held for the whole request (a long stream would otherwise
         # make every concurrent request with the same key wait, and SQLite's single writer too).
         self._usage_sessionmaker = usage_sessionmaker
+        self._auth_cache = auth_cache
 
     async def issue_key(self, user_id: int) -> IssuedKey:
         user = await self._users.get(user_id)
@@ -78,25 +114,17 @@ class ApiKeyService:
         if key.revoked_at is None:
             key.revoked_at = datetime.now(UTC)
             await self._keys.flush()
+            if self._auth_cache is not None:
+                self._auth_cache.invalidate_key(key.id, self._session)
             logger.info("api key revoked", extra={"user_id": user_id, "api_key_id": key.id})
         return key_out(key)
 
-    async def authenticate(self, authorization: str | None) -> Principal:
-        """Resolve an ``Authorization: Bearer <key>`` header to the calling principal."""
-        if not authorization or not authorization.strip():
-            raise _unauthorized(
-                "Missing API key: send it as 'Authorization: Bearer <key>'"
-            )
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise _unauthorized("Malformed Authorization header: expected 'Bearer <key>'")
-        try:
-            parsed = parse_api_key(token.strip())
-        except ApiKeyFormatError:
-            raise _unauthorized("Invalid API key") from None
+    async def verify(self, parsed: ParsedKey, key_hash: str | None = None) -> tuple[ApiKey, User]:
+        """The key row and user of a well-formed key: 401 unknown or revoked, 403 user refused."""
+        key_hash = key_hash or self._hasher.hash(parsed)
         match = None
         for key, user in await self._keys.candidates(parsed.prefix):
-            if self._hasher.matches(parsed, key.key_hash):
+            if hmac.compare_digest(key_hash, key.key_hash):
                 match = (key, user)
         if match is None:
             raise _unauthorized("Invalid API key")
@@ -107,17 +135,20 @@ class ApiKeyService:
             raise PermissionDeniedError("This user is disabled", code="user_disabled")
         if user.status != "active":
             raise PermissionDeniedError("This user has been deleted", code="user_deleted")
+        return key, user
+
+    async def touch(self, key: ApiKey, now: datetime) -> None:
+        """Record a use of ``key`` at ``now`` (in its own unit of work when a sessionmaker is given)."""
+        if self._usage_sessionmaker is None:
+            await self._keys.touch(key.id, now)
+        else:
+            async with session_scope(self._usage_sessionmaker) as usage:
+                await ApiKeyRepository(usage).touch(key.id, now)
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        """Resolve an ``Authorization: Bearer <key>`` header to the calling principal (no cache)."""
+        key, user = await self.verify(parse_bearer(authorization))
         now = datetime.now(UTC)
-        if key.last_used_at is None or now - key.last_used_at >= LAST_USED_RESOLUTION:
-            if self._usage_sessionmaker is None:
-                await self._keys.touch(key.id, now)
-            else:
-                async with session_scope(self._usage_sessionmaker) as usage:
-                    await ApiKeyRepository(usage).touch(key.id, now)
-        return Principal(
-            user_id=user.id,
-            name=user.name,
-            role=user.role,  # type: ignore[arg-type]
-            message_id=user.message_id,
-            api_key_id=key.id,
-        )
+        if touch_due(key.last_used_at, now):
+            await self.touch(key, now)
+        return principal_of(key, user)

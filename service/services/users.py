@@ -23,6 +23,7 @@ from service.repositories.users import UserRepository
 from service.schemas.admin import CreatedUser, UserOut, UserPage
 from service.schemas.common import Role
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
+from service.services.auth_cache import AuthCache
 
 logger = logging.getLogger("xmark.users")
 
@@ -56,12 +57,14 @@ class UserService:
         *,
         allocator: Allocator = _allocate,
         on_change: Callable[[], None] | None = None,
+        auth_cache: AuthCache | None = None,
     ) -> None:
         self._session = session
         self._params = params
         self._hasher = hasher
         self._allocator = allocator
         self._on_change = on_change
+        self._auth_cache = auth_cache
         self._users = UserRepository(session)
         self._keys = ApiKeyRepository(session)
 
@@ -139,6 +142,7 @@ class UserService:
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
             self._changed()
+            self._forget_credentials(user.id)
             logger.info("user disabled", extra={"user_id": user.id})
         return user_out(user)
 
@@ -151,6 +155,7 @@ class UserService:
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
             self._changed()
+            self._forget_credentials(user.id)
             logger.info("user enabled", extra={"user_id": user.id})
         return user_out(user)
 
@@ -167,6 +172,7 @@ class UserService:
             await self._keys.revoke_all_for_user(user.id, now)
             await self._users.flush()
             self._changed()
+            self._forget_credentials(user.id)
             logger.info("user deleted", extra={"user_id": user.id})
         return user_out(user)
 
@@ -174,6 +180,15 @@ class UserService:
         """Tell registry caches that the set of users changed."""
         if self._on_change is not None:
             self._on_change()
+
+    def _forget_credentials(self, user_id: int) -> None:
+        """Drop the cached authentications of ``user_id`` (now, and again when this change commits).
+
+        Every change of a user's status or role must call this, so the change takes effect on the
+        next request to this process.
+        """
+        if self._auth_cache is not None:
+            self._auth_cache.invalidate_user(user_id, self._session)
 
     async def _guard_last_admin(self, user: User) -> None:
         if user.role == "admin" and await self._users.count_active_admins() <= 1:

@@ -204,3 +204,41 @@ async def test_right_role_passes_authentication(
 async def test_bearer_scheme_is_case_insensitive(client: httpx.AsyncClient, admin_key: str) -> None:
     response = await client.get("/admin/users", headers={"Authorization": f"bearer {admin_key}"})
     assert response.status_code == 200
+
+
+BODY_ROUTES = [route for route in PROTECTED if route[0] == "POST" and route[1] in BODIES]
+
+
+@pytest.mark.parametrize(("method", "path"), BODY_ROUTES)
+@pytest.mark.parametrize("raw", [b"{", b"not json", b'{"text": }'])
+async def test_authentication_is_checked_before_the_body_is_parsed(
+    client: httpx.AsyncClient, make_user: Any, method: str, path: str, raw: bytes
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    anonymous = await client.request(method, _concrete(path), content=raw, headers=headers)
+    _assert_envelope(anonymous, 401, "authentication_error")
+    unknown = generate_api_key().plaintext
+    stranger = await client.request(
+        method, _concrete(path), content=raw, headers={**headers, "Authorization": f"Bearer {unknown}"}
+    )
+    _assert_envelope(stranger, 401, "authentication_error")
+    _, key = await make_user("admin")  # admins may call every route: the body is what is wrong
+    authenticated = await client.request(
+        method, _concrete(path), content=raw, headers={**headers, "Authorization": f"Bearer {key}"}
+    )
+    _assert_envelope(authenticated, 422, "invalid_request_error")
+    assert authenticated.json()["error"]["code"] == "invalid_json"
+
+
+async def test_validation_errors_still_name_the_field_for_authenticated_callers(
+    client: httpx.AsyncClient, make_user: Any
+) -> None:
+    _, key = await make_user("user")
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "smollm2-135m-instruct", "messages": [], "max_tokens": 1},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    _assert_envelope(response, 422, "invalid_request_error")
+    assert response.json()["error"]["param"] == "messages"
+    assert "messages" in response.json()["error"]["message"]

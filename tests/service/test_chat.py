@@ -321,7 +321,9 @@ async def test_client_cannot_choose_the_watermark(app: Any, user_key: Any, db_se
         user_id=principal["user_id"], name=principal["name"], role="user",
         message_id=principal["message_id"], api_key_id=1,
     )
-    service = GenerationService(db_session, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics)
+    service = GenerationService(
+        app.state.sessionmaker, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
+    )
     prepared = service.prepare(caller, body)
     assert prepared.stamp.message.bits == principal["message_id"]
     assert prepared.stamp.key.fingerprint == app.state.keyring.active().key.fingerprint

@@ -149,3 +149,49 @@ def test_unknown_backend_and_bad_limits_are_refused() -> None:
         _settings(database_url="sqlite+aiosqlite:///x.db", max_body_bytes=0)
     with pytest.raises(ValidationError):
         _settings(database_url="sqlite+aiosqlite:///x.db", watermark_bits=15)
+
+
+def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = _settings(database_url="sqlite+aiosqlite:///x.db")
+    assert (defaults.auth_cache_ttl_s, defaults.auth_cache_size) == (5.0, 10_000)
+    assert (defaults.model_threads, defaults.max_batch_size) == (None, 8)
+    monkeypatch.setenv("XMARK_AUTH_CACHE_TTL_S", "0")
+    monkeypatch.setenv("XMARK_AUTH_CACHE_SIZE", "50")
+    monkeypatch.setenv("XMARK_MODEL_THREADS", "3")
+    monkeypatch.setenv("XMARK_MAX_BATCH_SIZE", "4")
+    configured = _settings(database_url="sqlite+aiosqlite:///x.db")
+    assert (configured.auth_cache_ttl_s, configured.auth_cache_size) == (0.0, 50)
+    assert (configured.model_threads, configured.max_batch_size) == (3, 4)
+    for bad in ({"auth_cache_ttl_s": -1}, {"auth_cache_size": 0}, {"model_threads": 0}, {"max_batch_size": 0}):
+        with pytest.raises(ValidationError):
+            _settings(database_url="sqlite+aiosqlite:///x.db", **bad)
+
+
+def test_the_local_backend_takes_its_threads_and_batch_size_from_the_settings(tmp_path: Path) -> None:
+    from service.backends import build_backend
+    from service.backends.local import LocalBackend, default_threads
+    from service.metrics import Metrics
+
+    configured = build_backend(
+        _settings(database_url="sqlite+aiosqlite:///x.db", model_threads=3, max_batch_size=2), Metrics()
+    )
+    assert isinstance(configured, LocalBackend)
+    assert (configured._threads, configured._max_batch_rows) == (3, 2)
+    default = build_backend(_settings(database_url="sqlite+aiosqlite:///x.db"), Metrics())
+    assert isinstance(default, LocalBackend)
+    assert (default._threads, default._max_batch_rows) == (default_threads(), 8)
+
+
+@pytest.mark.parametrize("secret", ["changeme-changeme-changeme", "tiny-one", "aaaaaaaaaaaaaaaaaaaaaaaa"])
+def test_the_gateway_and_the_workers_refuse_the_same_secrets(secret: str) -> None:
+    from xmark_core.vllm_common import WorkerConfigError
+    from xmark_core.vllm_common import parse_secret_entries as worker_parse
+
+    from service.config import parse_secret_entries
+
+    with pytest.raises(ConfigurationError) as gateway:
+        parse_secret_entries(f"v1:{secret}", source="XMARK_WATERMARK_SECRETS")
+    with pytest.raises(WorkerConfigError) as worker:
+        worker_parse(f"v1:{secret}", source="XMARK_WATERMARK_SECRETS")
+    assert str(gateway.value) == str(worker.value)
+    assert secret not in str(gateway.value)

@@ -1,0 +1,56 @@
+"""Request authentication: API key -> principal, from the per-process cache or one short database read.
+
+A cache hit needs no database round trip; ``last_used_at`` is still written, in its own short
+unit of work, once its one-minute resolution has passed. A miss reads the key and its user in a
+short unit of work of its own (never the request's), which also records the use when due, and
+caches the result if the key was accepted. Refusals (401/403) are never cached.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from service.db import session_scope
+from service.repositories.api_keys import ApiKeyRepository
+from service.schemas.common import Principal
+from service.security import ApiKeyHasher
+from service.services.auth_cache import AuthCache, CachedPrincipal
+from service.services.keys import ApiKeyService, parse_bearer, principal_of, touch_due
+
+
+class Authenticator:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        hasher: ApiKeyHasher,
+        cache: AuthCache,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._hasher = hasher
+        self.cache = cache
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user."""
+        parsed = parse_bearer(authorization)
+        key_hash = self._hasher.hash(parsed)
+        now = datetime.now(UTC)
+        entry = self.cache.get(key_hash) if self.cache.enabled else None
+        if entry is not None:
+            if touch_due(entry.last_used_at, now):
+                entry.last_used_at = now  # claimed first: concurrent hits do not write it again
+                async with session_scope(self._sessionmaker) as session:
+                    await ApiKeyRepository(session).touch(entry.principal.api_key_id, now)
+            return entry.principal
+        epoch = self.cache.epoch
+        async with session_scope(self._sessionmaker) as session:
+            keys = ApiKeyService(session, self._hasher)
+            key, user = await keys.verify(parsed, key_hash)
+            last_used_at = key.last_used_at
+            if touch_due(last_used_at, now):
+                await keys.touch(key, now)
+                last_used_at = now
+        principal = principal_of(key, user)
+        self.cache.put(key_hash, CachedPrincipal(principal, last_used_at), epoch=epoch)
+        return principal

@@ -1,0 +1,123 @@
+"""Per-process cache of authenticated API keys, so a request does not need the database to know its caller.
+
+* Key: the API key's HMAC under the pepper (the value stored in ``api_keys.key_hash``), never the
+  plaintext key.
+* Value: the resolved :class:`Principal` (user, role, message ID, key id) and when the key's use
+  was last written to ``api_keys.last_used_at``.
+* Only successful authentications are stored. Unknown, revoked or refused keys always go to the
+  database and get their 401/403 there, so nobody can fill the cache without valid keys.
+* An entry lives ``ttl`` seconds from the moment it was read from the database; the cache holds
+  at most ``max_entries`` (least recently used ones leave first). ``ttl == 0`` disables it.
+* Changes made through this process (revoking a key, disabling or deleting a user) drop the
+  affected entries at once, and again when the change commits (:meth:`invalidate_user` with the
+  changing session): a lookup that raced with the change and read the old row is discarded too
+  (see ``epoch``). Other replicas see such a change when their entry expires, within ``ttl``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.schemas.common import Principal
+
+
+@dataclass(slots=True)
+class CachedPrincipal:
+    """One authenticated key: who it belongs to and when its use was last recorded."""
+
+    principal: Principal
+    last_used_at: datetime | None
+    expires_at: float = 0.0  # monotonic seconds
+
+
+class AuthCache:
+    def __init__(
+        self,
+        ttl: float,
+        max_entries: int = 10_000,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl < 0:
+            raise ValueError("ttl must not be negative")
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[str, CachedPrincipal] = OrderedDict()
+        self._epoch = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl > 0
+
+    @property
+    def epoch(self) -> int:
+        """Changes on every invalidation; read it before a database lookup and pass it to :meth:`put`."""
+        return self._epoch
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key_hash: object) -> bool:
+        return key_hash in self._entries
+
+    def get(self, key_hash: str) -> CachedPrincipal | None:
+        """The entry for ``key_hash`` unless missing or expired."""
+        entry = self._entries.get(key_hash)
+        if entry is None:
+            self.misses += 1
+            return None
+        if self._clock() >= entry.expires_at:
+            del self._entries[key_hash]
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key_hash)
+        self.hits += 1
+        return entry
+
+    def put(self, key_hash: str, entry: CachedPrincipal, *, epoch: int) -> bool:
+        """Store ``entry`` unless an invalidation happened since ``epoch`` was read; True when stored."""
+        if not self.enabled or epoch != self._epoch:
+            return False
+        entry.expires_at = self._clock() + self.ttl
+        self._entries[key_hash] = entry
+        self._entries.move_to_end(key_hash)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return True
+
+    def _drop(self, predicate: Callable[[Principal], bool]) -> None:
+        self._epoch += 1
+        for key_hash in [h for h, e in self._entries.items() if predicate(e.principal)]:
+            del self._entries[key_hash]
+
+    def _again_on_commit(self, session: AsyncSession | None, drop: Callable[[], None]) -> None:
+        if session is not None:
+            event.listen(session.sync_session, "after_commit", lambda _: drop(), once=True)
+
+    def invalidate_user(self, user_id: int, session: AsyncSession | None = None) -> None:
+        """Forget every key of ``user_id`` now and, given the changing ``session``, when it commits."""
+        drop = lambda: self._drop(lambda p: p.user_id == user_id)  # noqa: E731
+        drop()
+        self._again_on_commit(session, drop)
+
+    def invalidate_key(self, api_key_id: int, session: AsyncSession | None = None) -> None:
+        """Forget the key with id ``api_key_id`` now and, given the changing ``session``, when it commits."""
+        drop = lambda: self._drop(lambda p: p.api_key_id == api_key_id)  # noqa: E731
+        drop()
+        self._again_on_commit(session, drop)
+
+    def clear(self) -> None:
+        self._epoch += 1
+        self._entries.clear()

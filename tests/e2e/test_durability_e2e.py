@@ -1,0 +1,43 @@
+"""Over real HTTP: a 200 means the generation row is committed, and an admin change applies to the
+very next request (no polling, no retries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _admin(server: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.admin_key}"}
+
+
+async def test_a_completion_row_is_committed_when_the_client_has_the_response(
+    live_server: Any, e2e_db: AsyncEngine
+) -> None:
+    async with httpx.AsyncClient(base_url=live_server.base_url, timeout=120) as http:
+        created = await http.post("/admin/users", json={"name": "durable-e2e", "role": "user"}, headers=_admin(live_server))
+        assert created.status_code == 201, created.text
+        user = created.json()
+        headers = {"Authorization": f"Bearer {user['api_key']}"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
+        for _ in range(5):
+            response = await http.post("/v1/chat/completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+            async with e2e_db.connect() as connection:  # a connection of its own: committed rows only
+                found = await connection.scalar(
+                    text("SELECT count(*) FROM generations WHERE request_id = :rid AND user_id = :uid"),
+                    {"rid": response.json()["id"], "uid": user["id"]},
+                )
+            assert found == 1
+
+        keys = (await http.get(f"/admin/users/{user['id']}/keys", headers=_admin(live_server))).json()["data"]
+        revoked = await http.post(
+            f"/admin/users/{user['id']}/keys/{keys[0]['id']}/revoke", headers=_admin(live_server)
+        )
+        assert revoked.status_code == 200
+        assert (await http.get("/v1/models", headers=headers)).status_code == 401

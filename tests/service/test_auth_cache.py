@@ -1,0 +1,270 @@
+"""The per-process authentication cache: hits need no database, changes made here apply at once,
+changes made elsewhere within the TTL, and only HMACs of accepted keys are ever stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import event, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.models import ApiKey, User
+from service.schemas.common import Principal
+from service.security import generate_api_key, parse_api_key
+from service.services.auth_cache import AuthCache, CachedPrincipal
+
+TTL = 5.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _principal(user_id: int = 1, api_key_id: int = 1) -> Principal:
+    return Principal(user_id=user_id, name="u", role="user", message_id="0" * 16, api_key_id=api_key_id)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def cache(app: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> AuthCache:
+    """A fresh cache with a controllable clock, installed in the app for this test."""
+    fresh = AuthCache(TTL, 1000, clock=clock)
+    monkeypatch.setattr(app.state.authenticator, "cache", fresh)
+    return fresh
+
+
+@pytest.fixture
+def sql(app: Any) -> Iterator[list[str]]:
+    """Every SQL statement the app's engine sends while the test runs."""
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    engine = app.state.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+async def _key_id(session: AsyncSession, user_id: int) -> int:
+    return int((await session.scalars(select(ApiKey.id).where(ApiKey.user_id == user_id))).one())
+
+
+# -- the cache itself --------------------------------------------------------------------------
+
+
+def test_entries_expire_after_the_ttl(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, clock=clock)
+    assert cache.put("h", CachedPrincipal(_principal(), None), epoch=cache.epoch)
+    clock.advance(TTL - 0.01)
+    assert cache.get("h") is not None
+    clock.advance(0.02)
+    assert cache.get("h") is None and "h" not in cache
+
+
+def test_size_is_bounded_least_recently_used_first(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, 3, clock=clock)
+    for name in "abc":
+        cache.put(name, CachedPrincipal(_principal(), None), epoch=cache.epoch)
+    assert cache.get("a") is not None  # a is now the most recently used
+    cache.put("d", CachedPrincipal(_principal(), None), epoch=cache.epoch)
+    assert len(cache) == 3 and "b" not in cache and {"a", "c", "d"} <= {k for k in "abcd" if k in cache}
+
+
+def test_a_lookup_that_raced_with_an_invalidation_is_not_stored(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, clock=clock)
+    epoch = cache.epoch  # a lookup starts reading the database ...
+    cache.invalidate_user(7)  # ... while the user is changed
+    assert not cache.put("h", CachedPrincipal(_principal(7), None), epoch=epoch)
+    assert "h" not in cache
+
+
+def test_invalidation_drops_only_the_affected_entries(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, clock=clock)
+    cache.put("u1k1", CachedPrincipal(_principal(1, 1), None), epoch=cache.epoch)
+    cache.put("u1k2", CachedPrincipal(_principal(1, 2), None), epoch=cache.epoch)
+    cache.put("u2k3", CachedPrincipal(_principal(2, 3), None), epoch=cache.epoch)
+    cache.invalidate_key(2)
+    assert "u1k2" not in cache and "u1k1" in cache and "u2k3" in cache
+    cache.invalidate_user(1)
+    assert "u1k1" not in cache and "u2k3" in cache
+
+
+def test_ttl_zero_disables_the_cache(clock: FakeClock) -> None:
+    cache = AuthCache(0, clock=clock)
+    assert not cache.enabled
+    assert not cache.put("h", CachedPrincipal(_principal(), None), epoch=cache.epoch)
+    assert cache.get("h") is None
+
+
+async def test_a_change_is_invalidated_again_when_its_session_commits(
+    clock: FakeClock, db_session: AsyncSession
+) -> None:
+    cache = AuthCache(TTL, clock=clock)
+    cache.invalidate_key(5, db_session)  # the change is flushed, not committed yet
+    # a concurrent lookup read the row as last committed and stores it after the first drop
+    assert cache.put("h", CachedPrincipal(_principal(1, 5), None), epoch=cache.epoch)
+    await db_session.commit()
+    assert "h" not in cache
+
+
+# -- through the app ---------------------------------------------------------------------------
+
+
+async def test_a_cached_key_needs_no_database_round_trip(
+    client: httpx.AsyncClient, make_user: Any, cache: AuthCache, sql: list[str]
+) -> None:
+    _, key = await make_user("user")
+    first = await client.get("/v1/models", headers=bearer(key))
+    assert first.status_code == 200
+    assert any("api_keys" in statement for statement in sql)  # a miss reads the key
+    sql.clear()
+    for _ in range(3):
+        again = await client.get("/v1/models", headers=bearer(key))
+        assert again.status_code == 200
+    assert sql == []
+    assert cache.hits == 3
+
+
+async def test_only_the_hmac_of_the_key_is_a_cache_key(
+    app: Any, client: httpx.AsyncClient, make_user: Any, cache: AuthCache
+) -> None:
+    _, key = await make_user("user")
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    stored = list(cache._entries)
+    assert stored == [app.state.api_key_hasher.hash(parse_api_key(key))]
+    for cache_key, entry in cache._entries.items():
+        assert key not in cache_key and cache_key not in key
+        assert key not in repr(entry)
+    assert key.split("_")[1] not in repr(cache._entries)
+
+
+async def test_refused_keys_are_never_cached(
+    client: httpx.AsyncClient, make_user: Any, admin_key: str, cache: AuthCache, sql: list[str]
+) -> None:
+    for _ in range(20):
+        unknown = generate_api_key().plaintext
+        assert (await client.get("/v1/models", headers=bearer(unknown))).status_code == 401
+    principal, key = await make_user("user")
+    disabled = await client.post(f"/admin/users/{principal['id']}/disable", headers=bearer(admin_key))
+    assert disabled.status_code == 200
+    before = len(cache)  # the admin's own key
+    sql.clear()
+    for _ in range(2):
+        assert (await client.get("/v1/models", headers=bearer(key))).status_code == 403
+    assert len(cache) == before
+    assert sum("api_keys" in statement for statement in sql) == 2  # asked the database each time
+
+
+async def test_revoking_a_cached_key_takes_effect_on_the_next_request(
+    client: httpx.AsyncClient, make_user: Any, admin_key: str, cache: AuthCache, db_session: AsyncSession
+) -> None:
+    principal, key = await make_user("user")
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    key_id = await _key_id(db_session, principal["id"])
+    revoked = await client.post(
+        f"/admin/users/{principal['id']}/keys/{key_id}/revoke", headers=bearer(admin_key)
+    )
+    assert revoked.status_code == 200
+    response = await client.get("/v1/models", headers=bearer(key))
+    assert response.status_code == 401
+    assert "revoked" in response.json()["error"]["message"]
+
+
+async def test_disabling_enabling_and_deleting_take_effect_on_the_next_request(
+    client: httpx.AsyncClient, make_user: Any, admin_key: str, cache: AuthCache
+) -> None:
+    principal, key = await make_user("user")
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    assert (await client.post(f"/admin/users/{principal['id']}/disable", headers=bearer(admin_key))).status_code == 200
+    disabled = await client.get("/v1/models", headers=bearer(key))
+    assert disabled.status_code == 403 and disabled.json()["error"]["code"] == "user_disabled"
+    assert (await client.post(f"/admin/users/{principal['id']}/enable", headers=bearer(admin_key))).status_code == 200
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    assert (await client.delete(f"/admin/users/{principal['id']}", headers=bearer(admin_key))).status_code == 200
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 401
+
+
+async def test_an_admin_disabled_through_the_api_loses_admin_access_at_once(
+    client: httpx.AsyncClient, make_user: Any, admin_key: str, cache: AuthCache
+) -> None:
+    principal, other_admin = await make_user("admin")
+    assert (await client.get("/admin/users", headers=bearer(other_admin))).status_code == 200
+    assert (await client.post(f"/admin/users/{principal['id']}/disable", headers=bearer(admin_key))).status_code == 200
+    assert (await client.get("/admin/users", headers=bearer(other_admin))).status_code == 403
+
+
+async def test_changes_made_elsewhere_apply_once_the_ttl_has_passed(
+    client: httpx.AsyncClient, make_user: Any, cache: AuthCache, clock: FakeClock, db_session: AsyncSession
+) -> None:
+    principal, key = await make_user("admin")
+    assert (await client.get("/admin/users", headers=bearer(key))).status_code == 200
+    # another replica demotes the user: this process is not told
+    await db_session.execute(update(User).where(User.id == principal["id"]).values(role="user"))
+    await db_session.commit()
+    clock.advance(TTL - 0.5)
+    assert (await client.get("/admin/users", headers=bearer(key))).status_code == 200  # within the TTL
+    clock.advance(1.0)
+    demoted = await client.get("/admin/users", headers=bearer(key))
+    assert demoted.status_code == 403 and demoted.json()["error"]["code"] == "insufficient_role"
+    # and a key revoked elsewhere
+    await db_session.execute(
+        update(ApiKey).where(ApiKey.user_id == principal["id"]).values(revoked_at=datetime.now(UTC))
+    )
+    await db_session.commit()
+    clock.advance(TTL + 0.1)
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 401
+
+
+async def test_last_use_is_written_once_its_resolution_has_passed(
+    app: Any, client: httpx.AsyncClient, make_user: Any, cache: AuthCache, sql: list[str], db_session: AsyncSession
+) -> None:
+    principal, key = await make_user("user")
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    key_id = await _key_id(db_session, principal["id"])
+    first_use = await db_session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == key_id))
+    assert first_use is not None
+    sql.clear()
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    assert sql == []  # within the minute: nothing written
+    entry = cache.get(app.state.api_key_hasher.hash(parse_api_key(key)))
+    assert entry is not None
+    entry.last_used_at = first_use - timedelta(minutes=2)  # as if the last write were older
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    writes = [s for s in sql if not s.upper().startswith(("SAVEPOINT", "RELEASE SAVEPOINT"))]
+    assert len(writes) == 1 and writes[0].lstrip().upper().startswith("UPDATE API_KEYS")
+    db_session.expire_all()
+    later = await db_session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == key_id))
+    assert later is not None and later >= first_use
+
+
+async def test_ttl_zero_asks_the_database_every_time(
+    app: Any, client: httpx.AsyncClient, make_user: Any, monkeypatch: pytest.MonkeyPatch, sql: list[str]
+) -> None:
+    monkeypatch.setattr(app.state.authenticator, "cache", AuthCache(0))
+    _, key = await make_user("user")
+    for _ in range(3):
+        assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    assert sum("api_keys" in s and s.lstrip().upper().startswith("SELECT") for s in sql) == 3

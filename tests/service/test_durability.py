@@ -1,0 +1,168 @@
+"""What a client is told has happened is committed: checked from a separate connection at the
+moment the response starts, against the real app with nothing rolled back.
+
+These tests do not use the rolled-back ``db_connection``: the app's sessions commit for real, so
+every row they create is deleted again at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import delete, func, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+from starlette.types import Message, Receive, Scope, Send
+
+from service.db import session_scope
+from service.models import ApiKey, Generation, Trace, User
+from service.services.users import UserService
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+async def observer(app: Any) -> AsyncIterator[AsyncEngine]:
+    """A connection pool of its own: it sees committed rows only."""
+    engine = create_async_engine(app.state.settings.database_url, poolclass=NullPool)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def committed_users(app: Any) -> AsyncIterator[dict[str, tuple[int, str]]]:
+    """A committed user, auditor and admin (role -> (id, API key)); removed with their rows afterwards."""
+    assert await app.state.backend.wait_ready(180)
+    users: dict[str, tuple[int, str]] = {}
+    async with session_scope(app.state.sessionmaker) as session:
+        service = UserService(session, app.state.keyring.params, app.state.api_key_hasher)
+        for role in ("user", "auditor", "admin"):
+            created = await service.create_user(f"durable-{role}", role)  # type: ignore[arg-type]
+            users[role] = (created.id, created.api_key)
+    try:
+        yield users
+    finally:
+        ids = [user_id for user_id, _ in users.values()]
+        async with session_scope(app.state.sessionmaker) as session:
+            created_here = select(User.id).where(User.name.like("durable-%"))
+            everyone = [*ids, *(await session.scalars(created_here)).all()]
+            await session.execute(delete(Generation).where(Generation.user_id.in_(everyone)))
+            await session.execute(delete(Trace).where(Trace.requester_id.in_(everyone)))
+            await session.execute(delete(ApiKey).where(ApiKey.user_id.in_(everyone)))
+            await session.execute(delete(User).where(User.id.in_(everyone)))
+        app.state.registry_cache.invalidate()
+
+
+def probing_client(app: Any, probe: Any) -> httpx.AsyncClient:
+    """A client whose app runs ``await probe(scope)`` when the response starts, before any byte is sent."""
+
+    async def probed(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_after_probe(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await probe(scope, message["status"])
+            await send(message)
+
+        await app(scope, receive, send_after_probe)
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=probed), base_url="http://testserver")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _count(engine: AsyncEngine, statement: Any) -> int:
+    async with engine.connect() as connection:
+        return int(await connection.scalar(statement) or 0)
+
+
+async def test_a_completion_is_committed_before_its_response_starts(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
+) -> None:
+    user_id, key = committed_users["user"]
+    rows = select(func.count()).select_from(Generation).where(Generation.user_id == user_id)
+    seen_at_start: list[int] = []
+
+    async def probe(scope: Scope, status: int) -> None:
+        if scope["path"] == "/v1/chat/completions":
+            seen_at_start.append(await _count(observer, rows))
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 2}
+    async with probing_client(app, probe) as client:
+        for request in range(1, 4):
+            response = await client.post("/v1/chat/completions", json=body, headers=bearer(key))
+            assert response.status_code == 200, response.text
+            assert seen_at_start[-1] == 2 * request  # both choices of this request, already committed
+    request_id = response.json()["id"]
+    async with observer.connect() as connection:
+        stored = (
+            await connection.execute(
+                text("SELECT streamed, completion_tokens FROM generations WHERE request_id = :rid"),
+                {"rid": request_id},
+            )
+        ).all()
+    assert len(stored) == 2 and not any(row.streamed for row in stored)
+
+
+async def test_a_stream_is_committed_when_it_ends(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
+) -> None:
+    user_id, key = committed_users["user"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=bearer(key)) as response:
+            assert response.status_code == 200
+            raw = (await response.aread()).decode()
+    request_id = json.loads(raw.split("\n\n")[0][len("data: ") :])["id"]
+    rows = select(func.count()).select_from(Generation).where(
+        Generation.request_id == request_id, Generation.streamed.is_(True)
+    )
+    assert await _count(observer, rows) == 1
+
+
+async def test_admin_changes_and_traces_are_committed_before_their_response_starts(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
+) -> None:
+    _, admin_key = committed_users["admin"]
+    auditor_id, auditor_key = committed_users["auditor"]
+    created = select(func.count()).select_from(User).where(User.name == "durable-created")
+    traces = select(func.count()).select_from(Trace).where(Trace.requester_id == auditor_id)
+    seen: dict[str, int] = {}
+
+    async def probe(scope: Scope, status: int) -> None:
+        if scope["path"] == "/admin/users" and scope["method"] == "POST":
+            seen["users"] = await _count(observer, created)
+        elif scope["path"] == "/trace":
+            seen["traces"] = await _count(observer, traces)
+
+    async with probing_client(app, probe) as client:
+        response = await client.post(
+            "/admin/users", json={"name": "durable-created", "role": "user"}, headers=bearer(admin_key)
+        )
+        assert response.status_code == 201, response.text
+        assert seen["users"] == 1
+        # the new key works on the very next request
+        new_key = response.json()["api_key"]
+        assert (await client.get("/v1/models", headers=bearer(new_key))).status_code == 200
+        traced = await client.post("/trace", json={"text": "Some text to trace here."}, headers=bearer(auditor_key))
+        assert traced.status_code == 200, traced.text
+        assert seen["traces"] == 1
+
+
+async def test_a_refused_request_commits_nothing(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
+) -> None:
+    user_id, key = committed_users["user"]
+    rows = select(func.count()).select_from(Generation).where(Generation.user_id == user_id)
+    before = await _count(observer, rows)
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client:
+        response = await client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert response.status_code == 404
+    assert await _count(observer, rows) == before
