@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO
 
 from service.errors import scrub
 
@@ -56,13 +56,13 @@ class RedactingFormatter(JsonFormatter):
         return line
 
 
-def configure_logging(level: str, secrets: Iterable[bytes | str] = ()) -> None:
-    """Install (or replace) the JSON handler on the root logger."""
+def configure_logging(level: str, secrets: Iterable[bytes | str] = (), stream: TextIO | None = None) -> None:
+    """Install (or replace) the JSON handler on the root logger (writing to stderr by default)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if handler.get_name() == _HANDLER_NAME:
             root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(RedactingFormatter(secrets))
     root.addHandler(handler)
