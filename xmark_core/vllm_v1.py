@@ -60,9 +60,10 @@ class XMarkLogitsProcessor(LogitsProcessor):
         self._keyring = keyring
         self._device = device
         self._pin = is_pin_memory and device.type != "cpu"
-        # On CPU workers the op runs as one fused kernel (torch.compile), built here at start-up
-        # rather than on the first request; CUDA keeps the eager op (already far below a step).
-        fused = device.type == "cpu"
+        # The op runs as one fused kernel (torch.compile: C++ on CPU workers, Triton on CUDA),
+        # built here at start-up rather than on the first request. On an H100 it takes 3.2-3.9x
+        # less time per step than the eager op (benchmarks/encode_gpu.py).
+        fused = device.type in ("cpu", "cuda")
         self._watermarkers = [TorchWatermarker(key, compile=fused) for key in keyring.keys]
         model_config = getattr(vllm_config, "model_config", None)
         if fused and model_config is not None:

@@ -216,3 +216,24 @@ def test_fused_kernel_is_bit_identical_to_the_eager_op() -> None:
             fused.apply(inplace, context, blocks, active, inplace=True)
             assert torch.equal(inplace, expected)
     assert fused._compiled is not None, "the fused kernel fell back to the eager op"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_kernel_on_cuda_is_bit_identical_to_the_eager_op_on_cpu() -> None:
+    """On a CUDA device the fused op is a generated GPU kernel; it must give exactly the CPU op's logits."""
+    key = _key()
+    eager, fused = TorchWatermarker(key), TorchWatermarker(key, compile=True)
+    dev = torch.device("cuda")
+    for batch, width, seed in ((16, 49152, 21), (5, 128256, 22), (1, 1000, 23)):
+        logits, context, blocks, active = _inputs(key.params, batch, width, seed=seed)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = logits.to(dtype)
+            expected = eager.apply(x, context, blocks, active)
+            args = (context.to(dev), blocks.to(dev), active.to(dev))
+            out = fused.apply(x.to(dev), *args)
+            assert out.device.type == "cuda"
+            assert torch.equal(out.cpu(), expected)
+            inplace = x.to(dev)
+            fused.apply(inplace, *args, inplace=True)
+            assert torch.equal(inplace.cpu(), expected)
+    assert fused._compiled is not None, "the fused kernel fell back to the eager op"
