@@ -293,12 +293,24 @@ async def _overhead(
 
 
 async def _trace_texts(backend: Backend, key: WatermarkKey, users: list[tuple[int, str]], tokens: int) -> list[str]:
+    """One watermarked text of ``tokens`` tokens per user: an answer the model ended early (at its
+    end-of-text token) is drawn again with another seed, so every run traces full-length texts."""
+
     async def one(index: int, message_id: str) -> str:
-        request = GenerationRequest(
-            (ChatTurn("user", TRACE_PROMPTS[index % len(TRACE_PROMPTS)]),), max_tokens=tokens, temperature=0.8
-        )
-        result = await backend.generate(request, WatermarkStamp(key, Message.from_bits(message_id, key.params)))
-        return result.choices[0].text
+        stamp = WatermarkStamp(key, Message.from_bits(message_id, key.params))
+        longest = ("", -1)
+        for attempt in range(8):
+            request = GenerationRequest(
+                (ChatTurn("user", TRACE_PROMPTS[index % len(TRACE_PROMPTS)]),),
+                max_tokens=tokens,
+                temperature=0.8,
+                seed=1000 * index + attempt,
+            )
+            choice = (await backend.generate(request, stamp)).choices[0]
+            if choice.completion_tokens >= tokens:
+                return choice.text
+            longest = max(longest, (choice.text, choice.completion_tokens), key=lambda pair: pair[1])
+        return longest[0]
 
     return list(await asyncio.gather(*(one(i, m) for i, (_, m) in enumerate(users))))
 

@@ -23,6 +23,7 @@ async def _registry(request: Request) -> RegistryCache:
 
 
 async def _tracing(
+    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     backend: BackendDep,
@@ -30,7 +31,7 @@ async def _tracing(
     metrics: MetricsDep,
     registry: Annotated[RegistryCache, Depends(_registry)],
 ) -> TracingService:
-    return TracingService(session, settings, backend, keyring, metrics, registry)
+    return TracingService(session, request.app.state.sessionmaker, settings, backend, keyring, metrics, registry)
 
 
 TracingDep = Annotated[TracingService, Depends(_tracing)]

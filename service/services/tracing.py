@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from xmark_core import Attribution, DecodeResult, Detection, attribute, decode, detect
 
+from service.db import execute_committed
 from service.errors import NotFoundError, PayloadTooLargeError, ServiceUnavailableError
 from service.keyring import KeyVersionHandle
-from service.models import Trace
-from service.repositories.traces import TraceRepository
+from service.models import Trace, utcnow
 from service.schemas.common import Principal
 from service.schemas.trace import (
     AttributionReport,
@@ -64,6 +65,14 @@ class _Reading:
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The text's token ids, no special tokens added (the same ids as ``tokenizer.encode``).
+
+    Fast tokenizers are called through their Rust backend directly: the Python wrapper around it
+    costs about a quarter of a 300-token text's tokenization and adds nothing here.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return list(backend.encode(text, add_special_tokens=False).ids)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -135,7 +144,7 @@ def analyze_text(
         reading = _Reading(
             handle,
             result,
-            detect(result, alpha=alpha_each),
+            detect(result, alpha=alpha_each, sigma_test=False),  # the report has no sigma p-value
             attribute(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha_each),
         )
         if best is None or reading.strength < best.strength:
@@ -198,6 +207,7 @@ class TracingService:
     def __init__(
         self,
         session: AsyncSession,
+        sessionmaker: async_sessionmaker[AsyncSession],
         settings: Settings,
         backend: Backend,
         keyring: Keyring,
@@ -205,6 +215,7 @@ class TracingService:
         registry: RegistryCache,
     ) -> None:
         self._session = session
+        self._sessionmaker = sessionmaker
         self._settings = settings
         self._backend = backend
         self._keyring = keyring
@@ -240,16 +251,20 @@ class TracingService:
             )
         report = outcome.report
         verdict = "watermarked" if report.watermarked else "not_watermarked"
-        await TraceRepository(self._session).add(
-            Trace(
-                requester_id=principal.user_id,
-                verdict=verdict,
-                p_value=report.p_value,
-                statistic=report.statistic,
-                scored_tokens=report.scored_tokens,
-                key_version_id=outcome.key_version_id,
-                attributed_user_id=outcome.attributed_user_id,
-            )
+        # One statement, committed before the report is sent (a single round trip; see execute_committed).
+        await execute_committed(
+            self._sessionmaker,
+            insert(Trace.__table__),
+            {
+                "requester_id": principal.user_id,
+                "verdict": verdict,
+                "p_value": report.p_value,
+                "statistic": report.statistic,
+                "scored_tokens": report.scored_tokens,
+                "key_version_id": outcome.key_version_id,
+                "attributed_user_id": outcome.attributed_user_id,
+                "created_at": utcnow(),
+            },
         )
         self._metrics.trace_verdicts.labels(
             verdict=verdict, attributed="yes" if outcome.attributed_user_id is not None else "no"

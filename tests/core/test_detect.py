@@ -55,6 +55,22 @@ def test_sigma_p_value_is_calibrated_too(null_detections) -> None:
         assert abs(fpr - alpha) <= _band(alpha, TRIALS), (alpha, fpr)
 
 
+def test_skipping_the_sigma_test_changes_nothing_else(key: WatermarkKey) -> None:
+    """sigma_test=False (what /trace uses) leaves the verdict, its p-value and sigma as they are."""
+    rng = np.random.default_rng(71)
+    texts = [rng.integers(0, VOCAB, 150) for _ in range(20)]
+    texts += list(generate(key, random_messages(key.params, 5, seed=73), 150, seed=72).tokens)  # watermarked
+    texts.append(np.array([5, 9, 5, 9, 5]))  # a very short text
+    for tokens in texts:
+        result = decode(tokens, key)
+        full, lean = detect(result), detect(result, sigma_test=False)
+        assert lean.sigma_p_value is None and full.sigma_p_value is not None
+        assert (lean.is_watermarked, lean.p_value, lean.statistic, lean.sigma) == (
+            full.is_watermarked, full.p_value, full.statistic, full.sigma
+        )
+    assert any(detect(decode(t, key), sigma_test=False).is_watermarked for t in texts[20:25])
+
+
 @pytest.mark.parametrize(("scheme", "k"), [("mpac", 1), ("loso", 1), ("xmark", 4)])
 def test_other_schemes_are_calibrated(scheme: str, k: int) -> None:
     key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, scheme=scheme, num_keys=k))  # type: ignore[arg-type]

@@ -201,3 +201,19 @@ async def test_registry_cache_reloads_only_when_users_change(app: Any, db_sessio
     assert await throttled.snapshot(db_session) is snapshot  # within the interval: no query at all
     throttled.invalidate()
     assert len(await throttled.snapshot(db_session)) == len(snapshot) + 1
+
+
+async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -> None:
+    """/trace reads token ids through the fast tokenizer's backend: exactly tokenizer.encode's ids."""
+    from service.services.tracing import tokenize
+
+    tokenizer = app.state.backend.tokenizer
+    texts = [
+        ESSAY,
+        "  leading spaces, tabs\tand\nnew lines  ",
+        "Ünïcödé — “quotes”, emoji 🚢⚓ and CJK 帆船",
+        f"special tokens in the text: {tokenizer.eos_token} <|im_start|>user",
+        "",
+    ]
+    for text in texts:
+        assert tokenize(tokenizer, text) == list(tokenizer.encode(text, add_special_tokens=False))
