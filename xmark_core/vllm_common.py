@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from .message import bits_to_blocks
 from .params import WatermarkParams
 from .secrets import KEY_VERSION_NAME
 from .secrets import parse_secret_entries as _parse_secret_entries
+
+if TYPE_CHECKING:
+    from .encoder import TorchWatermarker
 
 XARG_MESSAGE = "xmark_message"
 XARG_KEY_VERSION = "xmark_key_version"
@@ -146,6 +149,25 @@ class WorkerKeyring:
 def worker_keyring() -> WorkerKeyring:
     """The keyring of this process, read from its environment once (start-up)."""
     return WorkerKeyring.from_variables(os.environ)  # the worker's one read of its environment
+
+
+def build_watermarkers(
+    keyring: WorkerKeyring, vllm_config: Any, device: Any, *, fused: bool
+) -> list[TorchWatermarker]:
+    """One ``TorchWatermarker`` per key version of ``keyring``, in its order.
+
+    With ``fused`` each runs the fused (torch.compile) op, compiled here for the model's
+    vocabulary at start-up rather than on the first request.
+    """
+    from .encoder import TorchWatermarker  # torch: imported by the adapters only
+
+    markers = [TorchWatermarker(key, compile=fused) for key in keyring.keys]
+    model_config = getattr(vllm_config, "model_config", None)
+    if fused and model_config is not None:
+        width = int(model_config.get_vocab_size())
+        for marker in markers:
+            marker.warm_up(device, width)
+    return markers
 
 
 @dataclass(frozen=True)

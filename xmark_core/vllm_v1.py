@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from .encoder import TorchWatermarker
 from .vllm_common import (
     RequestWatermark,
+    build_watermarkers,
     last_two,
     parse_request,
     refuse_duplicate_load,
@@ -63,13 +63,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
         # The op runs as one fused kernel (torch.compile: C++ on CPU workers, Triton on CUDA),
         # built here at start-up rather than on the first request. On an H100 it takes 3.2-3.9x
         # less time per step than the eager op (benchmarks/encode_gpu.py).
-        fused = device.type in ("cpu", "cuda")
-        self._watermarkers = [TorchWatermarker(key, compile=fused) for key in keyring.keys]
-        model_config = getattr(vllm_config, "model_config", None)
-        if fused and model_config is not None:
-            width = int(model_config.get_vocab_size())
-            for marker in self._watermarkers:
-                marker.warm_up(device, width)
+        self._watermarkers = build_watermarkers(keyring, vllm_config, device, fused=device.type in ("cpu", "cuda"))
         rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
         r = keyring.params.num_blocks
         # Per batch row (host side; rows move as the persistent batch changes).

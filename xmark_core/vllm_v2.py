@@ -37,9 +37,9 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcRequestState,
 )
 
-from .encoder import TorchWatermarker
 from .vllm_common import (
     RequestWatermark,
+    build_watermarkers,
     parse_request,
     refuse_duplicate_load,
     refuse_speculative_decoding,
@@ -70,13 +70,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
         # On CUDA the op runs as one fused Triton kernel (torch.compile), bit-identical to the
         # eager op and 3.2-3.9x faster per step on an H100 (benchmarks/encode_gpu.py); it is
         # built here at start-up rather than on the first request. Other devices run it eagerly.
-        fused = device.type == "cuda"
-        self._watermarkers = [TorchWatermarker(key, compile=fused) for key in keyring.keys]
-        model_config = getattr(vllm_config, "model_config", None)
-        if fused and model_config is not None:
-            width = int(model_config.get_vocab_size())
-            for marker in self._watermarkers:
-                marker.warm_up(device, width)
+        self._watermarkers = build_watermarkers(keyring, vllm_config, device, fused=device.type == "cuda")
         r = keyring.params.num_blocks
         # Device tables, one row per request slot.
         self._blocks = torch.zeros((slots, r), dtype=torch.int64, device=device)  # [slots, r]
