@@ -24,6 +24,7 @@ from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
 from service.services.bootstrap import ensure_first_admin
 from service.services.registry_cache import RegistryCache
+from service.services.tracing import prepare_null_distributions
 
 logger = logging.getLogger("xmark.app")
 
@@ -56,6 +57,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.engine = engine
     app.state.sessionmaker = create_sessionmaker(engine)
     refresher: asyncio.Task[None] | None = None
+    warmer: asyncio.Task[None] | None = None
     backend = None
     try:
         app.state.metrics = Metrics()
@@ -91,16 +93,20 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.registry_cache = RegistryCache(app.state.sessionmaker, params)
         if settings.keyring_refresh_seconds > 0:
             refresher = asyncio.create_task(_refresh_keyring(app, settings.keyring_refresh_seconds))
+        if settings.trace_warm_row_tokens > 0:
+            warmer = asyncio.create_task(prepare_null_distributions(keyring, settings.trace_warm_row_tokens))
+        app.state.trace_null_warmer = warmer
         logger.info(
             "gateway started",
             extra={"backend": settings.backend, "key_version": keyring.active().name},
         )
         yield
     finally:
-        if refresher is not None:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+        for task in (refresher, warmer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if backend is not None:
             await backend.close()
         await engine.dispose()

@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     port: int = 8000
     bootstrap_admin_key: SecretStr | None = None
     trace_alpha: float = 1e-3
+    # /trace: the null distributions of rows of up to this many tokens are simulated in the
+    # background at start-up (about 0.1 s of one core per row size); larger rows on first use.
+    trace_warm_row_tokens: int = 64
     keyring_refresh_seconds: float = 30.0
     database_pool_size: int = 10
     # Authenticated API keys are remembered per process for this long (0 disables the cache).
@@ -143,6 +146,13 @@ class Settings(BaseSettings):
     def _positive(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be positive")
+        return value
+
+    @field_validator("trace_warm_row_tokens")
+    @classmethod
+    def _warm_rows(cls, value: int) -> int:
+        if not 0 <= value <= 4096:
+            raise ValueError("must be between 0 (none) and 4096")
         return value
 
     @field_validator("bootstrap_admin_key")

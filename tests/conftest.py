@@ -74,6 +74,7 @@ def make_test_settings(var_dir: Path, **overrides: Any) -> Settings:
         "model_path": checkpoint_path(),
         "keyring_refresh_seconds": 0,
         "database_pool_size": 5,
+        "trace_warm_row_tokens": 0,  # tests that need it switch it on
     }
     values.update(overrides)
     return Settings(**values)

@@ -87,14 +87,17 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
     )
 
 
-def warm_null_cache(params: WatermarkParams, max_row_tokens: int, *, constrained: bool = True) -> int:
-    """Pre-compute the per-row null distributions for rows of 1..max_row_tokens tokens.
+def warm_null_cache(
+    params: WatermarkParams, max_row_tokens: int, *, constrained: bool = True, min_row_tokens: int = 1
+) -> int:
+    """Pre-compute the per-row null distributions for rows of min_row_tokens..max_row_tokens tokens.
 
-    ``detect`` simulates each row size once (tens of milliseconds) and caches it; a service can
+    ``detect`` simulates each row size once (about 0.1 s of one core) and caches it; a service can
     call this at start-up, off the request path, so that the first traces are as fast as the rest.
     Returns the number of row sizes prepared.
     """
     upper = params.scheme == "mpac"
-    for n in range(1, max_row_tokens + 1):
+    first = max(1, min_row_tokens)
+    for n in range(first, max_row_tokens + 1):
         row_null(n, params.num_shards, params.num_keys, constrained, upper)
-    return max_row_tokens
+    return max(0, max_row_tokens - first + 1)

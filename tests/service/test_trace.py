@@ -217,3 +217,29 @@ async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -
     ]
     for text in texts:
         assert tokenize(tokenizer, text) == list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrated_database: str) -> None:
+    """With XMARK_TRACE_WARM_ROW_TOKENS=n the lifespan simulates rows of 1..n tokens in the
+    background, so the first traces find them cached; larger rows are left for first use."""
+    import asyncio
+
+    from xmark_core.null import row_null
+
+    from service.app import create_app
+
+    warm = 3
+    application = create_app(settings.model_copy(update={"trace_warm_row_tokens": warm}))
+    row_null.cache_clear()
+    async with application.router.lifespan_context(application):
+        warmer = application.state.trace_null_warmer
+        assert warmer is not None
+        await asyncio.wait_for(asyncio.shield(warmer), timeout=120)
+        params = application.state.keyring.active().key.params
+        upper = params.scheme == "mpac"
+        misses = row_null.cache_info().misses
+        for n in range(1, warm + 1):
+            row_null(n, params.num_shards, params.num_keys, True, upper)
+        assert row_null.cache_info().misses == misses, "a prepared row size was simulated again"
+        row_null(warm + 1, params.num_shards, params.num_keys, True, upper)
+        assert row_null.cache_info().misses == misses + 1
