@@ -11,13 +11,17 @@
    gateway adds (HTTP, auth, validation, the generation rows committed before the text is sent,
    metrics, the log line, serialisation) plus a lean client's own cost, and nothing that differs
    between two copies of the model. ``overhead_with_httpx_ms`` is the same with httpx, the
-   OpenAI SDK's client, whose own cost is higher and not the gateway's.
+   OpenAI SDK's client, whose own cost is higher and not the gateway's. Each carries
+   ``p50_ci95``, a bootstrap 95 % interval of its p50: the model step's own run-to-run spread
+   (tens of ms on a shared CPU) makes the p50 of the differences uncertain by a few ms.
 2. /trace throughput: 10,000 users are registered through the user repository (message IDs
    from the production allocator), watermarked ~300-token texts are generated for a few of
    them, and concurrent /trace requests from this process run for a fixed time against the
    gateway started as in production (``xmark serve``, its own process).
 
-Everything runs against a dedicated PostgreSQL database that is created and dropped here.
+Both gateways are measured once their start-up work is done (the model loaded, the trace null
+distributions prepared). Everything runs against a dedicated PostgreSQL database that is created
+and dropped here.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
@@ -88,6 +93,14 @@ class Seeded:
     auditor_key: str
     traced_users: list[tuple[int, str]]  # (user id, message id)
     registration_s: float
+
+
+def _median_ci95(samples: list[float], resamples: int = 5000) -> list[float]:
+    """Percentile-bootstrap 95 % interval of the median (seeded): how far the p50 can move by chance."""
+    rng = np.random.default_rng(0)
+    data = np.asarray(samples)
+    medians = np.median(data[rng.integers(0, data.size, size=(resamples, data.size))], axis=1)
+    return [round(float(q), 3) for q in np.percentile(medians, [2.5, 97.5])]
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
@@ -181,6 +194,21 @@ def _start_server(
         return subprocess.Popen(command, env=env, stdout=log, stderr=log)
 
 
+NULLS_READY = "trace null distributions ready"
+
+
+def _log_count(log_path: Path, message: str) -> int:
+    return log_path.read_text(errors="replace").count(message) if log_path.exists() else 0
+
+
+async def _wait_for_log(log_path: Path, message: str, count: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _log_count(log_path, message) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway did not log {message!r}")
+        await asyncio.sleep(0.25)
+
+
 async def _wait_ready(
     base_url: str, process: subprocess.Popen[bytes] | None, log_path: Path, timeout: float = 300.0
 ) -> None:
@@ -213,6 +241,8 @@ async def _gateway_in_process(settings: Settings, port: int, log_path: Path) -> 
         task = asyncio.create_task(server.serve())
         try:
             await _wait_ready(f"http://127.0.0.1:{port}", None, log_path)
+            if app.state.trace_null_warmer is not None:  # measure after the start-up work, not during it
+                await asyncio.wait_for(asyncio.shield(app.state.trace_null_warmer), timeout=300)
             yield app
         finally:
             server.should_exit = True
@@ -274,9 +304,11 @@ async def _overhead(
     direct = samples["direct"]
     # Paired differences (each gateway call right after its direct twin) cancel most of the
     # drift in model time, which on a shared CPU is far larger than the gateway's own cost.
-    paired = {
-        name: _percentiles([g - d for g, d in zip(samples[name], direct, strict=True)]) for name in ("aiohttp", "httpx")
-    }
+    differences = {name: [g - d for g, d in zip(samples[name], direct, strict=True)] for name in ("aiohttp", "httpx")}
+    paired: dict[str, dict[str, Any]] = {name: _percentiles(values) for name, values in differences.items()}
+    for name, values in differences.items():
+        # the model step's own run-to-run spread dominates a single p50: its 95 % interval
+        paired[name]["p50_ci95"] = _median_ci95(values)
     return {
         "requests": requests,
         "max_tokens": max_tokens,
@@ -418,8 +450,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 text_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
             port = _free_port()
             base_url = f"http://127.0.0.1:{port}"
+            prepared = _log_count(log_path, NULLS_READY)
             process = _start_server(settings, secret_env, pepper, port, log_path)
             await _wait_ready(base_url, process, log_path)
+            await _wait_for_log(log_path, NULLS_READY, prepared + 1)  # the start-up work is done
             trace = await _trace_load(
                 base_url,
                 seeded.auditor_key,
