@@ -219,6 +219,19 @@ async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -
         assert tokenize(tokenizer, text) == list(tokenizer.encode(text, add_special_tokens=False))
 
 
+async def test_trace_tokenization_ignores_a_truncation_in_the_tokenizer_file(app: Any, ready: None) -> None:
+    """A checkpoint whose tokenizer file configures truncation still has every token read."""
+    import copy
+
+    from service.services.tracing import tokenize
+
+    tokenizer = copy.deepcopy(app.state.backend.tokenizer)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=8)
+    expected = list(app.state.backend.tokenizer.encode(ESSAY, add_special_tokens=False))
+    assert len(expected) > 8
+    assert tokenize(tokenizer, ESSAY) == expected
+
+
 async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrated_database: str) -> None:
     """With XMARK_TRACE_WARM_ROW_TOKENS=n the lifespan simulates rows of 1..n tokens in the
     background, so the first traces find them cached; larger rows are left for first use."""
