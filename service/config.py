@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     model_path: Path | None = None
     model_name: str = "smollm2-135m-instruct"
     retain_completions: bool = False
+    # A non-streamed completion is sent as soon as it exists and its generations rows are written
+    # as the response ends (as a stream's are). True: sent only once its rows have committed.
+    record_before_response: bool = False
 
     max_prompt_chars: int = 32_000
     max_completion_tokens: int = 1024

@@ -8,7 +8,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class Metrics:
-    """Collectors: requests, latency, tokens generated, generations, trace verdicts."""
+    """Collectors: requests, latency, tokens generated, generations, record failures, trace verdicts."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -37,6 +37,11 @@ class Metrics:
             "xmark_generations",
             "Completed generations by finish reason.",
             ["finish_reason"],
+            registry=self.registry,
+        )
+        self.generation_record_failures = Counter(
+            "xmark_generation_record_failures",
+            "Completions whose generations rows could not be written (after retries); each is logged.",
             registry=self.registry,
         )
         self.trace_verdicts = Counter(

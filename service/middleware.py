@@ -47,18 +47,25 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500
+        completed: float | None = None  # when the last byte of the response was handed over
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, completed
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                MutableHeaders(scope=message).append("X-Request-ID", request_id)
+                headers = MutableHeaders(scope=message)
+                headers.append("X-Request-ID", request_id)
+                # the gateway's time on this request until its response starts (W3C Server-Timing)
+                headers.append("Server-Timing", f"app;dur={(time.perf_counter() - started) * 1000:.3f}")
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                completed = time.perf_counter()
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            elapsed = time.perf_counter() - started
+            # the latency the client sees: work after the response (its generation record) is not in it
+            elapsed = (completed if completed is not None else time.perf_counter()) - started
             route = _route_template(scope)
             metrics = getattr(scope["app"].state, "metrics", None)
             if metrics is not None:

@@ -11,7 +11,7 @@ from service.deps import BackendDep, KeyringDep, MetricsDep, PrincipalDep, Setti
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionRequest, ModelList
 from service.schemas.common import ERROR_RESPONSES
-from service.services.generation import GenerationService
+from service.services.generation import CompletionResponse, GenerationService
 
 router = APIRouter(
     prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute
@@ -45,7 +45,7 @@ async def list_models(_: PrincipalDep, service: GenerationDep) -> ModelList:
 )
 async def create_chat_completion(
     body: ChatCompletionRequest, principal: PrincipalDep, service: GenerationDep
-) -> ChatCompletion | EventSourceResponse:
+) -> CompletionResponse | EventSourceResponse:
     prepared = service.prepare(principal, body)
     if not body.stream:
         return await service.complete(prepared)

@@ -7,24 +7,31 @@ midway: then the row holds what was sent and the finish reason ``cancelled``). T
 text is kept only when ``retain_completions`` is set; its SHA-256 always is.
 
 The rows of a completion are written by one INSERT in a short unit of work of their own, opened
-only once the text exists: no transaction stays open while the model generates. A non-streamed
-completion is returned only after that unit of work has committed; a stream writes its rows
-when it ends, however it ends.
+only once the text exists: no transaction stays open while the model generates. They are written
+as the response ends, however it ends (sent, client gone, request cancelled): a non-streamed
+completion is sent as soon as it exists, a stream as it is generated. A write that fails is
+retried, then counted and logged. With ``record_before_response`` a non-streamed completion is
+sent only once its rows have committed (one database round trip more before the text).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from xmark_core import Message
 
 from service.backends.base import (
@@ -65,6 +72,37 @@ if TYPE_CHECKING:
     from service.metrics import Metrics
 
 OWNED_BY = "xmark-gateway"
+
+logger = logging.getLogger("xmark.generation")
+
+# Pauses before the second and third attempt at writing the rows of a completion already sent
+# (a restarting database, a dropped pooled connection). The last failure is counted and logged.
+RECORD_RETRY_PAUSES_S = (0.2, 1.0)
+
+
+class CompletionResponse(Response):
+    """A non-streamed completion as JSON. ``after`` runs once the response has been handed to the
+    server, also when sending failed or the request was cancelled meanwhile (shielded)."""
+
+    media_type = "application/json"
+
+    def __init__(
+        self,
+        completion: ChatCompletion,
+        *,
+        headers: dict[str, str],
+        after: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(completion.model_dump_json().encode(), headers=headers)
+        self._after = after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._after is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._after()
 
 
 @dataclass(frozen=True)
@@ -200,9 +238,60 @@ class GenerationService:
 
     # -- non-streamed ------------------------------------------------------------------------
 
-    async def complete(self, prepared: PreparedCompletion) -> ChatCompletion:
+    async def _record_after_response(
+        self, prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult], *, streamed: bool
+    ) -> None:
+        """Write the rows of a completion whose response has gone out; never raises.
+
+        A failed write is retried after each of ``RECORD_RETRY_PAUSES_S``. If it still fails the
+        failure is counted (``xmark_generation_record_failures_total``) and logged at ERROR with
+        what identifies the completion; never its text, its hash or the database's message (which
+        may quote the row).
+        """
+        attempts = 0
+        for pause in (*RECORD_RETRY_PAUSES_S, None):
+            attempts += 1
+            try:
+                await self._record(prepared, prompt_tokens, choices, streamed=streamed)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure: retry, then report
+                error_type = type(exc).__name__
+            if pause is not None:
+                await asyncio.sleep(pause)
+        self._metrics.generation_record_failures.inc()
+        logger.error(
+            "generation record not written",
+            extra={
+                "request_id": prepared.request_id,
+                "user_id": prepared.principal.user_id,
+                "key_version_id": prepared.key_version_id,
+                "model": prepared.model,
+                "streamed": streamed,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": [choice.completion_tokens for choice in choices],
+                "finish_reasons": [choice.finish_reason or "cancelled" for choice in choices],
+                "attempts": attempts,
+                "error_type": error_type,
+            },
+        )
+
+    async def complete(self, prepared: PreparedCompletion) -> CompletionResponse:
+        started = time.perf_counter()
         result: GenerationResult = await self._backend.generate(prepared.request, prepared.stamp)
-        await self._record(prepared, result.prompt_tokens, result.choices, streamed=False)
+        model_ms = (time.perf_counter() - started) * 1000
+        # the backend's share of the request (W3C Server-Timing): the rest is the gateway's
+        headers = {"Server-Timing": f"model;dur={model_ms:.3f}"}
+        completion = self._completion(prepared, result)
+        if self._settings.record_before_response:
+            await self._record(prepared, result.prompt_tokens, result.choices, streamed=False)
+            return CompletionResponse(completion, headers=headers)
+        after = functools.partial(
+            self._record_after_response, prepared, result.prompt_tokens, result.choices, streamed=False
+        )
+        return CompletionResponse(completion, headers=headers, after=after)
+
+    @staticmethod
+    def _completion(prepared: PreparedCompletion, result: GenerationResult) -> ChatCompletion:
         completion_tokens = result.completion_tokens
         return ChatCompletion(
             id=prepared.request_id,
@@ -302,4 +391,4 @@ class GenerationService:
         finally:
             stream.cancel()  # no-op when the generation already finished
             with anyio.CancelScope(shield=True):
-                await self._record(prepared, stream.prompt_tokens, tally.choices, streamed=True)
+                await self._record_after_response(prepared, stream.prompt_tokens, tally.choices, streamed=True)

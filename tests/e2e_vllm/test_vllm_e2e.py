@@ -273,7 +273,7 @@ async def test_dead_worker_gives_503s_and_complete_records_and_the_gateway_recov
         assert response.status_code == 200, response.text
         recovered_id = response.json()["id"]
 
-    # the recovered completion's row is committed before its 200 is sent; allow for a slow machine
+    # the recovered completion's row is committed as its response ends; allow for a slow machine
     deadline = time.monotonic() + 30
     while True:
         rows = await generation_rows(e2e_config.database_url, [alice["id"]])

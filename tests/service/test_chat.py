@@ -89,6 +89,11 @@ async def test_completion_is_returned_and_recorded(
     assert usage["prompt_tokens"] > 0
     assert 0 < usage["completion_tokens"] <= 8
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert response.headers["content-type"] == "application/json"
+    # the model's share of the request and the gateway's time until the response started
+    timings = dict(entry.split(";dur=") for entry in response.headers.get_list("server-timing", split_commas=True))
+    assert set(timings) == {"model", "app"}
+    assert 0 < float(timings["model"]) < float(timings["app"])
 
     assert await _generation_count(db_session) == before + 1
     row = (

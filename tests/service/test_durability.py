@@ -1,5 +1,7 @@
 """What a client is told has happened is committed: checked from a separate connection at the
-moment the response starts, against the real app with nothing rolled back.
+moment the response starts, against the real app with nothing rolled back. Generation records,
+which the client is not told about, are written as the response ends (before it, when
+``record_before_response`` is set), and a record that cannot be written is counted and logged.
 
 These tests do not use the rolled-back ``db_connection``: the app's sessions commit for real, so
 every row they create is deleted again at the end.
@@ -7,18 +9,22 @@ every row they create is deleted again at the end.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import delete, func, select, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from starlette.types import Message, Receive, Scope, Send
 
-from service.db import session_scope
+from service.db import create_sessionmaker, session_scope
+from service.schemas.chat import ChatCompletionRequest
 from service.models import ApiKey, Generation, Trace, User
 from service.services.users import UserService
 
@@ -82,12 +88,14 @@ async def _count(engine: AsyncEngine, statement: Any) -> int:
         return int(await connection.scalar(statement) or 0)
 
 
-async def test_a_completion_is_committed_before_its_response_starts(
-    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
-) -> None:
-    user_id, key = committed_users["user"]
+async def _completion_rows_at_response_start(
+    app: Any, observer: AsyncEngine, user_id: int, key: str
+) -> tuple[list[int], list[int], str]:
+    """Three requests of two choices each: committed rows seen when each response starts, and once
+    the app has finished with it; the last request id."""
     rows = select(func.count()).select_from(Generation).where(Generation.user_id == user_id)
     seen_at_start: list[int] = []
+    seen_after: list[int] = []
 
     async def probe(scope: Scope, status: int) -> None:
         if scope["path"] == "/v1/chat/completions":
@@ -95,11 +103,23 @@ async def test_a_completion_is_committed_before_its_response_starts(
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 2}
     async with probing_client(app, probe) as client:
-        for request in range(1, 4):
+        for _ in range(3):
+            # the in-process transport returns once the app is done with the request
             response = await client.post("/v1/chat/completions", json=body, headers=bearer(key))
             assert response.status_code == 200, response.text
-            assert seen_at_start[-1] == 2 * request  # both choices of this request, already committed
-    request_id = response.json()["id"]
+            assert response.json()["choices"][1]["message"]["content"] is not None
+            seen_after.append(await _count(observer, rows))
+    return seen_at_start, seen_after, response.json()["id"]
+
+
+async def test_a_completion_is_sent_first_and_recorded_as_its_response_ends(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
+) -> None:
+    user_id, key = committed_users["user"]
+    assert app.state.settings.record_before_response is False  # the default
+    seen_at_start, seen_after, request_id = await _completion_rows_at_response_start(app, observer, user_id, key)
+    assert seen_at_start == [0, 2, 4]  # the response does not wait for its rows
+    assert seen_after == [2, 4, 6]  # both choices, committed by the time the request is over
     async with observer.connect() as connection:
         stored = (
             await connection.execute(
@@ -108,6 +128,70 @@ async def test_a_completion_is_committed_before_its_response_starts(
             )
         ).all()
     assert len(stored) == 2 and not any(row.streamed for row in stored)
+
+
+async def test_with_record_before_response_a_completion_is_committed_before_its_response_starts(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
+) -> None:
+    user_id, key = committed_users["user"]
+    default = app.state.settings
+    app.state.settings = default.model_copy(update={"record_before_response": True})
+    try:
+        seen_at_start, seen_after, _ = await _completion_rows_at_response_start(app, observer, user_id, key)
+    finally:
+        app.state.settings = default
+    assert seen_at_start == [2, 4, 6]  # both choices of each request, already committed
+    assert seen_after == [2, 4, 6]
+
+
+async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logged(
+    app: Any, committed_users: dict[str, tuple[int, str]], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The database is really unreachable (a database that does not exist): the client still gets
+    its completion, and the lost record is counted and logged without its text or hash."""
+    from service.services import generation
+
+    user_id, key = committed_users["user"]
+    monkeypatch.setattr(generation, "RECORD_RETRY_PAUSES_S", (0.01, 0.01))
+    gone = create_async_engine(
+        make_url(app.state.settings.database_url).set(database="xmark_no_such_database"), poolclass=NullPool
+    )
+    principal = await app.state.authenticator.authenticate(f"Bearer {key}")
+    service = generation.GenerationService(
+        create_sessionmaker(gone), app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
+    )
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    )
+    failures = app.state.metrics.generation_record_failures
+    before = failures._value.get()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="xmark.generation"):
+            response = await service.complete(service.prepare(principal, body))
+            await response({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
+    finally:
+        await gone.dispose()
+    assert sent[0]["status"] == 200
+    completion = json.loads(sent[1]["body"])
+    content = completion["choices"][0]["message"]["content"]
+    assert failures._value.get() == before + 1
+    [record] = [r for r in caplog.records if r.getMessage() == "generation record not written"]
+    assert record.request_id == completion["id"] and record.user_id == user_id
+    assert record.attempts == 3 and record.completion_tokens == [completion["usage"]["completion_tokens"]]
+    logged = json.dumps({k: str(v) for k, v in vars(record).items()})
+    assert hashlib.sha256(content.encode()).hexdigest() not in logged
+    assert "xmark_no_such_database" not in logged  # not the database's own message either
+    if content.strip():
+        assert content not in logged
 
 
 async def test_a_stream_is_committed_when_it_ends(

@@ -64,3 +64,34 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     first.generations.labels(finish_reason="stop").inc()
     assert b'finish_reason="stop"' in first.render()
     assert b'finish_reason="stop"' not in second.render()
+
+
+async def test_latency_ends_with_the_response_not_with_work_after_it(caplog: Any) -> None:
+    """Work an app does after its last byte is sent (a generation record) is not client latency."""
+    import asyncio
+    import logging
+
+    from starlette.applications import Starlette
+
+    from service.middleware import RequestContextMiddleware
+
+    async def respond_then_work(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+        await asyncio.sleep(0.3)  # after the response
+
+    holder = Starlette()
+    holder.state.metrics = Metrics()
+    inner = RequestContextMiddleware(respond_then_work)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        scope["app"] = holder
+        await inner(scope, receive, send)
+
+    with caplog.at_level(logging.INFO, logger="xmark.access"):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert (await client.get("/x")).text == "done"
+    [line] = [r for r in caplog.records if r.name == "xmark.access"]
+    assert line.duration_ms < 150  # not the 300 ms spent after the response
+    rendered = holder.state.metrics.render().decode()
+    assert _sample(rendered, "xmark_http_request_duration_seconds_bucket", route="unmatched", le="0.1") == 1
