@@ -18,8 +18,9 @@
    generation record, by default) can still hold up the client reading it.
    ``overhead_per_request_ms`` is each aiohttp call minus the model time the gateway reports for
    that very call in its ``Server-Timing`` header (the backend's ``generate`` inside the request):
-   the same overhead without the model's spread, known to a fraction of a millisecond. The target
-   is checked on it; the paired differences should agree with it within their interval.
+   the same overhead without the model's spread, known to a fraction of a millisecond. Each call
+   starts once the gateway has finished the previous ones, their work after the response
+   included, so none of it lands inside a direct call.
 2. Gateway overhead per request, in production form: the same request against the gateway
    started as in production (``xmark serve``, its own process), each one's overhead being its
    aiohttp round trip minus the model time the gateway reports (``Server-Timing: model``), and
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,32 @@ async def _wait_ready(
     raise RuntimeError("the gateway did not become ready")
 
 
+class _InFlight:
+    """The gateway app, knowing when it has finished every request (work after a response included)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self._count += 1
+        self._idle.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.set()
+
+    async def settled(self) -> None:
+        await self._idle.wait()
+
+
 @asynccontextmanager
 async def _gateway_in_process(settings: Settings, port: int, log_path: Path) -> AsyncIterator[FastAPI]:
     """The gateway app served by uvicorn on this process's event loop."""
@@ -248,8 +275,9 @@ async def _gateway_in_process(settings: Settings, port: int, log_path: Path) -> 
     with log_path.open("a") as log:
         configure_logging(settings.log_level, secrets_.all_values(), stream=log)
         app = create_app(settings)
+        app.state.bench_in_flight = in_flight = _InFlight(app)
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, loop="none", log_config=None, access_log=False, lifespan="on"
+            in_flight, host="127.0.0.1", port=port, loop="none", log_config=None, access_log=False, lifespan="on"
         )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
@@ -278,7 +306,14 @@ def _server_timing(values: list[str]) -> dict[str, float]:
 
 
 async def _overhead(
-    base_url: str, backend: Backend, stamp: WatermarkStamp, api_key: str, model: str, requests: int, max_tokens: int
+    base_url: str,
+    backend: Backend,
+    settled: Callable[[], Awaitable[None]],
+    stamp: WatermarkStamp,
+    api_key: str,
+    model: str,
+    requests: int,
+    max_tokens: int,
 ) -> dict[str, Any]:
     """Triplets: the backend called directly, then the same request through the gateway with
     aiohttp (a client with a small cost of its own) and with httpx (the OpenAI SDK's client)."""
@@ -310,11 +345,13 @@ async def _overhead(
             return response.json()  # type: ignore[no-any-return]
 
         for index in range(requests + 5):
+            await settled()  # the previous calls' work after their responses is not the direct call's
             started = time.perf_counter()
             result = await backend.generate(request, stamp)
             timings = {"direct": (time.perf_counter() - started) * 1000}
             counts = [result.completion_tokens]
             for name, call in (("aiohttp", via_aiohttp), ("httpx", via_httpx)):
+                await settled()
                 started = time.perf_counter()
                 data = await call()
                 timings[name] = (time.perf_counter() - started) * 1000
@@ -357,7 +394,7 @@ async def _overhead(
         "overhead_with_httpx_ms": paired["httpx"],
         "authenticated_get_models_ms": _percentiles(authenticated),
         "target_p50_ms": 3.0,
-        "meets_target": paired["per_request"]["p50"] <= 3.0,
+        "meets_target": paired["aiohttp"]["p50"] <= 3.0,
     }
 
 
@@ -508,6 +545,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 overhead = await _overhead(
                     f"http://127.0.0.1:{port}",
                     backend,
+                    app.state.bench_in_flight.settled,
                     stamp,
                     seeded.chat_key,
                     settings.model_name,
