@@ -13,10 +13,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from service.backends import build_backend
 from service.config import ConfigurationError, Settings, load_secrets
-from service.db import create_engine, create_sessionmaker, session_scope
+from service.db import RowWriter, create_engine, create_sessionmaker, session_scope
 from service.errors import install_error_handlers
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
+from service.models import Generation
 from service.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from service.routers import admin, chat, health, trace
 from service.security import ApiKeyHasher, parse_api_key
@@ -56,6 +57,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = create_engine(settings)
     app.state.engine = engine
     app.state.sessionmaker = create_sessionmaker(engine)
+    app.state.generation_records = RowWriter(app.state.sessionmaker, Generation.__table__)
     refresher: asyncio.Task[None] | None = None
     warmer: asyncio.Task[None] | None = None
     backend = None
@@ -109,6 +111,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                     await task
         if backend is not None:
             await backend.close()
+        await app.state.generation_records.close()
         await engine.dispose()
 
 

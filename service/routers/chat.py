@@ -22,7 +22,7 @@ async def _generation(
     request: Request, settings: SettingsDep, backend: BackendDep, keyring: KeyringDep, metrics: MetricsDep
 ) -> GenerationService:
     # No request-wide unit of work: the generation record commits in a short one of its own.
-    return GenerationService(request.app.state.sessionmaker, settings, backend, keyring, metrics)
+    return GenerationService(request.app.state.generation_records, settings, backend, keyring, metrics)
 
 
 GenerationDep = Annotated[GenerationService, Depends(_generation)]

@@ -6,8 +6,9 @@ generations table (one row per choice, streamed ones included, also when the cli
 midway: then the row holds what was sent and the finish reason ``cancelled``). The completion
 text is kept only when ``retain_completions`` is set; its SHA-256 always is.
 
-The rows of a completion are written by one INSERT in a short unit of work of their own, opened
-only once the text exists: no transaction stays open while the model generates. They are written
+The rows of a completion are written by one INSERT committed on its own (``RowWriter``: on
+PostgreSQL a prepared statement over a connection kept for these writes), issued only once the
+text exists: no transaction stays open while the model generates. They are written
 as the response ends, however it ends (sent, client gone, request cancelled): a non-streamed
 completion is sent as soon as it exists, a stream as it is generated. A write that fails is
 retried, then counted and logged. With ``record_before_response`` a non-streamed completion is
@@ -28,8 +29,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
-from sqlalchemy import insert
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from xmark_core import Message
@@ -49,8 +48,8 @@ from service.errors import (
     ServiceUnavailableError,
     envelope,
 )
-from service.db import execute_committed
-from service.models import Generation, utcnow
+from service.db import RowWriter
+from service.models import utcnow
 from service.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -132,13 +131,13 @@ def _sha256(text: str) -> str:
 class GenerationService:
     def __init__(
         self,
-        sessionmaker: async_sessionmaker[AsyncSession],
+        records: RowWriter,
         settings: Settings,
         backend: Backend,
         keyring: Keyring,
         metrics: Metrics,
     ) -> None:
-        self._sessionmaker = sessionmaker
+        self._records = records
         self._settings = settings
         self._backend = backend
         self._keyring = keyring
@@ -228,7 +227,7 @@ class GenerationService:
             }
             for choice in choices
         ]
-        await execute_committed(self._sessionmaker, insert(Generation.__table__), rows)
+        await self._records.write(rows)
         for row in rows:
             self._metrics.generations.labels(finish_reason=row["finish_reason"]).inc()
         self._metrics.tokens_generated.labels(kind="prompt").inc(prompt_tokens)

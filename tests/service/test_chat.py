@@ -327,7 +327,7 @@ async def test_client_cannot_choose_the_watermark(app: Any, user_key: Any, db_se
         message_id=principal["message_id"], api_key_id=1,
     )
     service = GenerationService(
-        app.state.sessionmaker, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
+        app.state.generation_records, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
     )
     prepared = service.prepare(caller, body)
     assert prepared.stamp.message.bits == principal["message_id"]

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 from starlette.types import Message, Receive, Scope, Send
 
-from service.db import create_sessionmaker, session_scope
+from service.db import RowWriter, create_sessionmaker, session_scope
 from service.schemas.chat import ChatCompletionRequest
 from service.models import ApiKey, Generation, Trace, User
 from service.services.users import UserService
@@ -117,6 +117,7 @@ async def test_a_completion_is_sent_first_and_recorded_as_its_response_ends(
 ) -> None:
     user_id, key = committed_users["user"]
     assert app.state.settings.record_before_response is False  # the default
+    assert app.state.generation_records.direct  # rows go over the writer's own connection
     seen_at_start, seen_after, request_id = await _completion_rows_at_response_start(app, observer, user_id, key)
     assert seen_at_start == [0, 2, 4]  # the response does not wait for its rows
     assert seen_after == [2, 4, 6]  # both choices, committed by the time the request is over
@@ -158,8 +159,10 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
         make_url(app.state.settings.database_url).set(database="xmark_no_such_database"), poolclass=NullPool
     )
     principal = await app.state.authenticator.authenticate(f"Bearer {key}")
+    records = RowWriter(create_sessionmaker(gone), Generation.__table__)
+    assert records.direct  # the PostgreSQL path: the writer's own connection cannot be opened
     service = generation.GenerationService(
-        create_sessionmaker(gone), app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
+        records, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
     )
     body = ChatCompletionRequest.model_validate(
         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -179,6 +182,7 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
             response = await service.complete(service.prepare(principal, body))
             await response({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
     finally:
+        await records.close()
         await gone.dispose()
     assert sent[0]["status"] == 200
     completion = json.loads(sent[1]["body"])
