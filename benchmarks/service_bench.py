@@ -195,6 +195,7 @@ def _gateway_settings(settings: Settings, secret_env: str, pepper: str) -> dict[
         "XMARK_LOG_LEVEL": settings.log_level,
         "XMARK_KEYRING_REFRESH_SECONDS": "0",
         "XMARK_RECORD_BEFORE_RESPONSE": str(settings.record_before_response).lower(),
+        "XMARK_WORKERS": str(settings.workers),
     }
 
 
@@ -531,6 +532,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             log_level=args.log_level,
             keyring_refresh_seconds=0,
             record_before_response=args.record_before_response,
+            workers=args.workers or len(os.sched_getaffinity(0)),
         )
         log_path = Path(var_dir) / "gateway.log"
         await _fresh_database(settings.database_url)
@@ -560,7 +562,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             prepared = _log_count(log_path, NULLS_READY)
             process = _start_server(settings, secret_env, pepper, port, log_path)
             await _wait_ready(base_url, process, log_path)
-            await _wait_for_log(log_path, NULLS_READY, prepared + 1)  # the start-up work is done
+            # the start-up work of every worker is done
+            await _wait_for_log(log_path, NULLS_READY, prepared + settings.workers)
             per_request = await _overhead_per_request(
                 base_url, seeded.chat_key, settings.model_name, args.requests, args.max_tokens
             )
@@ -592,6 +595,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "registration": {"users": args.users, "seconds": round(seeded.registration_s, 2)},
         "gateway_log": {"level": args.log_level, "lines": log_lines},
+        "gateway_workers": settings.workers,
         "record_before_response": settings.record_before_response,
         "gateway_overhead": overhead,
         "gateway_overhead_per_request": per_request,
@@ -627,6 +631,12 @@ def _parser() -> argparse.ArgumentParser:
         "--record-before-response",
         action="store_true",
         help="run the gateways with XMARK_RECORD_BEFORE_RESPONSE=true (a completion waits for its record)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes of the `xmark serve` gateway (default: one per CPU of this machine)",
     )
     parser.add_argument("--keep-database", action="store_true", help="do not drop the database afterwards")
     return parser

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,13 @@ from service.services.users import UserService
 
 class CliError(Exception):
     """A failure reported as one line on stderr with exit status 1."""
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return number
 
 
 def _settings() -> Settings:
@@ -62,21 +72,31 @@ async def _with_session(settings: Settings, work: Any) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.app import create_app
-    from service.logging import configure_logging
+    from service.app import configure_process_logging, create_app, prepare_database
+    from service.metrics import MULTIPROCESS_DIR_ENV
 
     settings = _settings()
-    secrets = load_secrets(settings)
-    bootstrap = [settings.bootstrap_admin_key.get_secret_value()] if settings.bootstrap_admin_key else []
-    configure_logging(settings.log_level, [*secrets.all_values(), *bootstrap])
-    uvicorn.run(
-        create_app(settings),
-        host=args.host or settings.host,
-        port=args.port or settings.port,
-        access_log=False,
-        log_config=None,
-        proxy_headers=False,
-    )
+    workers = args.workers or settings.workers
+    configure_process_logging(settings)
+    server_options: dict[str, Any] = {
+        "host": args.host or settings.host,
+        "port": args.port or settings.port,
+        "access_log": False,
+        "log_config": None,
+        "proxy_headers": False,
+    }
+    if workers == 1:
+        uvicorn.run(create_app(settings), **server_options)
+        return 0
+    # Several processes share the port. What they would race for at start-up is done here, once;
+    # their metrics meet in one folder (a fresh one unless PROMETHEUS_MULTIPROC_DIR names one).
+    asyncio.run(prepare_database(settings))
+    with contextlib.ExitStack() as stack:
+        if not os.environ.get(MULTIPROCESS_DIR_ENV):
+            os.environ[MULTIPROCESS_DIR_ENV] = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="xmark-metrics-")
+            )
+        uvicorn.run("service.app:create_worker_app", factory=True, workers=workers, **server_options)
     return 0
 
 
@@ -185,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP server")
     serve.add_argument("--host", default=None, help="bind address (default XMARK_HOST)")
     serve.add_argument("--port", type=int, default=None, help="port (default XMARK_PORT)")
+    serve.add_argument(
+        "--workers", type=_positive_int, default=None, help="gateway processes sharing the port (default XMARK_WORKERS, 1)"
+    )
     serve.set_defaults(func=cmd_serve)
 
     migrate = sub.add_parser("migrate", help="apply database migrations")

@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # background at start-up (about 0.1 s of one core per row size); larger rows on first use.
     trace_warm_row_tokens: int = 64
     keyring_refresh_seconds: float = 30.0
+    # `xmark serve`: gateway processes sharing the port (each with its own event loop, caches
+    # and, on the local backend, its own copy of the model); see docs/service.md.
+    workers: int = 1
     database_pool_size: int = 10
     # Authenticated API keys are remembered per process for this long (0 disables the cache).
     auth_cache_ttl_s: float = 5.0
@@ -122,7 +125,7 @@ class Settings(BaseSettings):
             raise ValueError("must be zero (disabled) or a positive number of seconds")
         return value
 
-    @field_validator("auth_cache_size", "max_batch_size")
+    @field_validator("auth_cache_size", "max_batch_size", "workers")
     @classmethod
     def _positive_count(cls, value: int) -> int:
         if value <= 0:

@@ -23,7 +23,8 @@ _HANDLER_NAME = "xmark-json"
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and the record's extra fields."""
+    """One JSON object per line: time, level, logger, message, the process id (which worker of
+    ``xmark serve --workers N``) and the record's extra fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
@@ -31,6 +32,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
+            "pid": record.process,
         }
         for key, value in record.__dict__.items():
             if key not in _STANDARD_ATTRS and not key.startswith("_"):

@@ -1,8 +1,18 @@
-"""Prometheus metrics of one gateway process (own registry, no module-level collectors)."""
+"""Prometheus metrics of the gateway (own registry, no module-level collectors).
+
+With several worker processes (``xmark serve --workers N``) every process writes its samples to
+files under ``PROMETHEUS_MULTIPROC_DIR`` and ``/metrics``, whichever process answers it, reports
+the sum over all of them (prometheus-client's multiprocess mode).
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -52,5 +62,9 @@ class Metrics:
         )
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
+        """The Prometheus text exposition: this registry, or every process's in multiprocess mode."""
+        if os.environ.get(MULTIPROCESS_DIR_ENV):
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

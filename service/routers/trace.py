@@ -31,7 +31,7 @@ async def _tracing(
     metrics: MetricsDep,
     registry: Annotated[RegistryCache, Depends(_registry)],
 ) -> TracingService:
-    return TracingService(session, request.app.state.sessionmaker, settings, backend, keyring, metrics, registry)
+    return TracingService(session, request.app.state.trace_records, settings, backend, keyring, metrics, registry)
 
 
 TracingDep = Annotated[TracingService, Depends(_tracing)]

@@ -15,14 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import insert
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 from xmark_core import Attribution, DecodeResult, Detection, attribute, decode, detect, warm_null_cache
 
-from service.db import execute_committed
+from service.db import RowWriter
 from service.errors import NotFoundError, PayloadTooLargeError, ServiceUnavailableError
 from service.keyring import KeyVersionHandle
-from service.models import Trace, utcnow
+from service.models import utcnow
 from service.schemas.common import Principal
 from service.schemas.trace import (
     AttributionReport,
@@ -241,7 +240,7 @@ class TracingService:
     def __init__(
         self,
         session: AsyncSession,
-        sessionmaker: async_sessionmaker[AsyncSession],
+        records: RowWriter,
         settings: Settings,
         backend: Backend,
         keyring: Keyring,
@@ -249,7 +248,7 @@ class TracingService:
         registry: RegistryCache,
     ) -> None:
         self._session = session
-        self._sessionmaker = sessionmaker
+        self._records = records
         self._settings = settings
         self._backend = backend
         self._keyring = keyring
@@ -285,21 +284,18 @@ class TracingService:
             )
         report = outcome.report
         verdict = "watermarked" if report.watermarked else "not_watermarked"
-        # One statement, committed before the report is sent (a single round trip; see execute_committed).
-        await execute_committed(
-            self._sessionmaker,
-            insert(Trace.__table__),
-            {
-                "requester_id": principal.user_id,
-                "verdict": verdict,
-                "p_value": report.p_value,
-                "statistic": report.statistic,
-                "scored_tokens": report.scored_tokens,
-                "key_version_id": outcome.key_version_id,
-                "attributed_user_id": outcome.attributed_user_id,
-                "created_at": utcnow(),
-            },
-        )
+        row = {
+            "requester_id": principal.user_id,
+            "verdict": verdict,
+            "p_value": report.p_value,
+            "statistic": report.statistic,
+            "scored_tokens": report.scored_tokens,
+            "key_version_id": outcome.key_version_id,
+            "attributed_user_id": outcome.attributed_user_id,
+            "created_at": utcnow(),
+        }
+        # committed before the report is sent; concurrent traces share the round trip (RowWriter)
+        await self._records.write([row])
         self._metrics.trace_verdicts.labels(
             verdict=verdict, attributed="yes" if outcome.attributed_user_id is not None else "no"
         ).inc()

@@ -154,15 +154,18 @@ def test_unknown_backend_and_bad_limits_are_refused() -> None:
 def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = _settings(database_url="sqlite+aiosqlite:///x.db")
     assert (defaults.auth_cache_ttl_s, defaults.auth_cache_size) == (5.0, 10_000)
-    assert (defaults.model_threads, defaults.max_batch_size) == (None, 8)
+    assert (defaults.model_threads, defaults.max_batch_size, defaults.workers) == (None, 8, 1)
+    monkeypatch.setenv("XMARK_WORKERS", "2")
     monkeypatch.setenv("XMARK_AUTH_CACHE_TTL_S", "0")
     monkeypatch.setenv("XMARK_AUTH_CACHE_SIZE", "50")
     monkeypatch.setenv("XMARK_MODEL_THREADS", "3")
     monkeypatch.setenv("XMARK_MAX_BATCH_SIZE", "4")
     configured = _settings(database_url="sqlite+aiosqlite:///x.db")
     assert (configured.auth_cache_ttl_s, configured.auth_cache_size) == (0.0, 50)
-    assert (configured.model_threads, configured.max_batch_size) == (3, 4)
-    for bad in ({"auth_cache_ttl_s": -1}, {"auth_cache_size": 0}, {"model_threads": 0}, {"max_batch_size": 0}):
+    assert (configured.model_threads, configured.max_batch_size, configured.workers) == (3, 4, 2)
+    for bad in (
+        {"auth_cache_ttl_s": -1}, {"auth_cache_size": 0}, {"model_threads": 0}, {"max_batch_size": 0}, {"workers": 0}
+    ):
         with pytest.raises(ValidationError):
             _settings(database_url="sqlite+aiosqlite:///x.db", **bad)
 

@@ -1,0 +1,193 @@
+"""`xmark serve --workers 2` as production runs it, on a PostgreSQL database of its own: the start-up
+writes happen once, a user created through one worker is served by the other, /metrics reports the
+sum over both workers whichever answers, and the whole server stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from service.config import Settings
+from service.db import upgrade_database
+from service.security import generate_api_key
+from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, checkpoint_path
+
+MODEL = "smollm2-135m-instruct"
+WORKERS = 2
+
+
+@pytest.fixture
+async def database(settings: Settings) -> AsyncIterator[str]:
+    """A database created, migrated and dropped here (the server's rows are committed for real)."""
+    server = make_url(settings.database_url)
+    name = f"xmark_workers_{uuid.uuid4().hex[:8]}"
+    admin = create_async_engine(server, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    async with admin.connect() as connection:
+        await connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = server.set(database=name).render_as_string(hide_password=False)
+    try:
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+    finally:
+        async with admin.connect() as connection:
+            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        await admin.dispose()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _log_lines(log: Path) -> list[dict[str, Any]]:
+    lines = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+    return lines
+
+
+async def _wait_for(log: Path, message: str, count: int, server: subprocess.Popen[bytes], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(1 for line in _log_lines(log) if line["message"] == message) < count:
+        assert server.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {count} x {message!r} in time"
+        await asyncio.sleep(0.25)
+
+
+async def _served_by(log: Path, request_id: str) -> int:
+    """The worker that logged the request (its access line is written as the response ends)."""
+    for _ in range(100):
+        lines = [line for line in _log_lines(log) if line.get("request_id") == request_id]
+        if lines:
+            [line] = lines
+            return int(line["pid"])
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"request {request_id} was not logged")
+
+
+async def _get(base: str, path: str, key: str | None = None) -> httpx.Response:
+    """One request on a connection of its own, so that any worker may accept it."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        return await client.get(path, headers=headers)
+
+
+def _models_served(exposition: str) -> float:
+    prefix = 'xmark_http_requests_total{method="GET",route="/v1/models",status="200"} '
+    return sum(float(line[len(prefix):]) for line in exposition.splitlines() if line.startswith(prefix))
+
+
+async def _count(engine: AsyncEngine, sql: str) -> int:
+    async with engine.connect() as connection:
+        return int(await connection.scalar(text(sql)) or 0)
+
+
+async def test_workers_share_the_port_the_database_and_the_metrics(database: str, tmp_path: Path) -> None:
+    admin_key = generate_api_key().plaintext
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("XMARK_", "PROMETHEUS_"))}
+    env.update(
+        {
+            "XMARK_DATABASE_URL": database,
+            "XMARK_VAR_DIR": str(tmp_path / "var"),
+            "XMARK_WATERMARK_SECRETS": ",".join(f"{k}:{v}" for k, v in TEST_WATERMARK_SECRETS.items()),
+            "XMARK_API_KEY_PEPPER": TEST_API_KEY_PEPPER,
+            "XMARK_MODEL_PATH": str(checkpoint_path()),
+            "XMARK_BOOTSTRAP_ADMIN_KEY": admin_key,
+            "XMARK_TRACE_WARM_ROW_TOKENS": "0",
+            "XMARK_LOG_LEVEL": "INFO",
+            "XMARK_WORKERS": str(WORKERS),
+            "TMPDIR": str(temp),  # where the server keeps the workers' metrics
+        }
+    )
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=out, stderr=out,
+        )
+    observer = create_async_engine(database, poolclass=NullPool)
+    try:
+        await _wait_for(log, "local model loaded", WORKERS, server)
+        started = {line["pid"] for line in _log_lines(log) if line["message"] == "gateway started"}
+        assert len(started) == WORKERS and server.pid not in started
+        assert len(list(temp.glob("xmark-metrics-*"))) == 1
+        # the start-up writes were made once, by the parent, before the workers started
+        assert await _count(observer, "SELECT count(*) FROM users WHERE role = 'admin'") == 1
+        assert await _count(observer, "SELECT count(*) FROM key_versions") == len(TEST_WATERMARK_SECRETS)
+        assert admin_key not in log.read_text()
+
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            created = await client.post(
+                "/admin/users", json={"name": "alice", "role": "user"}, headers={"Authorization": f"Bearer {admin_key}"}
+            )
+        assert created.status_code == 201, created.text
+        alice = created.json()["api_key"]
+
+        # alice, created through one worker, is served by every worker
+        served_models: set[int] = set()
+        models_requests = 0
+        while len(served_models) < WORKERS:
+            assert models_requests < 200, "the workers did not share the connections"
+            response = await _get(base, "/v1/models", alice)
+            models_requests += 1
+            assert response.status_code == 200, response.text
+            served_models.add(await _served_by(log, response.headers["x-request-id"]))
+        assert served_models == started
+
+        # /metrics is the sum over the workers, whichever worker answers it
+        answered: set[int] = set()
+        for _ in range(200):
+            response = await _get(base, "/metrics")
+            assert response.status_code == 200
+            assert _models_served(response.text) == models_requests
+            answered.add(await _served_by(log, response.headers["x-request-id"]))
+            if answered == started:
+                break
+        assert answered == started
+
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            completion = await client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+                headers={"Authorization": f"Bearer {alice}"},
+            )
+        assert completion.status_code == 200, completion.text
+        request_id = completion.json()["id"]
+        for _ in range(40):  # committed as the response ends
+            if await _count(observer, f"SELECT count(*) FROM generations WHERE request_id = '{request_id}'"):
+                break
+            await asyncio.sleep(0.05)
+        assert await _count(observer, f"SELECT count(*) FROM generations WHERE request_id = '{request_id}'") == 1
+    finally:
+        await observer.dispose()
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert code == 0, log.read_text()[-3000:]
+    assert not list(temp.glob("xmark-metrics-*"))  # the metrics folder went with the server
