@@ -218,8 +218,11 @@ class RowWriter:
             return self._connection
         await self._discard()
         _, options = engine.dialect.create_connect_args(engine.url)
-        for sqlalchemy_only in ("prepared_statement_cache_size", "prepared_statement_name_func", "async_creator_fn"):
+        for sqlalchemy_only in ("prepared_statement_name_func", "async_creator_fn"):
             options.pop(sqlalchemy_only, None)
+        if options.pop("prepared_statement_cache_size", None) == 0:
+            # the URL switches prepared-statement caching off (e.g. behind a transaction pooler)
+            options["statement_cache_size"] = 0
         self._connection = await asyncpg.connect(**options, timeout=self._timeout_s)
         self._engine = engine
         return self._connection

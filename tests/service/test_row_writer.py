@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -208,3 +209,22 @@ async def test_sqlite_writes_through_a_unit_of_work(tmp_path: Any, table: Table)
         await writer.close()
     finally:
         await engine.dispose()
+
+
+async def test_prepared_statements_are_kept_unless_the_url_switches_their_cache_off(
+    settings: Settings, writer: RowWriter, admin: AsyncEngine, table: Table
+) -> None:
+    prepared = "SELECT count(*) FROM pg_prepared_statements"
+    await writer.write([_row("cached")])
+    assert await writer._connection.fetchval(prepared) >= 1  # type: ignore[union-attr]
+    url = make_url(settings.database_url).update_query_dict({"prepared_statement_cache_size": "0"})
+    pooler_friendly = create_async_engine(url)
+    uncached = RowWriter(create_sessionmaker(pooler_friendly), table)
+    try:
+        await uncached.write([_row("uncached")])
+        await uncached.write([_row("uncached again")])
+        assert await uncached._connection.fetchval(prepared) == 0  # type: ignore[union-attr]
+    finally:
+        await uncached.close()
+        await pooler_friendly.dispose()
+    assert [label for label, _, _ in await _stored(admin, table)] == ["cached", "uncached", "uncached again"]
