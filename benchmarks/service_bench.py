@@ -22,7 +22,8 @@
    starts once the gateway has finished the previous ones, their work after the response
    included, so none of it lands inside a direct call.
 2. Gateway overhead per request, in production form: the same request against the gateway
-   started as in production (``xmark serve``, its own process), each one's overhead being its
+   started as in production (``xmark serve --workers N``, N = this machine's CPUs unless
+   ``--workers`` says otherwise; its own processes), each one's overhead being its
    aiohttp round trip minus the model time the gateway reports (``Server-Timing: model``), and
    ``in_app_ms`` the part spent inside the app before the response starts (``app`` minus
    ``model``). Two processes hand each request and response over through the kernel: on a VM
@@ -31,7 +32,8 @@
 3. /trace throughput: 10,000 users are registered through the user repository (message IDs
    from the production allocator), watermarked ~300-token texts are generated for a few of
    them, and concurrent /trace requests from this process run for a fixed time against the
-   gateway started as in production (``xmark serve``, its own process).
+   gateway started as in production (``xmark serve --workers N``). With N > 1 the same load then
+   runs against one worker (``one_worker``, ``speedup_vs_one_worker``), in the same run.
 
 Both gateways are measured once their start-up work is done (the model loaded, the trace null
 distributions prepared). Everything runs against a dedicated PostgreSQL database that is created
@@ -211,6 +213,27 @@ def _start_server(
 
 
 NULLS_READY = "trace null distributions ready"
+
+
+async def _start_and_wait(
+    settings: Settings, secret_env: str, pepper: str, log_path: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``xmark serve`` on a free port, once every worker has done its start-up work."""
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    prepared = _log_count(log_path, NULLS_READY)
+    process = _start_server(settings, secret_env, pepper, port, log_path)
+    await _wait_ready(base_url, process, log_path)
+    await _wait_for_log(log_path, NULLS_READY, prepared + settings.workers)
+    return process, base_url
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def _log_count(log_path: Path, message: str) -> int:
@@ -557,32 +580,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 texts = await _trace_texts(backend, handle.key, seeded.traced_users, args.trace_tokens)
                 tokenizer = backend.tokenizer
                 text_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-            port = _free_port()
-            base_url = f"http://127.0.0.1:{port}"
-            prepared = _log_count(log_path, NULLS_READY)
-            process = _start_server(settings, secret_env, pepper, port, log_path)
-            await _wait_ready(base_url, process, log_path)
-            # the start-up work of every worker is done
-            await _wait_for_log(log_path, NULLS_READY, prepared + settings.workers)
+            owners = [user_id for user_id, _ in seeded.traced_users]
+            process, base_url = await _start_and_wait(settings, secret_env, pepper, log_path)
             per_request = await _overhead_per_request(
                 base_url, seeded.chat_key, settings.model_name, args.requests, args.max_tokens
             )
-            trace = await _trace_load(
-                base_url,
-                seeded.auditor_key,
-                texts,
-                [user_id for user_id, _ in seeded.traced_users],
-                args.concurrency,
-                args.seconds,
-            )
-            trace.update({"registered_users": args.users + 2, "text_tokens": text_tokens})
+            trace = await _trace_load(base_url, seeded.auditor_key, texts, owners, args.concurrency, args.seconds)
+            trace.update({"registered_users": args.users + 2, "text_tokens": text_tokens, "workers": settings.workers})
+            if settings.workers > 1:  # the same load on one worker: what the extra processes bring
+                _stop(process)
+                single = settings.model_copy(update={"workers": 1})
+                process, base_url = await _start_and_wait(single, secret_env, pepper, log_path)
+                one = await _trace_load(base_url, seeded.auditor_key, texts, owners, args.concurrency, args.seconds)
+                trace["one_worker"] = {
+                    key: one[key] for key in ("requests", "throughput_rps", "latency_ms", "outcomes", "meets_target")
+                }
+                trace["speedup_vs_one_worker"] = round(trace["throughput_rps"] / one["throughput_rps"], 2)
         finally:
             if process is not None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                _stop(process)
             if not args.keep_database:
                 await _drop_database(settings.database_url)
             log_lines = len(log_path.read_text(errors="replace").splitlines()) if log_path.exists() else 0
