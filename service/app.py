@@ -173,8 +173,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContextMiddleware)
-    app.include_router(health.router)
-    app.include_router(admin.router)
+    # routes are matched in this order: the busiest first
     app.include_router(chat.router)
     app.include_router(trace.router)
+    app.include_router(health.router)
+    app.include_router(admin.router)
     return app

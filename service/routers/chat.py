@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from service.deps import BackendDep, KeyringDep, MetricsDep, PrincipalDep, SettingsDep
+from service.deps import PrincipalDep
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionRequest, ModelList
 from service.schemas.common import ERROR_RESPONSES
@@ -18,11 +18,11 @@ router = APIRouter(
 )
 
 
-async def _generation(
-    request: Request, settings: SettingsDep, backend: BackendDep, keyring: KeyringDep, metrics: MetricsDep
-) -> GenerationService:
-    # No request-wide unit of work: the generation record commits in a short one of its own.
-    return GenerationService(request.app.state.generation_records, settings, backend, keyring, metrics)
+async def _generation(request: Request) -> GenerationService:
+    # No request-wide unit of work: the generation record commits on its own. One dependency
+    # reading the app's state (rather than one per resource) keeps FastAPI's per-request work small.
+    state = request.app.state
+    return GenerationService(state.generation_records, state.settings, state.backend, state.keyring, state.metrics)
 
 
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
