@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     # A non-streamed completion is sent as soon as it exists and its generations rows are written
     # as the response ends (as a stream's are). True: sent only once its rows have committed.
     record_before_response: bool = False
+    # The rows of a non-streamed completion already sent wait this long before they are written,
+    # so that they do not compete with the client and the next request, and completions finishing
+    # close together share one commit (0 writes at once); see docs/service.md.
+    record_linger_ms: float = 20.0
 
     max_prompt_chars: int = 32_000
     max_completion_tokens: int = 1024
@@ -116,6 +120,13 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, value: float) -> float:
         if not value > 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("record_linger_ms")
+    @classmethod
+    def _linger_range(cls, value: float) -> float:
+        if not 0 <= value <= 1000:
+            raise ValueError("must be between 0 and 1000 milliseconds")
         return value
 
     @field_validator("auth_cache_ttl_s")

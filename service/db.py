@@ -139,8 +139,9 @@ class RowWriter:
     On PostgreSQL through asyncpg (the sessionmaker bound to the engine) the rows go over one
     connection the writer holds for itself, as a prepared INSERT in autocommit: one round trip,
     no pool checkout and no per-statement SQL compilation. Writes that arrive while one is in
-    flight are committed together by the next in one statement (group commit: all or none), so a
-    busy gateway needs one round trip per batch rather than per request. A connection that fails or times out
+    flight, or while a writer lingers (``linger_s``), are committed together by the next in one
+    statement (group commit: all or none), so a busy gateway needs one round trip per batch
+    rather than per request. A connection that fails or times out
     is dropped and the next write opens another; the caller decides whether to retry.
 
     Anywhere else (SQLite, another driver, or a sessionmaker bound to a connection whose outer
@@ -169,8 +170,12 @@ class RowWriter:
         bind = self._sessionmaker.kw.get("bind")
         return isinstance(bind, AsyncEngine) and bind.dialect.driver == "asyncpg"
 
-    async def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Insert ``rows`` (each with the same keys) and commit them before returning."""
+    async def write(self, rows: Sequence[Mapping[str, Any]], *, linger_s: float = 0.0) -> None:
+        """Insert ``rows`` (each with the same keys) and commit them before returning.
+
+        ``linger_s``: the caller can wait that long before its rows are sent, so that rows arriving
+        meanwhile share their statement (a write without linger takes them along at once).
+        """
         if not rows:
             return
         bind = self._sessionmaker.kw.get("bind")
@@ -180,6 +185,8 @@ class RowWriter:
         assert isinstance(bind, AsyncEngine)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((rows, done))
+        if linger_s > 0:
+            await asyncio.sleep(linger_s)
         async with self._lock:
             if not done.done():  # no earlier batch took these rows: write every pending one
                 batch, self._pending = self._pending, []

@@ -11,7 +11,8 @@ PostgreSQL a prepared statement over a connection kept for these writes), issued
 text exists: no transaction stays open while the model generates. They are written
 as the response ends, however it ends (sent, client gone, request cancelled): a non-streamed
 completion is sent as soon as it exists, a stream as it is generated. A write that fails is
-retried, then counted and logged. With ``record_before_response`` a non-streamed completion is
+retried, then counted and logged; a non-streamed completion's rows first linger
+``record_linger_ms`` (group commit). With ``record_before_response`` a non-streamed completion is
 sent only once its rows have committed (one database round trip more before the text).
 """
 
@@ -206,7 +207,13 @@ class GenerationService:
     # -- recording ---------------------------------------------------------------------------
 
     async def _record(
-        self, prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult], *, streamed: bool
+        self,
+        prepared: PreparedCompletion,
+        prompt_tokens: int,
+        choices: list[ChoiceResult],
+        *,
+        streamed: bool,
+        linger_s: float = 0.0,
     ) -> None:
         """Write one generations row per choice (one INSERT, committed before this returns)."""
         retain = self._settings.retain_completions
@@ -227,7 +234,7 @@ class GenerationService:
             }
             for choice in choices
         ]
-        await self._records.write(rows)
+        await self._records.write(rows, linger_s=linger_s)
         for row in rows:
             self._metrics.generations.labels(finish_reason=row["finish_reason"]).inc()
         self._metrics.tokens_generated.labels(kind="prompt").inc(prompt_tokens)
@@ -238,9 +245,20 @@ class GenerationService:
     # -- non-streamed ------------------------------------------------------------------------
 
     async def _record_after_response(
-        self, prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult], *, streamed: bool
+        self,
+        prepared: PreparedCompletion,
+        prompt_tokens: int,
+        choices: list[ChoiceResult],
+        *,
+        streamed: bool,
+        linger_s: float = 0.0,
     ) -> None:
         """Write the rows of a completion whose response has gone out; never raises.
+
+        ``linger_s`` (non-streamed completions: ``record_linger_ms``) delays the first attempt so
+        that the write does not compete with the client and the next request, and rows of
+        completions finishing meanwhile share its commit. A stream's rows are written at once:
+        its response ends only after them.
 
         A failed write is retried after each of ``RECORD_RETRY_PAUSES_S``. If it still fails the
         failure is counted (``xmark_generation_record_failures_total``) and logged at ERROR with
@@ -251,10 +269,11 @@ class GenerationService:
         for pause in (*RECORD_RETRY_PAUSES_S, None):
             attempts += 1
             try:
-                await self._record(prepared, prompt_tokens, choices, streamed=streamed)
+                await self._record(prepared, prompt_tokens, choices, streamed=streamed, linger_s=linger_s)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure: retry, then report
                 error_type = type(exc).__name__
+            linger_s = 0.0  # retries go at once after their pause
             if pause is not None:
                 await asyncio.sleep(pause)
         self._metrics.generation_record_failures.inc()
@@ -285,7 +304,12 @@ class GenerationService:
             await self._record(prepared, result.prompt_tokens, result.choices, streamed=False)
             return CompletionResponse(completion, headers=headers)
         after = functools.partial(
-            self._record_after_response, prepared, result.prompt_tokens, result.choices, streamed=False
+            self._record_after_response,
+            prepared,
+            result.prompt_tokens,
+            result.choices,
+            streamed=False,
+            linger_s=self._settings.record_linger_ms / 1000,
         )
         return CompletionResponse(completion, headers=headers, after=after)
 

@@ -155,6 +155,7 @@ def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) ->
     defaults = _settings(database_url="sqlite+aiosqlite:///x.db")
     assert (defaults.auth_cache_ttl_s, defaults.auth_cache_size) == (5.0, 10_000)
     assert (defaults.model_threads, defaults.max_batch_size, defaults.workers) == (None, 8, 1)
+    assert defaults.record_linger_ms == 20.0
     monkeypatch.setenv("XMARK_WORKERS", "2")
     monkeypatch.setenv("XMARK_AUTH_CACHE_TTL_S", "0")
     monkeypatch.setenv("XMARK_AUTH_CACHE_SIZE", "50")
@@ -164,7 +165,8 @@ def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) ->
     assert (configured.auth_cache_ttl_s, configured.auth_cache_size) == (0.0, 50)
     assert (configured.model_threads, configured.max_batch_size, configured.workers) == (3, 4, 2)
     for bad in (
-        {"auth_cache_ttl_s": -1}, {"auth_cache_size": 0}, {"model_threads": 0}, {"max_batch_size": 0}, {"workers": 0}
+        {"auth_cache_ttl_s": -1}, {"auth_cache_size": 0}, {"model_threads": 0}, {"max_batch_size": 0}, {"workers": 0},
+        {"record_linger_ms": -1}, {"record_linger_ms": 1001},
     ):
         with pytest.raises(ValidationError):
             _settings(database_url="sqlite+aiosqlite:///x.db", **bad)

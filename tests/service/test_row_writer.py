@@ -5,6 +5,7 @@ unit of work. Each test writes into a table of its own, dropped at the end."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -115,6 +116,26 @@ async def test_writes_that_arrive_during_one_in_flight_share_the_next_round_trip
     assert sum(executemany_calls) == 20
     assert executemany_calls[0] == 1 and len(executemany_calls) < 20  # the first went alone, the rest together
     assert len(await _stored(admin, table)) == 21
+
+
+async def test_a_lingering_write_waits_and_rows_arriving_meanwhile_share_its_statement(
+    writer: RowWriter, admin: AsyncEngine, table: Table, executemany_calls: list[int]
+) -> None:
+    await writer.write([_row("warm")])
+    executemany_calls.clear()
+    started = time.perf_counter()
+    await writer.write([_row("alone")], linger_s=0.1)
+    assert time.perf_counter() - started >= 0.1 and executemany_calls == [1]
+    executemany_calls.clear()
+    first = asyncio.create_task(writer.write([_row("lingering 1")], linger_s=0.3))
+    second = asyncio.create_task(writer.write([_row("lingering 2")], linger_s=0.3))
+    await asyncio.sleep(0.05)
+    assert executemany_calls == []  # still lingering
+    await writer.write([_row("at once")])  # takes the lingering rows along
+    assert executemany_calls == [3]
+    assert [label for label, _, _ in await _stored(admin, table)][-3:] == ["lingering 1", "lingering 2", "at once"]
+    await asyncio.gather(first, second)
+    assert executemany_calls == [3]  # nothing left for them to send
 
 
 async def test_a_refused_row_fails_its_write_and_the_connection_stays(
