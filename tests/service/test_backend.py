@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from xmark_core import Message, decode
 
 from service.backends import build_backend
@@ -70,7 +71,10 @@ async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(
     params = app.state.keyring.params
     messages = ["0110100111000101", "1001011000111010", "1111000010100110"]
     prompt = (ChatTurn("user", "Write a detailed story about a fox who learns to read."),)
-    request = GenerationRequest(prompt, max_tokens=120, temperature=0.8)
+    # 200 tokens per row: at 120 the 16 bits of a row were sometimes decoded with 5 errors by
+    # chance. Batched rows sample from the global generator: seeded here so a run can be repeated.
+    request = GenerationRequest(prompt, max_tokens=200, temperature=0.8)
+    torch.manual_seed(20261123)
     blocker = asyncio.create_task(
         backend.generate(GenerationRequest(prompt, max_tokens=2, temperature=0.8), _stamp(app, messages[0]))
     )
