@@ -119,15 +119,26 @@ def bench_generate(key: WatermarkKey, device: torch.device, batch: int, new_toke
     from xmark_core.hf import XMarkLogitsProcessor
 
     config = LlamaConfig(  # SmolLM2-135M's shape
-        vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+        vocab_size=49_152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
     prompt = torch.randint(0, config.vocab_size, (batch, 32), device=device)
     generation = GenerationConfig(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, top_k=0, top_p=1.0,
-        pad_token_id=0, eos_token_id=None,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+        eos_token_id=None,
     )
     messages = [Message.from_bits(format(i * 2_654_435_761 % (1 << 16), "016b"), PARAMS) for i in range(batch)]
 
@@ -137,7 +148,9 @@ def bench_generate(key: WatermarkKey, device: torch.device, batch: int, new_toke
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=generation,
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                generation_config=generation,
                 logits_processor=processors,
             )
         torch.cuda.synchronize()

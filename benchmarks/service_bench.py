@@ -80,9 +80,9 @@ from service.app import create_app
 from service.backends import Backend
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.config import Settings, load_secrets
-from service.logging import configure_logging
 from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
 from service.keyring import params_from_settings
+from service.logging import configure_logging
 from service.models import User
 from service.repositories.users import UserRepository
 from service.security import ApiKeyHasher
@@ -121,8 +121,10 @@ def _median_ci95(samples: list[float], resamples: int = 5000) -> list[float]:
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
+
     def pick(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
     return {
         "p50": round(statistics.median(ordered), 3),
         "p99": round(pick(0.99), 3),
@@ -354,7 +356,6 @@ async def _overhead(
         aiohttp.ClientSession(base_url=base_url, headers=headers) as lean,
         httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as sdk_client,
     ):
-
         model_in_gateway: list[float] = []  # the model's share of each aiohttp call (Server-Timing)
 
         async def via_aiohttp() -> dict[str, Any]:
@@ -422,7 +423,9 @@ async def _overhead(
     }
 
 
-async def _overhead_per_request(base_url: str, api_key: str, model: str, requests: int, max_tokens: int) -> dict[str, Any]:
+async def _overhead_per_request(
+    base_url: str, api_key: str, model: str, requests: int, max_tokens: int
+) -> dict[str, Any]:
     """Round trip minus the model time the gateway reports for the same request (Server-Timing),
     and the part of it spent inside the app before the response starts (``app`` minus ``model``)."""
     messages = [{"role": "system", "content": OVERHEAD_SYSTEM}, {"role": "user", "content": OVERHEAD_PROMPT}]
@@ -566,7 +569,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with _gateway_in_process(settings, port, log_path) as app:
                 backend = app.state.backend
                 handle = app.state.keyring.active()
-                stamp = WatermarkStamp(handle.key, Message.from_bits(seeded.chat_message_id, handle.key.params), handle.name)
+                stamp = WatermarkStamp(
+                    handle.key, Message.from_bits(seeded.chat_message_id, handle.key.params), handle.name
+                )
                 overhead = await _overhead(
                     f"http://127.0.0.1:{port}",
                     backend,

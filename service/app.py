@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from xmark_core import WatermarkParams
 
 from service.backends import build_backend
 from service.config import ConfigurationError, Settings, load_secrets
@@ -20,8 +19,8 @@ from service.errors import install_error_handlers
 from service.keyring import Keyring, params_from_settings
 from service.logging import configure_logging
 from service.metrics import Metrics
-from service.models import Generation, Trace
 from service.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from service.models import Generation, Trace
 from service.routers import admin, chat, health, trace
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.auth import Authenticator
@@ -29,6 +28,7 @@ from service.services.auth_cache import AuthCache
 from service.services.bootstrap import ensure_first_admin
 from service.services.registry_cache import RegistryCache
 from service.services.tracing import prepare_null_distributions
+from xmark_core import WatermarkParams
 
 logger = logging.getLogger("xmark.app")
 

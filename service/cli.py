@@ -93,9 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     asyncio.run(prepare_database(settings))
     with contextlib.ExitStack() as stack:
         if not os.environ.get(MULTIPROCESS_DIR_ENV):
-            os.environ[MULTIPROCESS_DIR_ENV] = stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="xmark-metrics-")
-            )
+            os.environ[MULTIPROCESS_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="xmark-metrics-"))
         uvicorn.run("service.app:create_worker_app", factory=True, workers=workers, **server_options)
     return 0
 
@@ -206,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default XMARK_HOST)")
     serve.add_argument("--port", type=int, default=None, help="port (default XMARK_PORT)")
     serve.add_argument(
-        "--workers", type=_positive_int, default=None, help="gateway processes sharing the port (default XMARK_WORKERS, 1)"
+        "--workers",
+        type=_positive_int,
+        default=None,
+        help="gateway processes sharing the port (default XMARK_WORKERS, 1)",
     )
     serve.set_defaults(func=cmd_serve)
 
@@ -220,9 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     admin = sub.add_parser("create-admin", help="create an admin user and print its API key once")
     admin.add_argument("--name", default=DEFAULT_ADMIN_NAME)
-    admin.add_argument(
-        "--if-none", action="store_true", help="only when no active admin exists (idempotent)"
-    )
+    admin.add_argument("--if-none", action="store_true", help="only when no active admin exists (idempotent)")
     admin.add_argument("--json", action="store_true", help="print JSON")
     admin.set_defaults(func=cmd_create_admin)
 

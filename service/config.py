@@ -16,14 +16,13 @@ from typing import Annotated, Literal
 
 from pydantic import SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from service.security import ApiKeyFormatError, parse_api_key
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
-    MIN_SECRET_BYTES,
     placeholder_reason,
 )
 from xmark_core.secrets import parse_secret_entries as _parse_secret_entries
-
-from service.security import ApiKeyFormatError, parse_api_key
 
 WATERMARK_SECRETS_FILE = "watermark_secrets"
 API_KEY_PEPPER_FILE = "api_key_pepper"
@@ -188,9 +187,7 @@ class Settings(BaseSettings):
             raise ValueError("set either XMARK_WATERMARK_SECRETS or XMARK_SECRETS_FILE, not both")
         if self.watermark_secrets is not None:
             try:
-                parse_secret_entries(
-                    self.watermark_secrets.get_secret_value(), source="XMARK_WATERMARK_SECRETS"
-                )
+                parse_secret_entries(self.watermark_secrets.get_secret_value(), source="XMARK_WATERMARK_SECRETS")
             except ConfigurationError as exc:
                 raise ValueError(str(exc)) from None
         if self.api_key_pepper is not None:
@@ -204,9 +201,7 @@ class Settings(BaseSettings):
                     "set XMARK_WATERMARK_SECRETS or XMARK_SECRETS_FILE"
                 )
             if self.api_key_pepper is None:
-                raise ValueError(
-                    "XMARK_API_KEY_PEPPER is required outside the embedded SQLite default"
-                )
+                raise ValueError("XMARK_API_KEY_PEPPER is required outside the embedded SQLite default")
         if self.watermark_block_bits <= 0 or self.watermark_bits % self.watermark_block_bits:
             raise ValueError("watermark_bits must be a positive multiple of watermark_block_bits")
         return self

@@ -55,9 +55,7 @@ def create_engine(settings: Settings) -> AsyncEngine:
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     if url.get_driver_name() != "asyncpg":  # the generic check: a round trip on every checkout
-        return create_async_engine(
-            url, pool_size=settings.database_pool_size, max_overflow=10, pool_pre_ping=True
-        )
+        return create_async_engine(url, pool_size=settings.database_pool_size, max_overflow=10, pool_pre_ping=True)
     engine = create_async_engine(url, pool_size=settings.database_pool_size, max_overflow=10)
     install_liveness_check(engine)
     return engine
@@ -207,16 +205,12 @@ class RowWriter:
         processing (compiled once per set of keys)."""
         statement = self._statements.get(keys)
         if statement is None:
-            compiled = insert(self._table).compile(
-                dialect=engine.dialect, column_keys=list(keys), for_executemany=True
-            )
+            compiled = insert(self._table).compile(dialect=engine.dialect, column_keys=list(keys), for_executemany=True)
             order = list(compiled.positiontup or ())
             missing = sorted(set(order) - set(keys))
             if missing:
                 raise ValueError(f"rows for {self._table.name} lack the columns {missing}")
-            processors = [
-                (name, self._table.c[name].type.bind_processor(engine.dialect)) for name in order
-            ]
+            processors = [(name, self._table.c[name].type.bind_processor(engine.dialect)) for name in order]
             statement = self._statements[keys] = (str(compiled), processors)
         return statement
 
@@ -268,7 +262,7 @@ class RowWriter:
         if connection is not None and not connection.is_closed():
             try:
                 await connection.close(timeout=self._timeout_s)
-            except Exception:  # noqa: BLE001 - closing a broken connection
+            except Exception:
                 connection.terminate()
 
 

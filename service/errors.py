@@ -104,9 +104,7 @@ def scrub(text: str) -> str:
     return KEY_PATTERN.sub("[redacted]", _BEARER.sub("Bearer [redacted]", text))
 
 
-def envelope(
-    message: str, *, type_: str, code: str | None, param: str | None = None
-) -> dict[str, Any]:
+def envelope(message: str, *, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {
             "message": scrub(message),
@@ -180,9 +178,7 @@ def redact_known_secrets(request: Request, body: dict[str, Any]) -> dict[str, An
 async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
     body = envelope(exc.message, type_=exc.type, code=exc.code, param=exc.param)
-    return JSONResponse(
-        redact_known_secrets(request, body), status_code=exc.status_code, headers=exc.headers
-    )
+    return JSONResponse(redact_known_secrets(request, body), status_code=exc.status_code, headers=exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

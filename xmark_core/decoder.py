@@ -202,9 +202,7 @@ def _first_occurrences(
     return order, first
 
 
-def _align(
-    texts: list[np.ndarray], blocks: np.ndarray, shards: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _align(texts: list[np.ndarray], blocks: np.ndarray, shards: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     out_b, out_s, start = [], [], 0
     for text in texts:
         n = text.size

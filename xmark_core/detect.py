@@ -56,16 +56,14 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
     present = [int(n) for n in result.row_counts if n > 0]
     if not present:
         return Detection(False, 1.0, 0.0, "min_shard_deficit", sigma, 1.0 if sigma_test else None, alpha)
-    rows: list[RowNull] = [
-        row_null(n, params.num_shards, params.num_keys, result.constrained, upper) for n in present
-    ]
+    rows: list[RowNull] = [row_null(n, params.num_shards, params.num_keys, result.constrained, upper) for n in present]
     occupied = result.row_counts > 0
     decisive = matrix.max(axis=1) if upper else matrix.min(axis=1)
     observed = int(decisive[occupied].sum())
     offset, pmf = sum_pmf(rows)
     j = observed - offset
     if upper:
-        tail = float(pmf[max(j, 0):].sum()) if j < pmf.size else 0.0
+        tail = float(pmf[max(j, 0) :].sum()) if j < pmf.size else 0.0
     else:
         tail = float(pmf[: j + 1].sum()) if j >= 0 else 0.0
     p_value = min(1.0, max(tail, P_VALUE_FLOOR))

@@ -24,7 +24,7 @@ _LABEL = b"xmark/v1"
 class WatermarkKey:
     """The derived hash keys of one key version. The secret itself is not kept."""
 
-    __slots__ = ("_params", "_words", "_fingerprint")
+    __slots__ = ("_fingerprint", "_params", "_words")
 
     def __init__(self, params: WatermarkParams, words: np.ndarray, fingerprint: str) -> None:
         if words.shape != (params.num_keys, WORDS_PER_KEY) or words.dtype != np.int64:
@@ -36,7 +36,7 @@ class WatermarkKey:
         self._fingerprint = fingerprint
 
     @classmethod
-    def from_secret(cls, secret: str | bytes, params: WatermarkParams) -> "WatermarkKey":
+    def from_secret(cls, secret: str | bytes, params: WatermarkParams) -> WatermarkKey:
         if isinstance(secret, str):
             secret_bytes = secret.encode("utf-8")
         elif isinstance(secret, (bytes, bytearray)):

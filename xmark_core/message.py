@@ -29,14 +29,12 @@ class Message:
         if not isinstance(self.bits, str):
             raise TypeError(f"message bits must be a str of '0'/'1' (got {type(self.bits).__name__})")
         if len(self.bits) != self.params.bits:
-            raise ValueError(
-                f"message must have exactly {self.params.bits} bits (got {len(self.bits)})"
-            )
+            raise ValueError(f"message must have exactly {self.params.bits} bits (got {len(self.bits)})")
         if self.bits.strip("01"):
             raise ValueError("message must contain only the characters '0' and '1'")
 
     @classmethod
-    def from_bits(cls, bits: str | Sequence[int], params: WatermarkParams) -> "Message":
+    def from_bits(cls, bits: str | Sequence[int], params: WatermarkParams) -> Message:
         if not isinstance(bits, str):
             values = list(bits)
             if any(v not in (0, 1) or isinstance(v, bool) for v in values):
@@ -45,7 +43,7 @@ class Message:
         return cls(bits, params)
 
     @classmethod
-    def from_int(cls, value: int, params: WatermarkParams) -> "Message":
+    def from_int(cls, value: int, params: WatermarkParams) -> Message:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError("message value must be an int")
         if not 0 <= value < (1 << params.bits):
@@ -53,7 +51,7 @@ class Message:
         return cls(format(value, f"0{params.bits}b"), params)
 
     @classmethod
-    def from_blocks(cls, blocks: Sequence[int] | np.ndarray, params: WatermarkParams) -> "Message":
+    def from_blocks(cls, blocks: Sequence[int] | np.ndarray, params: WatermarkParams) -> Message:
         values = np.asarray(blocks)
         if values.dtype == bool or not np.issubdtype(values.dtype, np.integer):
             raise TypeError(f"block values must be integers (got dtype {values.dtype})")
@@ -191,7 +189,9 @@ class MessageAllocator:
         chunk = max(1, 4_000_000 // max(1, self._packed.size))
         for start in range(0, len(pool), chunk):
             block = pool_packed[start : start + chunk]
-            dist = np.bitwise_count(block[:, None, :] ^ self._packed[None, :, :]).sum(axis=2, dtype=np.int64).min(axis=1)
+            dist = (
+                np.bitwise_count(block[:, None, :] ^ self._packed[None, :, :]).sum(axis=2, dtype=np.int64).min(axis=1)
+            )
             j = int(dist.argmax())
             if dist[j] > best_dist:
                 best, best_dist = pool[start + j], int(dist[j])

@@ -32,10 +32,7 @@ class WatermarkParams:
         _check_int("block_bits", self.block_bits, 1, 4)
         _check_int("bits", self.bits, self.block_bits, MAX_BITS)
         if self.bits % self.block_bits:
-            raise ValueError(
-                f"bits must be a positive multiple of block_bits={self.block_bits} "
-                f"(got bits={self.bits})"
-            )
+            raise ValueError(f"bits must be a positive multiple of block_bits={self.block_bits} (got bits={self.bits})")
         _check_int("num_keys", self.num_keys, 1, 8)
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
             raise TypeError(f"delta must be a number > 0 (got {type(self.delta).__name__})")
@@ -61,7 +58,7 @@ class WatermarkParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "WatermarkParams":
+    def from_dict(cls, data: dict[str, Any]) -> WatermarkParams:
         return cls(
             bits=int(data["bits"]),
             block_bits=int(data["block_bits"]),

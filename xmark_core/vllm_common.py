@@ -151,9 +151,7 @@ def worker_keyring() -> WorkerKeyring:
     return WorkerKeyring.from_variables(os.environ)  # the worker's one read of its environment
 
 
-def build_watermarkers(
-    keyring: WorkerKeyring, vllm_config: Any, device: Any, *, fused: bool
-) -> list[TorchWatermarker]:
+def build_watermarkers(keyring: WorkerKeyring, vllm_config: Any, device: Any, *, fused: bool) -> list[TorchWatermarker]:
     """One ``TorchWatermarker`` per key version of ``keyring``, in its order.
 
     With ``fused`` each runs the fused (torch.compile) op, compiled here for the model's

@@ -139,7 +139,9 @@ class Analysis:
                 return spec
         return None
 
-    def _decode(self, texts: Texts, params: WatermarkParams, constrained: bool, key: WatermarkKey | None = None) -> DecodeResult:
+    def _decode(
+        self, texts: Texts, params: WatermarkParams, constrained: bool, key: WatermarkKey | None = None
+    ) -> DecodeResult:
         return decode(texts, key or self.key(params), constrained=constrained)
 
     def negatives(self, params: WatermarkParams, constrained: bool, length: int) -> list[tuple[float, float]]:
@@ -180,10 +182,23 @@ class Analysis:
             for t in self.config.t_grid:
                 length = t // 2
                 ppl = [p for u in users for p in self.corpus.ppl(spec, u, length)]
-                ba = [bit_accuracy(self._decode(self.corpus.ids(spec, u, length), main, True).bits, truth[u].bits) for u in users]
+                ba = [
+                    bit_accuracy(self._decode(self.corpus.ids(spec, u, length), main, True).bits, truth[u].bits)
+                    for u in users
+                ]
                 ppl_base[(spec.temperature, t)] = mean(ppl)
                 cells.append(
-                    _cell(spec, "Unwatermarked", True, t, len(users), ba=mean(ba), ba_se=stderr(ba), ppl=mean(ppl), ppl_se=stderr(ppl))
+                    _cell(
+                        spec,
+                        "Unwatermarked",
+                        True,
+                        t,
+                        len(users),
+                        ba=mean(ba),
+                        ba_se=stderr(ba),
+                        ppl=mean(ppl),
+                        ppl_se=stderr(ppl),
+                    )
                 )
         for spec in self.specs:
             users = self.corpus.complete_users(spec)
@@ -198,7 +213,11 @@ class Analysis:
                     for u in users:
                         bits = self._decode(self.corpus.ids(spec, u, length), params, variant.constrained).bits
                         retok = self.corpus.retok(spec, u, length)
-                        bits_rt = self._decode(retok, params, variant.constrained).bits if _decodable(retok) else "?" * spec.bits
+                        bits_rt = (
+                            self._decode(retok, params, variant.constrained).bits
+                            if _decodable(retok)
+                            else "?" * spec.bits
+                        )
                         ba.append(bit_accuracy(bits, truth[u].bits))
                         ba_rt.append(bit_accuracy(bits_rt, truth[u].bits))
                         ex.append(float(bits == truth[u].bits))
@@ -207,9 +226,18 @@ class Analysis:
                     base = ppl_base.get((spec.temperature, t))
                     cells.append(
                         _cell(
-                            spec, variant.label, variant.constrained, t, len(users),
-                            ba=mean(ba), ba_se=stderr(ba), ba_retok=mean(ba_rt), exact=mean(ex), exact_retok=mean(ex_rt),
-                            ppl=mean(ppl), ppl_se=stderr(ppl),
+                            spec,
+                            variant.label,
+                            variant.constrained,
+                            t,
+                            len(users),
+                            ba=mean(ba),
+                            ba_se=stderr(ba),
+                            ba_retok=mean(ba_rt),
+                            exact=mean(ex),
+                            exact_retok=mean(ex_rt),
+                            ppl=mean(ppl),
+                            ppl_se=stderr(ppl),
                             ppl_increase=(mean(ppl) - base) if base is not None and ppl else None,
                         )
                     )
@@ -221,7 +249,12 @@ class Analysis:
         rows: list[dict[str, Any]] = []
         curves: list[dict[str, Any]] = []
         for spec in self.specs:
-            if not (spec.watermarked and spec.bits in cfg.fpr_bits and spec.delta == cfg.main_delta and spec.temperature == cfg.main_temperature):
+            if not (
+                spec.watermarked
+                and spec.bits in cfg.fpr_bits
+                and spec.delta == cfg.main_delta
+                and spec.temperature == cfg.main_temperature
+            ):
                 continue
             if spec.scheme == "xmark" and spec.num_keys != 2:
                 continue
@@ -237,7 +270,9 @@ class Analysis:
                         continue
                     pos = []
                     for u in users:
-                        found = detect(self._decode(self.corpus.ids(spec, u, length), params, variant.constrained), alpha=cfg.alpha)
+                        found = detect(
+                            self._decode(self.corpus.ids(spec, u, length), params, variant.constrained), alpha=cfg.alpha
+                        )
                         pos.append((detection_score(found.p_value), found.sigma))
                     ps, pz = [p[0] for p in pos], [p[1] for p in pos]
                     ns, nz = [n[0] for n in negatives], [n[1] for n in negatives]
@@ -267,7 +302,12 @@ class Analysis:
         rows: list[dict[str, Any]] = []
         for bits in cfg.attribution_bits:
             for spec in self.specs:
-                if not (spec.watermarked and spec.bits == bits and spec.delta == cfg.main_delta and spec.temperature == cfg.main_temperature):
+                if not (
+                    spec.watermarked
+                    and spec.bits == bits
+                    and spec.delta == cfg.main_delta
+                    and spec.temperature == cfg.main_temperature
+                ):
                     continue
                 users = self.corpus.complete_users(spec)
                 if not users:
@@ -279,13 +319,19 @@ class Analysis:
                         length = t // 2
                         first, named, wrong, first_rt, named_rt = [], [], [], [], []
                         for u in users:
-                            found = attribute(self._decode(self.corpus.ids(spec, u, length), params, variant.constrained), candidates, alpha=cfg.alpha)
+                            found = attribute(
+                                self._decode(self.corpus.ids(spec, u, length), params, variant.constrained),
+                                candidates,
+                                alpha=cfg.alpha,
+                            )
                             first.append(float(bool(found.candidates) and found.candidates[0].id == u))
                             named.append(float(found.best is not None and found.best.id == u))
                             wrong.append(float(found.best is not None and found.best.id != u))
                             retok = self.corpus.retok(spec, u, length)
                             if _decodable(retok):
-                                found = attribute(self._decode(retok, params, variant.constrained), candidates, alpha=cfg.alpha)
+                                found = attribute(
+                                    self._decode(retok, params, variant.constrained), candidates, alpha=cfg.alpha
+                                )
                                 first_rt.append(float(bool(found.candidates) and found.candidates[0].id == u))
                                 named_rt.append(float(found.best is not None and found.best.id == u))
                             else:
@@ -295,14 +341,20 @@ class Analysis:
                         row = _cell(spec, variant.label, variant.constrained, t, len(users))
                         row.update(
                             registry_size=len(candidates),
-                            top1=mean(first), named=mean(named), named_wrong=mean(wrong),
-                            top1_retok=mean(first_rt), named_retok=mean(named_rt),
-                            false_attribution=false_named[0], n_null=false_named[1],
+                            top1=mean(first),
+                            named=mean(named),
+                            named_wrong=mean(wrong),
+                            top1_retok=mean(first_rt),
+                            named_retok=mean(named_rt),
+                            false_attribution=false_named[0],
+                            n_null=false_named[1],
                         )
                         rows.append(row)
         return rows
 
-    def _false_attribution(self, params: WatermarkParams, constrained: bool, length: int, candidates: CandidateSet) -> tuple[float | None, int]:
+    def _false_attribution(
+        self, params: WatermarkParams, constrained: bool, length: int, candidates: CandidateSet
+    ) -> tuple[float | None, int]:
         base = self.unwatermarked(self.config.main_temperature)
         if base is None:
             return None, 0
@@ -320,8 +372,13 @@ class Analysis:
         base = self.unwatermarked(cfg.main_temperature)
         rows: list[dict[str, Any]] = []
         for spec in self.specs:
-            if not (spec.watermarked and spec.scheme in cfg.robustness_methods and spec.bits == cfg.main_bits
-                    and spec.delta == cfg.main_delta and spec.temperature == cfg.main_temperature):
+            if not (
+                spec.watermarked
+                and spec.scheme in cfg.robustness_methods
+                and spec.bits == cfg.main_bits
+                and spec.delta == cfg.main_delta
+                and spec.temperature == cfg.main_temperature
+            ):
                 continue
             if spec.scheme == "xmark" and spec.num_keys != 2:
                 continue
@@ -345,7 +402,14 @@ class Analysis:
                     for attack, level, attacked_users, edit in edits:
                         ba, det = [], []
                         for u in attacked_users:
-                            texts = [edit(u, slot, random.Random(f"xmark-eval/{cfg.seed}/{attack}/{level}/{spec.name}/{u}/{slot}")) for slot in (0, 1)]
+                            texts = [
+                                edit(
+                                    u,
+                                    slot,
+                                    random.Random(f"xmark-eval/{cfg.seed}/{attack}/{level}/{spec.name}/{u}/{slot}"),
+                                )
+                                for slot in (0, 1)
+                            ]
                             if not _decodable(texts):
                                 ba.append(0.0)
                                 det.append(0.0)
@@ -358,7 +422,9 @@ class Analysis:
                         rows.append(row)
         return rows
 
-    def _copy_paste_edit(self, spec: GenSpec, base: GenSpec | None, length: int, fraction: float) -> Callable[[int, int, random.Random], list[int]]:
+    def _copy_paste_edit(
+        self, spec: GenSpec, base: GenSpec | None, length: int, fraction: float
+    ) -> Callable[[int, int, random.Random], list[int]]:
         def edit(user: int, slot: int, rng: random.Random) -> list[int]:
             assert base is not None
             own = self.corpus.ids(spec, user, length)[slot]
@@ -374,7 +440,9 @@ class Analysis:
 
         return edit
 
-    def _substitution_edit(self, spec: GenSpec, length: int, rate: float) -> Callable[[int, int, random.Random], list[int]]:
+    def _substitution_edit(
+        self, spec: GenSpec, length: int, rate: float
+    ) -> Callable[[int, int, random.Random], list[int]]:
         def edit(user: int, slot: int, rng: random.Random) -> list[int]:
             own = self.corpus.ids(spec, user, length)[slot]
             return attacks.substitute_tokens(own, rate, self.special_ids, self.vocab_size, rng)

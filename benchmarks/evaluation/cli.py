@@ -20,30 +20,51 @@ DEFAULT_MODEL = Path("var/models/smollm2-135m-instruct")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation", description=__doc__)
     preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--smoke", dest="preset", action="store_const", const="smoke", help="minutes: 8 users, b=8, T in {150, 300}")
+    preset.add_argument(
+        "--smoke", dest="preset", action="store_const", const="smoke", help="minutes: 8 users, b=8, T in {150, 300}"
+    )
     preset.add_argument("--reduced", dest="preset", action="store_const", const="reduced", help="full grids, 16 users")
-    preset.add_argument("--full", dest="preset", action="store_const", const="full", help="the paper's protocol: 50 users, full grids")
+    preset.add_argument(
+        "--full", dest="preset", action="store_const", const="full", help="the paper's protocol: 50 users, full grids"
+    )
     parser.set_defaults(preset="smoke")
-    parser.add_argument("--model-path", type=Path, default=DEFAULT_MODEL, help=f"local transformers checkpoint (default {DEFAULT_MODEL})")
-    parser.add_argument("--output-dir", type=Path, help="results.json, REPORT.md and plots (default docs/results, var/eval/smoke for --smoke)")
+    parser.add_argument(
+        "--model-path",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help=f"local transformers checkpoint (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        help="results.json, REPORT.md and plots (default docs/results, var/eval/smoke for --smoke)",
+    )
     parser.add_argument("--cache-dir", type=Path, help="cached completions (default var/eval/<preset>)")
-    parser.add_argument("--seed", type=int, help="seed of messages, prompt assignment, sampling and attacks (default 0)")
+    parser.add_argument(
+        "--seed", type=int, help="seed of messages, prompt assignment, sampling and attacks (default 0)"
+    )
     parser.add_argument("--users", type=int, help="override the preset's number of users")
     parser.add_argument(
-        "--engine", choices=("auto", "vllm", "transformers"), default="auto",
+        "--engine",
+        choices=("auto", "vllm", "transformers"),
+        default="auto",
         help="generation engine: vllm (the vLLM engine, all CPU cores), transformers (in-process), "
         "auto = vllm when it is installed (default)",
     )
     parser.add_argument("--threads", type=int, help="torch CPU threads of the transformers engine")
     parser.add_argument("--batch-size", type=int, help="rows per engine call (transformers: per generate call)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="vLLM engine: rows decoded together (default 64)")
-    parser.add_argument("--budget-minutes", type=float, help="stop generating after this long and report what is cached")
+    parser.add_argument(
+        "--budget-minutes", type=float, help="stop generating after this long and report what is cached"
+    )
     parser.add_argument("--report-only", action="store_true", help="no generation: analyse the cached completions")
     return parser.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> EvalConfig:
-    return PRESETS[args.preset].with_overrides(seed=args.seed, users=args.users, threads=args.threads, batch_size=args.batch_size)
+    return PRESETS[args.preset].with_overrides(
+        seed=args.seed, users=args.users, threads=args.threads, batch_size=args.batch_size
+    )
 
 
 def _log(message: str) -> None:
@@ -61,11 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(config.threads)
     from .analysis import Analysis, Corpus
-    from .generation import TransformersGenerator, load_model
+    from .generation import TransformersGenerator, chat_prompt, load_model
     from .plots import draw_all
     from .prompts import load_prompts
     from .report import render
-    from .generation import chat_prompt
     from .runner import GenerationLog, Generator, all_jobs, generate_all
     from .store import GenerationStore
 
@@ -80,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         if engine == "vllm":
             from .vllm_engine import VllmGenerator
 
-            longest = max(len(tokenizer(chat_prompt(tokenizer, p.text), add_special_tokens=False)["input_ids"]) for p in prompts)
+            longest = max(
+                len(tokenizer(chat_prompt(tokenizer, p.text), add_special_tokens=False)["input_ids"]) for p in prompts
+            )
             max_len = -(-(longest + config.max_new_tokens + 1) // 64) * 64
             generator = VllmGenerator(args.model_path, tokenizer, max_model_len=max_len, max_num_seqs=args.max_num_seqs)
             batch_size = args.batch_size or 4 * args.max_num_seqs
@@ -116,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         timing["estimates"] = {
             name: {
                 "completions": len(all_jobs(preset.with_overrides(seed=config.seed), prompts)),
-                "hours": timing["generation"]["seconds_per_row"] * len(all_jobs(preset, prompts))
-                * (preset.max_new_tokens / config.max_new_tokens) / 3600,
+                "hours": timing["generation"]["seconds_per_row"]
+                * len(all_jobs(preset, prompts))
+                * (preset.max_new_tokens / config.max_new_tokens)
+                / 3600,
             }
             for name, preset in PRESETS.items()
         }
@@ -145,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _accumulate_timing(path: Path, latest: dict[str, Any] | None) -> dict[str, Any]:
     """Generation time summed over every invocation that filled this cache (kept beside it)."""
-    total: dict[str, Any] = {"invocations": 0, "batches": 0, "rows": 0, "generated_tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
+    total: dict[str, Any] = {
+        "invocations": 0,
+        "batches": 0,
+        "rows": 0,
+        "generated_tokens": 0,
+        "prompt_tokens": 0,
+        "seconds": 0.0,
+    }
     if path.is_file():
         total.update(json.loads(path.read_text(encoding="utf-8")))
     if latest is not None:
@@ -237,6 +268,10 @@ def _headline(results: dict[str, Any]) -> dict[str, Any]:
     cfg = results["config"]
     out: dict[str, Any] = {"preset": cfg["name"], "users": cfg["users"], "bit_accuracy": {}}
     for row in results["quality"]:
-        if row.get("bits") == cfg["main_bits"] and row.get("delta") == cfg["main_delta"] and row["temperature"] == cfg["main_temperature"]:
+        if (
+            row.get("bits") == cfg["main_bits"]
+            and row.get("delta") == cfg["main_delta"]
+            and row["temperature"] == cfg["main_temperature"]
+        ):
             out["bit_accuracy"][f"{row['method']} T={row['T']}"] = row.get("ba")
     return out

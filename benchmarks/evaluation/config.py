@@ -77,7 +77,7 @@ class EvalConfig:
     def max_new_tokens(self) -> int:
         return max(self.t_grid) // 2
 
-    def with_overrides(self, **changes: Any) -> "EvalConfig":
+    def with_overrides(self, **changes: Any) -> EvalConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:

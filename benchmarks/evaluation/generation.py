@@ -16,8 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers import __version__ as transformers_version
 
 from xmark_core import Message, WatermarkKey
@@ -153,9 +159,7 @@ def generate_rows(
         processor = XMarkLogitsProcessor(key, [jobs[r].message for r in rows])
         groups.append((torch.tensor(rows, dtype=torch.int64), processor))
     temperatures = torch.tensor([job.temperature for job in jobs], dtype=torch.float32)
-    special = set(tokenizer.all_special_ids) | {
-        i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special
-    }
+    special = set(tokenizer.all_special_ids) | {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
     mixer = MixedRowsProcessor(groups, temperatures, sorted(special))
     torch.manual_seed(seed)
     with torch.inference_mode():

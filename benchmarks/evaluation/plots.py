@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 METHODS = ("MPAC", "LoSo", "XMark- (k=2)", "XMark (k=2)")
 STYLE = {"MPAC": "tab:blue", "LoSo": "tab:orange", "XMark- (k=2)": "tab:gray", "XMark (k=2)": "tab:red"}
@@ -29,7 +29,12 @@ def ba_vs_t(results: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 4))
     drawn = False
     for method in METHODS:
-        rows = sorted(_rows(q, method=method, bits=cfg["main_bits"], delta=cfg["main_delta"], temperature=cfg["main_temperature"]), key=lambda r: r["T"])
+        rows = sorted(
+            _rows(
+                q, method=method, bits=cfg["main_bits"], delta=cfg["main_delta"], temperature=cfg["main_temperature"]
+            ),
+            key=lambda r: r["T"],
+        )
         rows = [r for r in rows if r.get("ba") is not None]
         if not rows:
             continue
@@ -53,12 +58,21 @@ def ba_vs_b(results: dict[str, Any], path: Path) -> bool:
     drawn = False
     for method in METHODS:
         for t, style in ((t_grid[0], "o--"), (t_grid[-1], "o-")):
-            rows = sorted(_rows(q, method=method, delta=cfg["main_delta"], temperature=cfg["main_temperature"], T=t), key=lambda r: r["bits"])
+            rows = sorted(
+                _rows(q, method=method, delta=cfg["main_delta"], temperature=cfg["main_temperature"], T=t),
+                key=lambda r: r["bits"],
+            )
             rows = [r for r in rows if r["bits"] in cfg["bits_grid"] and r.get("ba") is not None]
             if not rows:
                 continue
             drawn = True
-            ax.plot([r["bits"] for r in rows], [100 * r["ba"] for r in rows], style, color=STYLE[method], label=f"{method}, T={t}")
+            ax.plot(
+                [r["bits"] for r in rows],
+                [100 * r["ba"] for r in rows],
+                style,
+                color=STYLE[method],
+                label=f"{method}, T={t}",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(cfg["bits_grid"], [str(b) for b in cfg["bits_grid"]])
     ax.set_xlabel("message length b (bits)")
@@ -108,8 +122,14 @@ def ba_vs_copy_paste(results: dict[str, Any], path: Path) -> bool:
     drawn = False
     for method in METHODS:
         attacked = sorted(_rows(rows, method=method, attack="copy_paste", T=t), key=lambda r: r["level"])
-        clean = _rows(results["quality"], method=method, bits=results["config"]["main_bits"], delta=results["config"]["main_delta"],
-                      temperature=results["config"]["main_temperature"], T=t)
+        clean = _rows(
+            results["quality"],
+            method=method,
+            bits=results["config"]["main_bits"],
+            delta=results["config"]["main_delta"],
+            temperature=results["config"]["main_temperature"],
+            T=t,
+        )
         points = ([(0.0, clean[0]["ba"])] if clean and clean[0].get("ba") is not None else []) + [
             (r["level"], r["ba"]) for r in attacked if r.get("ba") is not None
         ]

@@ -36,7 +36,9 @@ def paper_rows(reference: dict[str, dict[int, tuple[float, float | None]]], t_gr
         row = [f"*paper: {method}*"]
         for ba, ppl in values:
             row += [f"*{ba:.2f}*", "—" if ppl is None else f"*{ppl:.2f}*"]
-        avg_ppl = None if any(p is None for _, p in values) else sum(p for _, p in values if p is not None) / len(values)
+        avg_ppl = (
+            None if any(p is None for _, p in values) else sum(p for _, p in values if p is not None) / len(values)
+        )
         row += [f"*{sum(b for b, _ in values) / len(values):.2f}*", "—" if avg_ppl is None else f"*{avg_ppl:.2f}*"]
         out.append("| " + " | ".join(row) + " |")
     return out
@@ -68,8 +70,18 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
     return out
 
 
-def t_table(quality: list[Row], methods: Iterable[str], t_grid: list[int], *, bits: int, delta: float,
-            temperature: float, field: str = "ba", ppl: bool = True, num_keys: int | None = None) -> list[str]:
+def t_table(
+    quality: list[Row],
+    methods: Iterable[str],
+    t_grid: list[int],
+    *,
+    bits: int,
+    delta: float,
+    temperature: float,
+    field: str = "ba",
+    ppl: bool = True,
+    num_keys: int | None = None,
+) -> list[str]:
     """Paper Table 1 layout: per T a BA and a PPL column, then Avg. BA and Avg. PPL."""
     header = ["Method"]
     for t in t_grid:
@@ -123,28 +135,40 @@ def render(results: dict[str, Any]) -> str:
     add("")
     add(f"## Table 1 — bit accuracy (%) and perplexity against T (b={b0}, δ={d0:g}, temperature {temp0:g})")
     add("")
-    add(f"Users per cell: {_n_users(q, method='XMark (k=2)', bits=b0, delta=d0, temperature=temp0, T=t_grid[0])}. "
+    add(
+        f"Users per cell: {_n_users(q, method='XMark (k=2)', bits=b0, delta=d0, temperature=temp0, T=t_grid[0])}. "
         "BA decoded from the generated token ids. The unwatermarked row's BA is the XMark decoder read on "
-        "unwatermarked text (chance level, ≈ 50 %); its PPL is the reference the increase is measured against.")
+        "unwatermarked text (chance level, ≈ 50 %); its PPL is the reference the increase is measured against."
+    )
     ses = [r["ba_se"] for r in q if r.get("ba_se") is not None and r["method"] != "Unwatermarked"]
     if ses:
         add("")
-        add(f"Sampling noise: the standard error of a BA cell across users is at most {100 * max(ses):.1f} points "
+        add(
+            f"Sampling noise: the standard error of a BA cell across users is at most {100 * max(ses):.1f} points "
             f"(median {100 * sorted(ses)[len(ses) // 2]:.1f}) over all tables of this run; differences smaller than "
-            "that are not resolved.")
+            "that are not resolved."
+        )
     add("")
     lines += t_table(q, ("Unwatermarked",) + MAIN_METHODS, t_grid, bits=b0, delta=d0, temperature=temp0)
     if b0 == 8 and d0 == 2.0:
         lines += paper_rows(PAPER_TABLE1, t_grid)
         add("")
-        add("Rows in italics are the paper's (LLaMA-2-7B, text completion on C4, PPL by LLaMA-2-13B; its unwatermarked "
-            "PPL is 3.97), for reference only: a different model, task mix and judge.")
+        add(
+            "Rows in italics are the paper's (LLaMA-2-7B, text completion on C4, PPL by LLaMA-2-13B; its unwatermarked "
+            "PPL is 3.97), for reference only: a different model, task mix and judge."
+        )
     add("")
     add("Perplexity increase against unwatermarked text (same T, same temperature):")
     add("")
     body = []
     for method in ("MPAC", "LoSo", "XMark (k=2)"):
-        body.append([method] + [_num((_find(q, method=method, bits=b0, delta=d0, temperature=temp0, T=t) or {}).get("ppl_increase")) for t in t_grid])
+        body.append(
+            [method]
+            + [
+                _num((_find(q, method=method, bits=b0, delta=d0, temperature=temp0, T=t) or {}).get("ppl_increase"))
+                for t in t_grid
+            ]
+        )
     lines += _table(["Method"] + [f"T={t} ΔPPL" for t in t_grid], body)
     add("")
     add("### The same texts read back from their re-tokenized text (what `/trace` sees)")
@@ -158,7 +182,9 @@ def render(results: dict[str, Any]) -> str:
         cells = []
         for t in t_grid:
             row = _find(q, method=method, bits=b0, delta=d0, temperature=temp0, T=t)
-            cells.append(f"{_pct(row.get('exact') if row else None, 1)} / {_pct(row.get('exact_retok') if row else None, 1)}")
+            cells.append(
+                f"{_pct(row.get('exact') if row else None, 1)} / {_pct(row.get('exact_retok') if row else None, 1)}"
+            )
         body.append([method] + cells)
     lines += _table(["Method"] + [f"T={t}" for t in t_grid], body)
     add("")
@@ -176,16 +202,28 @@ def render(results: dict[str, Any]) -> str:
         header = ["Method"] + [f"b={b} T={t}" for b in bits_grid for t in (t_grid[0], t_grid[-1])]
         body = []
         for method in MAIN_METHODS:
-            body.append([method] + [_pct((_find(q, method=method, bits=b, delta=d0, temperature=temp0, T=t) or {}).get("ba"))
-                                    for b in bits_grid for t in (t_grid[0], t_grid[-1])])
+            body.append(
+                [method]
+                + [
+                    _pct((_find(q, method=method, bits=b, delta=d0, temperature=temp0, T=t) or {}).get("ba"))
+                    for b in bits_grid
+                    for t in (t_grid[0], t_grid[-1])
+                ]
+            )
         lines += _table(header, body)
         add("")
         add("Re-tokenized text, same cells:")
         add("")
         body = []
         for method in MAIN_METHODS:
-            body.append([method] + [_pct((_find(q, method=method, bits=b, delta=d0, temperature=temp0, T=t) or {}).get("ba_retok"))
-                                    for b in bits_grid for t in (t_grid[0], t_grid[-1])])
+            body.append(
+                [method]
+                + [
+                    _pct((_find(q, method=method, bits=b, delta=d0, temperature=temp0, T=t) or {}).get("ba_retok"))
+                    for b in bits_grid
+                    for t in (t_grid[0], t_grid[-1])
+                ]
+            )
         lines += _table(header, body)
         add("")
     lines += _ablation(q, cfg)
@@ -201,14 +239,18 @@ def render(results: dict[str, Any]) -> str:
     add("## Run time")
     add("")
     gen = timing["generation"]
-    add(f"- Generation: {gen['rows']} completions of {cfg['t_grid'][-1] // 2} tokens in {gen['seconds']:.0f} s "
+    add(
+        f"- Generation: {gen['rows']} completions of {cfg['t_grid'][-1] // 2} tokens in {gen['seconds']:.0f} s "
         f"({gen['generated_tokens_per_s']} generated tokens/s, {gen['seconds_per_row']} s per completion) on "
         f"{timing['hardware']}, with the {gen.get('engine') or 'engine not recorded'}; "
-        f"{gen.get('invocations', 1)} invocation(s) filled the completion cache.")
+        f"{gen.get('invocations', 1)} invocation(s) filled the completion cache."
+    )
     add(f"- Analysis (decoding, tests, attribution, attacks): {timing['analysis_s']:.0f} s.")
     for name, estimate in timing.get("estimates", {}).items():
-        add(f"- Estimated generation time of the `{name}` preset at this rate: {estimate['completions']} completions, "
-            f"≈ {estimate['hours']:.1f} h.")
+        add(
+            f"- Estimated generation time of the `{name}` preset at this rate: {estimate['completions']} completions, "
+            f"≈ {estimate['hours']:.1f} h."
+        )
     add("")
     return "\n".join(lines) + "\n"
 
@@ -241,8 +283,11 @@ def _delta(q: list[Row], cfg: dict[str, Any]) -> list[str]:
     for method in ("MPAC", "LoSo", "XMark- (k=2)", "XMark (k=2)"):
         for d in deltas:
             rows = [_find(q, method=method, bits=b0, delta=d, temperature=temp0, T=t) for t in ts]
-            body.append([method, f"{d:g}"] + [_pct(r.get("ba") if r else None) for r in rows]
-                        + [("—" if method.startswith("XMark-") else _num(r.get("ppl") if r else None)) for r in rows])
+            body.append(
+                [method, f"{d:g}"]
+                + [_pct(r.get("ba") if r else None) for r in rows]
+                + [("—" if method.startswith("XMark-") else _num(r.get("ppl") if r else None)) for r in rows]
+            )
     out += _table(header, body)
     out.append("")
     return out
@@ -251,16 +296,41 @@ def _delta(q: list[Row], cfg: dict[str, Any]) -> list[str]:
 def _attribution(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
     if not rows:
         return []
-    out = [f"## Attribution among {rows[0]['registry_size']:,} registered users (α = {cfg['alpha']:g})", "",
-           "Right user ranked first / named (`attribute` names the best candidate only when p < α and its "
-           "posterior confidence is at least 0.99, the library defaults) / a wrong user named; the same from the re-tokenized "
-           "text; false attribution = share of unwatermarked user texts (under the run's key and "
-           f"{cfg['null_keys']} independent keys) for which any user is named.", ""]
-    header = ["b", "Method", "T", "Top-1 %", "Named %", "Wrong named %", "Top-1 retok %", "Named retok %", "False attribution %"]
+    out = [
+        f"## Attribution among {rows[0]['registry_size']:,} registered users (α = {cfg['alpha']:g})",
+        "",
+        "Right user ranked first / named (`attribute` names the best candidate only when p < α and its "
+        "posterior confidence is at least 0.99, the library defaults) / a wrong user named; the same from the re-tokenized "
+        "text; false attribution = share of unwatermarked user texts (under the run's key and "
+        f"{cfg['null_keys']} independent keys) for which any user is named.",
+        "",
+    ]
+    header = [
+        "b",
+        "Method",
+        "T",
+        "Top-1 %",
+        "Named %",
+        "Wrong named %",
+        "Top-1 retok %",
+        "Named retok %",
+        "False attribution %",
+    ]
     body = []
     for r in rows:
-        body.append([str(r["bits"]), r["method"], str(r["T"]), _pct(r["top1"], 1), _pct(r["named"], 1), _pct(r["named_wrong"], 1),
-                     _pct(r["top1_retok"], 1), _pct(r["named_retok"], 1), f"{_pct(r['false_attribution'], 2)} (n={r['n_null']})"])
+        body.append(
+            [
+                str(r["bits"]),
+                r["method"],
+                str(r["T"]),
+                _pct(r["top1"], 1),
+                _pct(r["named"], 1),
+                _pct(r["named_wrong"], 1),
+                _pct(r["top1_retok"], 1),
+                _pct(r["named_retok"], 1),
+                f"{_pct(r['false_attribution'], 2)} (n={r['n_null']})",
+            ]
+        )
     out += _table(header, body)
     out.append("")
     return out
@@ -270,21 +340,37 @@ def _detection(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     a = cfg["alphas"]
-    out = ["## Is it watermarked? False-positive test", "",
-           "Positives: each user's T tokens under the run's key. Negatives: unwatermarked users' texts under the "
-           f"run's key and {cfg['null_keys']} independent keys (keys that never touched the text). Score = −log10 p of "
-           "`xmark_core.detect` (calibrated to the observed token count and block profile). The paper's rule "
-           f"(mean row standard deviation σ > {cfg['sigma_threshold']:.2f}) is evaluated on the same texts.", ""]
+    out = [
+        "## Is it watermarked? False-positive test",
+        "",
+        "Positives: each user's T tokens under the run's key. Negatives: unwatermarked users' texts under the "
+        f"run's key and {cfg['null_keys']} independent keys (keys that never touched the text). Score = −log10 p of "
+        "`xmark_core.detect` (calibrated to the observed token count and block profile). The paper's rule "
+        f"(mean row standard deviation σ > {cfg['sigma_threshold']:.2f}) is evaluated on the same texts.",
+        "",
+    ]
     header = ["b", "Method", "T", "AUC", "TPR@1%FPR", "TPR@0.1%FPR"]
     for alpha in a:
         header += [f"FPR @α={alpha:g}", f"TPR @α={alpha:g}"]
     header += ["σ>3.30 FPR", "σ>3.30 TPR", "AUC(σ)", "negatives"]
     body = []
     for r in rows:
-        cells = [str(r["bits"]), r["method"], str(r["T"]), _num(r["auc"], 4), _pct(r["tpr_at_1pct"], 1), _pct(r["tpr_at_01pct"], 1)]
+        cells = [
+            str(r["bits"]),
+            r["method"],
+            str(r["T"]),
+            _num(r["auc"], 4),
+            _pct(r["tpr_at_1pct"], 1),
+            _pct(r["tpr_at_01pct"], 1),
+        ]
         for alpha in a:
             cells += [_pct(r[f"fpr_at_alpha_{alpha:g}"], 2), _pct(r[f"tpr_at_alpha_{alpha:g}"], 1)]
-        cells += [_pct(r["sigma_rule_fpr"], 1), _pct(r["sigma_rule_tpr"], 1), _num(r["auc_sigma"], 4), str(r["n_negatives"])]
+        cells += [
+            _pct(r["sigma_rule_fpr"], 1),
+            _pct(r["sigma_rule_tpr"], 1),
+            _num(r["auc_sigma"], 4),
+            str(r["n_negatives"]),
+        ]
         body.append(cells)
     out += _table(header, body)
     out.append("")
@@ -294,14 +380,21 @@ def _detection(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
 def _robustness(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
     if not rows:
         return []
-    out = ["## Robustness", "",
-           "Copy-paste: one contiguous span of a fraction Δ of each completion replaced by the same span of the "
-           "model's unwatermarked completion of the same prompt (token level). Word deletion: that share of "
-           "whitespace-separated words deleted, then re-tokenized. Token substitution: that share of tokens "
-           f"replaced by uniformly random vocabulary tokens. BA % / detected % (p < α = {cfg['alpha']:g}).", ""]
+    out = [
+        "## Robustness",
+        "",
+        "Copy-paste: one contiguous span of a fraction Δ of each completion replaced by the same span of the "
+        "model's unwatermarked completion of the same prompt (token level). Word deletion: that share of "
+        "whitespace-separated words deleted, then re-tokenized. Token substitution: that share of tokens "
+        f"replaced by uniformly random vocabulary tokens. BA % / detected % (p < α = {cfg['alpha']:g}).",
+        "",
+    ]
     methods = sorted({r["method"] for r in rows}, key=lambda m: (not m.startswith("MPAC"), not m.startswith("LoSo"), m))
     ts = sorted({r["T"] for r in rows})
-    columns = sorted({(r["attack"], r["level"]) for r in rows}, key=lambda c: (("copy_paste", "word_deletion", "token_substitution").index(c[0]), c[1]))
+    columns = sorted(
+        {(r["attack"], r["level"]) for r in rows},
+        key=lambda c: (("copy_paste", "word_deletion", "token_substitution").index(c[0]), c[1]),
+    )
     names = {"copy_paste": "CP Δ=", "word_deletion": "del ", "token_substitution": "sub "}
     header = ["Method", "T"] + [f"{names[a]}{lvl:g}" for a, lvl in columns]
     body = []

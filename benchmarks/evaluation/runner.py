@@ -92,9 +92,15 @@ def generate_all(
     Each call's results are appended to the store before the next call starts.
     """
     stats = GenerationLog()
-    pending = [(spec, job) for spec, job in all_jobs(config, prompts) if (job.spec_name, job.user, job.slot) not in store]
-    lengths = {p.id: len(tokenizer(chat_prompt(tokenizer, p.text), add_special_tokens=False)["input_ids"]) for p in prompts}
-    pending.sort(key=lambda item: (item[0].tier, lengths[item[1].prompt_id], item[1].spec_name, item[1].user, item[1].slot))
+    pending = [
+        (spec, job) for spec, job in all_jobs(config, prompts) if (job.spec_name, job.user, job.slot) not in store
+    ]
+    lengths = {
+        p.id: len(tokenizer(chat_prompt(tokenizer, p.text), add_special_tokens=False)["input_ids"]) for p in prompts
+    }
+    pending.sort(
+        key=lambda item: (item[0].tier, lengths[item[1].prompt_id], item[1].spec_name, item[1].user, item[1].slot)
+    )
     total = len(pending)
     log(f"{total} completions to generate ({len(store)} cached), {config.max_new_tokens} tokens each")
     start = time.monotonic()
@@ -108,7 +114,9 @@ def generate_all(
             index += 1
         if budget_s is not None and time.monotonic() - start > budget_s:
             stats.stopped_early = True
-            log(f"generation budget of {budget_s:.0f} s spent; stopping with {total - index + len(batch)} completions left")
+            log(
+                f"generation budget of {budget_s:.0f} s spent; stopping with {total - index + len(batch)} completions left"
+            )
             break
         t0 = time.monotonic()
         results = generator.generate(batch, config.max_new_tokens, config.seed)

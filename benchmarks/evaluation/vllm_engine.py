@@ -57,8 +57,13 @@ def request_args(job: RowJob, seed: int, suppress: Sequence[int]) -> dict[str, A
     if job.key is not None and job.message is not None:
         p = job.key.params
         args.update(
-            scheme=p.scheme, bits=p.bits, block_bits=p.block_bits, num_keys=p.num_keys, delta=float(p.delta),
-            seed=seed, message=job.message.bits,
+            scheme=p.scheme,
+            bits=p.bits,
+            block_bits=p.block_bits,
+            num_keys=p.num_keys,
+            delta=float(p.delta),
+            seed=seed,
+            message=job.message.bits,
         )
     return {XARG: args}
 
@@ -68,8 +73,11 @@ def _setting(args: dict[str, Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
     if "message" not in args:
         return None
     params = WatermarkParams(
-        bits=int(args["bits"]), block_bits=int(args["block_bits"]), num_keys=int(args["num_keys"]),
-        delta=float(args["delta"]), scheme=str(args["scheme"]),
+        bits=int(args["bits"]),
+        block_bits=int(args["block_bits"]),
+        num_keys=int(args["num_keys"]),
+        delta=float(args["delta"]),
+        scheme=str(args["scheme"]),
     )
     message = str(args["message"])
     if len(message) != params.bits or message.strip("01"):
@@ -186,7 +194,9 @@ class VllmGenerator:
 
     name = "vllm"
 
-    def __init__(self, model_path: Path, tokenizer: PreTrainedTokenizerBase, *, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, model_path: Path, tokenizer: PreTrainedTokenizerBase, *, max_model_len: int, max_num_seqs: int
+    ) -> None:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         from vllm import LLM
@@ -209,7 +219,9 @@ class VllmGenerator:
             seed=0,
         )
         self.max_num_seqs = max_num_seqs
-        special = set(tokenizer.all_special_ids) | {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+        special = set(tokenizer.all_special_ids) | {
+            i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special
+        }
         self._suppress = sorted(special)
         self._prompt_cache: dict[str, list[int]] = {}
         self._checked: set[str] = set()

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -31,9 +30,7 @@ def upgrade() -> None:
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("deleted_at", sa.DateTime(timezone=True), nullable=True),
         sa.CheckConstraint("role IN ('user', 'auditor', 'admin')", name=op.f("ck_users_role")),
-        sa.CheckConstraint(
-            "status IN ('active', 'disabled', 'deleted')", name=op.f("ck_users_status")
-        ),
+        sa.CheckConstraint("status IN ('active', 'disabled', 'deleted')", name=op.f("ck_users_status")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_users")),
         sa.UniqueConstraint("message_id", name=op.f("uq_users_message_id")),
     )
@@ -48,9 +45,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("last_used_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["user_id"], ["users.id"], name=op.f("fk_api_keys_user_id_users"), ondelete="RESTRICT"
-        ),
+        sa.ForeignKeyConstraint(["user_id"], ["users.id"], name=op.f("fk_api_keys_user_id_users"), ondelete="RESTRICT"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_api_keys")),
         sa.UniqueConstraint("key_hash", name=op.f("uq_api_keys_key_hash")),
     )
@@ -71,9 +66,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("activated_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("retired_at", sa.DateTime(timezone=True), nullable=True),
-        sa.CheckConstraint(
-            "status IN ('active', 'pending', 'retired')", name=op.f("ck_key_versions_status")
-        ),
+        sa.CheckConstraint("status IN ('active', 'pending', 'retired')", name=op.f("ck_key_versions_status")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_key_versions")),
         sa.UniqueConstraint("name", name=op.f("uq_key_versions_name")),
     )
@@ -103,12 +96,8 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_generations")),
     )
-    op.create_index(
-        op.f("ix_generations_request_id"), "generations", ["request_id"], unique=False
-    )
-    op.create_index(
-        "ix_generations_user_id_created_at", "generations", ["user_id", "created_at"], unique=False
-    )
+    op.create_index(op.f("ix_generations_request_id"), "generations", ["request_id"], unique=False)
+    op.create_index("ix_generations_user_id_created_at", "generations", ["user_id", "created_at"], unique=False)
 
     op.create_table(
         "traces",

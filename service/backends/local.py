@@ -160,7 +160,9 @@ class LocalBackend:
         import torch
         from transformers import GenerationConfig
 
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True
+        )
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, prompt] int64
@@ -172,7 +174,7 @@ class LocalBackend:
         try:
             self._load()
             logger.info("local model loaded", extra={"model": self.model_id})
-        except Exception as exc:  # noqa: BLE001 - reported through ready/load_error
+        except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("local model failed to load", extra={"model": self.model_id, "error": self.load_error})
             return
@@ -259,7 +261,7 @@ class LocalBackend:
             self._running = live
             try:
                 self._generate_batch(live)
-            except Exception as exc:  # noqa: BLE001 - reported to every waiting client
+            except Exception as exc:
                 logger.exception("generation failed", extra={"error_type": type(exc).__name__})
                 for job in live:
                     job.deliver(StreamFailure("Generation failed in the model backend"))

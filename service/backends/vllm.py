@@ -367,7 +367,7 @@ class VllmBackend:
 
         try:
             self._tokenizer = await asyncio.to_thread(load)
-        except Exception as exc:  # noqa: BLE001 - reported through ready/load_error
+        except Exception as exc:
             self.load_error = type(exc).__name__
             logger.error("tokenizer failed to load", extra={"error_type": type(exc).__name__})
 
@@ -376,7 +376,7 @@ class VllmBackend:
             await asyncio.sleep(self._health_interval_s)
             try:
                 await self._pool.check_all()
-            except Exception as exc:  # noqa: BLE001 - keep watching
+            except Exception as exc:
                 logger.warning("health check failed", extra={"error_type": type(exc).__name__})
 
     async def close(self) -> None:

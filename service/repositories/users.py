@@ -39,9 +39,7 @@ class UserRepository:
             filters.append(User.status == status)
         if role is not None:
             filters.append(User.role == role)
-        rows = await self._session.scalars(
-            select(User).where(*filters).order_by(User.id).limit(limit).offset(offset)
-        )
+        rows = await self._session.scalars(select(User).where(*filters).order_by(User.id).limit(limit).offset(offset))
         total = await self._session.scalar(select(func.count()).select_from(User).where(*filters))
         return rows.all(), int(total or 0)
 
@@ -50,9 +48,7 @@ class UserRepository:
         return list((await self._session.scalars(select(User.message_id))).all())
 
     async def count_active_admins(self) -> int:
-        stmt = select(func.count()).select_from(User).where(
-            User.role == "admin", User.status == "active"
-        )
+        stmt = select(func.count()).select_from(User).where(User.role == "admin", User.status == "active")
         return int(await self._session.scalar(stmt) or 0)
 
     async def flush(self) -> None:

@@ -43,9 +43,7 @@ UserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-async def _users(
-    request: Request, session: SessionDep, keyring: KeyringDep, hasher: ApiKeyHasherDep
-) -> UserService:
+async def _users(request: Request, session: SessionDep, keyring: KeyringDep, hasher: ApiKeyHasherDep) -> UserService:
     registry = request.app.state.registry_cache
     return UserService(
         session,
@@ -63,9 +61,7 @@ async def _keys(request: Request, session: SessionDep, hasher: ApiKeyHasherDep) 
 async def _key_versions(
     request: Request, session: SessionDep, keyring: KeyringDep, settings: SettingsDep
 ) -> KeyVersionService:
-    return KeyVersionService(
-        session, keyring, settings, can_generate=request.app.state.secrets_can_generate
-    )
+    return KeyVersionService(session, keyring, settings, can_generate=request.app.state.secrets_can_generate)
 
 
 UsersDep = Annotated[UserService, Depends(_users)]
@@ -111,9 +107,7 @@ async def delete_user(user_id: UserId, users: UsersDep) -> UserOut:
     return await users.delete_user(user_id)
 
 
-@router.post(
-    "/users/{user_id}/keys", status_code=status.HTTP_201_CREATED, response_model=IssuedKey
-)
+@router.post("/users/{user_id}/keys", status_code=status.HTTP_201_CREATED, response_model=IssuedKey)
 async def issue_key(user_id: UserId, keys: KeysDep) -> IssuedKey:
     """Issue another API key (shown only in this response)."""
     return await keys.issue_key(user_id)
@@ -134,9 +128,7 @@ async def list_key_versions(versions: KeyVersionsDep) -> KeyVersionList:
     return await versions.list_versions()
 
 
-@router.post(
-    "/key-versions", status_code=status.HTTP_201_CREATED, response_model=KeyVersionOut
-)
+@router.post("/key-versions", status_code=status.HTTP_201_CREATED, response_model=KeyVersionOut)
 async def add_key_version(body: AddKeyVersionRequest, versions: KeyVersionsDep) -> KeyVersionOut:
     """Activate a key version whose secret is configured; it encodes new generations from now on."""
     return await versions.activate(body.name)
@@ -148,4 +140,3 @@ async def retire_key_version(
 ) -> KeyVersionOut:
     """Retire a version: it no longer encodes and /trace no longer tries it."""
     return await versions.retire(version_id)
-

@@ -13,9 +13,7 @@ from service.schemas.chat import ChatCompletion, ChatCompletionRequest, ModelLis
 from service.schemas.common import ERROR_RESPONSES
 from service.services.generation import CompletionResponse, GenerationService
 
-router = APIRouter(
-    prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute
-)
+router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)
 
 
 async def _generation(request: Request) -> GenerationService:
@@ -51,6 +49,4 @@ async def create_chat_completion(
         return await service.complete(prepared)
     stream = await service.open_stream(prepared)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return EventSourceResponse(
-        service.sse_events(prepared, stream, include_usage=include_usage), sep="\n", ping=15
-    )
+    return EventSourceResponse(service.sse_events(prepared, stream, include_usage=include_usage), sep="\n", ping=15)

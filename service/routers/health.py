@@ -28,9 +28,7 @@ async def readyz(request: Request, backend: BackendDep) -> dict[str, str]:
         await ping(request.app.state.engine)
     except Exception as exc:  # any driver error means "not ready"
         logger.warning("database not reachable", extra={"error_type": type(exc).__name__})
-        raise ServiceUnavailableError(
-            "The database is not reachable", code="database_unavailable"
-        ) from None
+        raise ServiceUnavailableError("The database is not reachable", code="database_unavailable") from None
     if not getattr(backend, "ready", False):
         raise ServiceUnavailableError("The model backend is not ready yet", code="backend_not_ready")
     return {"status": "ready"}

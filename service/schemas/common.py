@@ -35,6 +35,5 @@ class Principal(BaseModel):
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorEnvelope}
-    for status in (400, 401, 403, 404, 409, 413, 422, 503)
+    status: {"model": ErrorEnvelope} for status in (400, 401, 403, 404, 409, 413, 422, 503)
 }

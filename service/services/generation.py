@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
-from xmark_core import Message
 
 from service.backends.base import (
     ChatTurn,
@@ -42,6 +41,7 @@ from service.backends.base import (
     GenerationStream,
     WatermarkStamp,
 )
+from service.db import RowWriter
 from service.errors import (
     GatewayError,
     InvalidRequestError,
@@ -49,7 +49,6 @@ from service.errors import (
     ServiceUnavailableError,
     envelope,
 )
-from service.db import RowWriter
 from service.models import utcnow
 from service.schemas.chat import (
     AssistantMessage,
@@ -64,6 +63,7 @@ from service.schemas.chat import (
     Usage,
 )
 from service.schemas.common import Principal
+from xmark_core import Message
 
 if TYPE_CHECKING:
     from service.backends import Backend
@@ -168,16 +168,13 @@ class GenerationService:
     def prepare(self, principal: Principal, body: ChatCompletionRequest) -> PreparedCompletion:
         """Validate ``body`` against the gateway's limits; raises before anything is generated."""
         if body.model != self._backend.model_id:
-            raise NotFoundError(
-                f"The model '{body.model}' does not exist", param="model", code="model_not_found"
-            )
+            raise NotFoundError(f"The model '{body.model}' does not exist", param="model", code="model_not_found")
         max_tokens = self._max_tokens(body)
         turns = tuple(ChatTurn(message.role, message.text()) for message in body.messages)
         prompt_chars = sum(len(turn.content) for turn in turns)
         if prompt_chars > self._settings.max_prompt_chars:
             raise InvalidRequestError(
-                f"The messages total {prompt_chars} characters; the limit is "
-                f"{self._settings.max_prompt_chars}",
+                f"The messages total {prompt_chars} characters; the limit is {self._settings.max_prompt_chars}",
                 param="messages",
                 code="context_length_exceeded",
             )
@@ -271,7 +268,7 @@ class GenerationService:
             try:
                 await self._record(prepared, prompt_tokens, choices, streamed=streamed, linger_s=linger_s)
                 return
-            except Exception as exc:  # noqa: BLE001 - any failure: retry, then report
+            except Exception as exc:
                 error_type = type(exc).__name__
             linger_s = 0.0  # retries go at once after their pause
             if pause is not None:

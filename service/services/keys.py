@@ -96,9 +96,7 @@ class ApiKeyService:
         if user.status == "deleted":
             raise ConflictError("A deleted user cannot receive keys", code="user_deleted")
         key = generate_api_key()
-        row = await self._keys.add(
-            ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key))
-        )
+        row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
         logger.info("api key issued", extra={"user_id": user.id, "api_key_id": row.id})
         return IssuedKey(id=row.id, api_key=key.plaintext, prefix=row.prefix, created_at=row.created_at)
 

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from xmark_core import CandidateSet, WatermarkParams
 
 from service.repositories.registry import RegistryFingerprint, RegistryRepository
+from xmark_core import CandidateSet, WatermarkParams
 
 logger = logging.getLogger("xmark.registry")
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
-from xmark_core import Attribution, DecodeResult, Detection, attribute, decode, detect, warm_null_cache
 
 from service.db import RowWriter
 from service.errors import NotFoundError, PayloadTooLargeError, ServiceUnavailableError
@@ -32,6 +31,7 @@ from service.schemas.trace import (
     TraceRequest,
 )
 from service.services.registry_cache import RegistryCache, RegistrySnapshot
+from xmark_core import Attribution, DecodeResult, Detection, attribute, decode, detect, warm_null_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -258,13 +258,9 @@ class TracingService:
     async def trace(self, principal: Principal, request: TraceRequest) -> TraceReport:
         settings = self._settings
         if len(request.text) > settings.max_trace_chars:
-            raise PayloadTooLargeError(
-                f"text is longer than {settings.max_trace_chars} characters", param="text"
-            )
+            raise PayloadTooLargeError(f"text is longer than {settings.max_trace_chars} characters", param="text")
         if request.model is not None and request.model != self._backend.model_id:
-            raise NotFoundError(
-                f"The model '{request.model}' does not exist", param="model", code="model_not_found"
-            )
+            raise NotFoundError(f"The model '{request.model}' does not exist", param="model", code="model_not_found")
         tokenizer = self._backend.tokenizer
         if tokenizer is None:
             raise ServiceUnavailableError("The tokenizer is still loading; retry shortly")
@@ -274,13 +270,22 @@ class TracingService:
         snapshot = await self._registry.snapshot(self._session)
         if len(request.text) <= INLINE_ANALYSIS_CHARS:
             outcome = analyze_text(
-                request.text, tokenizer, versions, snapshot,
-                alpha=settings.trace_alpha, include_tokens=request.include_tokens,
+                request.text,
+                tokenizer,
+                versions,
+                snapshot,
+                alpha=settings.trace_alpha,
+                include_tokens=request.include_tokens,
             )
         else:
             outcome = await asyncio.to_thread(
-                analyze_text, request.text, tokenizer, versions, snapshot,
-                alpha=settings.trace_alpha, include_tokens=request.include_tokens,
+                analyze_text,
+                request.text,
+                tokenizer,
+                versions,
+                snapshot,
+                alpha=settings.trace_alpha,
+                include_tokens=request.include_tokens,
             )
         report = outcome.report
         verdict = "watermarked" if report.watermarked else "not_watermarked"
@@ -329,9 +334,7 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
     versions = keyring.usable()
     if not versions:
         raise ServiceUnavailableError("No usable watermark key version is configured")
-    outcome = await asyncio.to_thread(
-        analyze_text, text, tokenizer, versions, snapshot, alpha=settings.trace_alpha
-    )
+    outcome = await asyncio.to_thread(analyze_text, text, tokenizer, versions, snapshot, alpha=settings.trace_alpha)
     return outcome.report.model_dump()
 
 

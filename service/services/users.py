@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
-from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
 
 from service.errors import ConflictError, NotFoundError
 from service.models import ApiKey, User
@@ -24,6 +23,7 @@ from service.schemas.admin import CreatedUser, UserOut, UserPage
 from service.schemas.common import Role
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
 from service.services.auth_cache import AuthCache
+from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
 
 logger = logging.getLogger("xmark.users")
 
@@ -68,22 +68,14 @@ class UserService:
         self._users = UserRepository(session)
         self._keys = ApiKeyRepository(session)
 
-    async def create_user(
-        self, name: str, role: Role, *, api_key: ParsedKey | None = None
-    ) -> CreatedUser:
+    async def create_user(self, name: str, role: Role, *, api_key: ParsedKey | None = None) -> CreatedUser:
         """Create a user with a fresh message ID and one API key (shown once in the result)."""
         user = await self._insert_with_message_id(name, role)
         key = api_key or generate_api_key()
-        row = await self._keys.add(
-            ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key))
-        )
+        row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
         self._changed()
-        logger.info(
-            "user created", extra={"user_id": user.id, "role": role, "api_key_id": row.id}
-        )
-        return CreatedUser(
-            id=user.id, name=user.name, role=role, message_id=user.message_id, api_key=key.plaintext
-        )
+        logger.info("user created", extra={"user_id": user.id, "role": role, "api_key_id": row.id})
+        return CreatedUser(id=user.id, name=user.name, role=role, message_id=user.message_id, api_key=key.plaintext)
 
     async def _insert_with_message_id(self, name: str, role: Role) -> User:
         for _ in range(MAX_ALLOCATION_ATTEMPTS):
@@ -192,9 +184,7 @@ class UserService:
 
     async def _guard_last_admin(self, user: User) -> None:
         if user.role == "admin" and await self._users.count_active_admins() <= 1:
-            raise ConflictError(
-                "The last active admin cannot be disabled or deleted", code="last_admin"
-            )
+            raise ConflictError("The last active admin cannot be disabled or deleted", code="last_admin")
 
     async def _require(self, user_id: int, *, for_update: bool = False) -> User:
         user = await (self._users.get_for_update(user_id) if for_update else self._users.get(user_id))

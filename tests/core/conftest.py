@@ -30,7 +30,6 @@ def make_key() -> Callable[..., WatermarkKey]:
     return _make
 
 
-
 @pytest.fixture(scope="package", autouse=True)
 def single_torch_thread() -> Iterator[None]:
     """The ops under test are small or memory-bound: one intra-op thread is as fast on an idle

@@ -28,7 +28,7 @@ def _reference(texts, key: WatermarkKey, *, constrained=True, dedup=True, skip=(
             seen.add(triple)
             row = (a + b) % p.num_blocks
             shards = shard(key.words, np.array([a]), np.array([b]), np.array([v]), p.block_bits)[0]
-            for s in (set(shards.tolist()) if constrained else shards.tolist()):
+            for s in set(shards.tolist()) if constrained else shards.tolist():
                 matrix[row, s] += 1
             counts[row] += 1
             positions.append(t)
@@ -42,7 +42,9 @@ def texts() -> list[np.ndarray]:
     return [rng.integers(0, 300, n) for n in (150, 3, 80, 2, 200)]  # small vocab: repeated triples occur
 
 
-@pytest.mark.parametrize(("k", "d", "scheme"), [(2, 2, "xmark"), (1, 2, "loso"), (3, 1, "xmark"), (4, 4, "xmark"), (1, 3, "mpac")])
+@pytest.mark.parametrize(
+    ("k", "d", "scheme"), [(2, 2, "xmark"), (1, 2, "loso"), (3, 1, "xmark"), (4, 4, "xmark"), (1, 3, "mpac")]
+)
 @pytest.mark.parametrize("constrained", [True, False])
 @pytest.mark.parametrize("dedup", [True, False])
 def test_matrix_matches_the_per_token_reference(texts, k, d, scheme, constrained, dedup) -> None:

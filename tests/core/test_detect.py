@@ -66,7 +66,10 @@ def test_skipping_the_sigma_test_changes_nothing_else(key: WatermarkKey) -> None
         full, lean = detect(result), detect(result, sigma_test=False)
         assert lean.sigma_p_value is None and full.sigma_p_value is not None
         assert (lean.is_watermarked, lean.p_value, lean.statistic, lean.sigma) == (
-            full.is_watermarked, full.p_value, full.statistic, full.sigma
+            full.is_watermarked,
+            full.p_value,
+            full.statistic,
+            full.sigma,
         )
     assert any(detect(decode(t, key), sigma_test=False).is_watermarked for t in texts[20:25])
 

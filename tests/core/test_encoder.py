@@ -53,8 +53,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("d", "k", "scheme"),
-    [(1, 1, "loso"), (2, 1, "loso"), (2, 2, "xmark"), (2, 3, "xmark"), (3, 2, "xmark"), (4, 2, "xmark"), (1, 4, "xmark"),
-     (4, 8, "xmark"), (1, 1, "mpac"), (2, 1, "mpac"), (3, 1, "mpac"), (4, 1, "mpac")],
+    [
+        (1, 1, "loso"),
+        (2, 1, "loso"),
+        (2, 2, "xmark"),
+        (2, 3, "xmark"),
+        (3, 2, "xmark"),
+        (4, 2, "xmark"),
+        (1, 4, "xmark"),
+        (4, 8, "xmark"),
+        (1, 1, "mpac"),
+        (2, 1, "mpac"),
+        (3, 1, "mpac"),
+        (4, 1, "mpac"),
+    ],
 )
 def test_boosted_fraction_matches_closed_form(d: int, k: int, scheme: str) -> None:
     params = WatermarkParams(bits=8 * d, block_bits=d, num_keys=k, scheme=scheme)  # type: ignore[arg-type]
@@ -99,8 +111,13 @@ def test_rows_with_different_messages_get_their_own_masks() -> None:
     blocks = torch.stack([torch.full((8,), v % 4) for v in range(batch)])
     active = torch.ones(batch, dtype=torch.bool)
     out = apply_watermark(
-        logits, context, blocks, active, words=torch.from_numpy(key.words.copy()),
-        codes=TorchWatermarker(key).codes(torch.device("cpu"), vocab), params=key.params,
+        logits,
+        context,
+        blocks,
+        active,
+        words=torch.from_numpy(key.words.copy()),
+        codes=TorchWatermarker(key).codes(torch.device("cpu"), vocab),
+        params=key.params,
     )
     mask = out != 0
     assert torch.equal(mask, _reference_mask(key, context, blocks, active, vocab))
@@ -138,7 +155,9 @@ def test_inplace_modifies_and_returns_the_input() -> None:
     out = TorchWatermarker(key).apply(logits, context, blocks, active, inplace=True)
     assert out.data_ptr() == logits.data_ptr()
     assert torch.equal(logits, expected)
-    assert torch.equal(context, ctx_before) and torch.equal(blocks, blocks_before) and torch.equal(active, active_before)
+    assert (
+        torch.equal(context, ctx_before) and torch.equal(blocks, blocks_before) and torch.equal(active, active_before)
+    )
 
 
 def test_token_codes_cache_serves_any_width() -> None:
@@ -166,8 +185,15 @@ def test_cuda_matches_cpu(dtype: torch.dtype) -> None:
 def _bad_call(key: WatermarkKey, **override: object) -> None:
     logits, context, blocks, active = _inputs(key.params, 4, 512, seed=10)
     w = TorchWatermarker(key)
-    args = {"logits": logits, "context": context, "blocks": blocks, "active": active,
-            "words": w.words(torch.device("cpu")), "codes": w.codes(torch.device("cpu"), 512), "params": key.params}
+    args = {
+        "logits": logits,
+        "context": context,
+        "blocks": blocks,
+        "active": active,
+        "words": w.words(torch.device("cpu")),
+        "codes": w.codes(torch.device("cpu"), 512),
+        "params": key.params,
+    }
     args.update(override)
     apply_watermark(args.pop("logits"), args.pop("context"), args.pop("blocks"), args.pop("active"), **args)
 

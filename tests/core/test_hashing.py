@@ -89,9 +89,7 @@ def test_numpy_and_torch_cuda_are_bit_identical() -> None:
     args = [torch.from_numpy(a).to(dev) for a in (prev2, prev1, token)]
     words_t = torch.from_numpy(words.copy()).to(dev)
     for d in range(1, 5):
-        np.testing.assert_array_equal(
-            shard(words_t, *args, d).cpu().numpy(), shard(words, prev2, prev1, token, d)
-        )
+        np.testing.assert_array_equal(shard(words_t, *args, d).cpu().numpy(), shard(words, prev2, prev1, token, d))
 
 
 def test_shard_does_not_modify_its_inputs() -> None:
@@ -177,7 +175,10 @@ def test_token_zero_in_context_zero_is_uniform_across_keys() -> None:
     params = WatermarkParams(bits=8, block_bits=2, num_keys=2)
     zero = np.zeros(1, dtype=np.int64)
     s = np.concatenate(
-        [shard(WatermarkKey.from_secret(f"secret-number-{i:06d}", params).words, zero, zero, zero, 2) for i in range(4000)]
+        [
+            shard(WatermarkKey.from_secret(f"secret-number-{i:06d}", params).words, zero, zero, zero, 2)
+            for i in range(4000)
+        ]
     )  # [4000, 2]
     for j in range(2):
         assert stats.chisquare(np.bincount(s[:, j], minlength=4)).pvalue > P_MIN

@@ -32,8 +32,15 @@ def test_import_is_light_in_a_fresh_interpreter() -> None:
         f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))\n"
     )
     root = PACKAGE.parent
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+        check=True,
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
@@ -42,7 +49,15 @@ def test_core_never_imports_the_service_or_web_stack() -> None:
     assert len(modules) >= 8
     for path in modules:
         found = _imports(path)
-        assert not found & {"service", "fastapi", "sqlalchemy", "starlette", "pydantic_settings", "uvicorn", "alembic"}, path
+        assert not found & {
+            "service",
+            "fastapi",
+            "sqlalchemy",
+            "starlette",
+            "pydantic_settings",
+            "uvicorn",
+            "alembic",
+        }, path
         if "transformers" in found:
             assert path.name == "hf.py", f"{path} imports transformers outside the adapter"
         if "vllm" in found:

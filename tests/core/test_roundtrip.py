@@ -15,8 +15,12 @@ USERS = 16  # one batch row per user, all watermarked in the same decoding steps
 def _accuracy(key: WatermarkKey, tokens: np.ndarray, messages, length: int, constrained: bool = True) -> float:
     """Mean bit accuracy over the rows, decoding the first ``length`` generated tokens of each."""
     return float(
-        np.mean([bit_accuracy(decode(row[: 2 + length], key, constrained=constrained).bits, m.bits)
-                 for row, m in zip(tokens, messages)])
+        np.mean(
+            [
+                bit_accuracy(decode(row[: 2 + length], key, constrained=constrained).bits, m.bits)
+                for row, m in zip(tokens, messages)
+            ]
+        )
     )
 
 

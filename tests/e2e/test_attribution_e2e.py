@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from service.services.tracing import offline_trace
 
-
 MODEL = "smollm2-135m-instruct"
 MIN_TOKENS = 150
 MAX_TOKENS_PER_REQUEST = 200
@@ -119,15 +118,22 @@ def _unwatermarked_text(server: Any, prompts: tuple[str, ...]) -> str:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
     config = GenerationConfig(
-        max_new_tokens=MAX_TOKENS_PER_REQUEST, do_sample=True, temperature=TEMPERATURE, top_k=0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        max_new_tokens=MAX_TOKENS_PER_REQUEST,
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(20240607)
     texts = []
     for prompt in prompts:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}],
-            add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
         )
         with torch.inference_mode():
             output = model.generate(**ids, generation_config=config)  # [1, prompt + new] int64

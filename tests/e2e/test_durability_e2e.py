@@ -33,11 +33,11 @@ async def _rows_soon(e2e_db: AsyncEngine, request_id: str, user_id: int, timeout
         await asyncio.sleep(0.005)
 
 
-async def test_a_completion_row_is_committed_as_the_response_ends(
-    live_server: Any, e2e_db: AsyncEngine
-) -> None:
+async def test_a_completion_row_is_committed_as_the_response_ends(live_server: Any, e2e_db: AsyncEngine) -> None:
     async with httpx.AsyncClient(base_url=live_server.base_url, timeout=120) as http:
-        created = await http.post("/admin/users", json={"name": "durable-e2e", "role": "user"}, headers=_admin(live_server))
+        created = await http.post(
+            "/admin/users", json={"name": "durable-e2e", "role": "user"}, headers=_admin(live_server)
+        )
         assert created.status_code == 201, created.text
         user = created.json()
         headers = {"Authorization": f"Bearer {user['api_key']}"}
@@ -49,8 +49,6 @@ async def test_a_completion_row_is_committed_as_the_response_ends(
             assert found == 1 and waited < 1.0, (found, waited)
 
         keys = (await http.get(f"/admin/users/{user['id']}/keys", headers=_admin(live_server))).json()["data"]
-        revoked = await http.post(
-            f"/admin/users/{user['id']}/keys/{keys[0]['id']}/revoke", headers=_admin(live_server)
-        )
+        revoked = await http.post(f"/admin/users/{user['id']}/keys/{keys[0]['id']}/revoke", headers=_admin(live_server))
         assert revoked.status_code == 200
         assert (await http.get("/v1/models", headers=headers)).status_code == 401

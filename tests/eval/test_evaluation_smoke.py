@@ -36,9 +36,25 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out, cache = base / "out", base / "cache"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.evaluation", "--smoke", "--engine", "transformers", "--model-path", str(model),
-         "--output-dir", str(out), "--cache-dir", str(cache)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.evaluation",
+            "--smoke",
+            "--engine",
+            "transformers",
+            "--model-path",
+            str(model),
+            "--output-dir",
+            str(out),
+            "--cache-dir",
+            str(cache),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))

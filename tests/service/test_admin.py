@@ -20,9 +20,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 async def _create(client: httpx.AsyncClient, admin_key: str, name: str, role: str = "user") -> dict[str, Any]:
-    response = await client.post(
-        "/admin/users", json={"name": name, "role": role}, headers=bearer(admin_key)
-    )
+    response = await client.post("/admin/users", json={"name": name, "role": role}, headers=bearer(admin_key))
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -131,9 +129,7 @@ async def test_delete_keeps_a_tombstone_and_revokes_keys(
     assert refused.status_code == 409
 
 
-async def test_last_active_admin_cannot_be_disabled_or_deleted(
-    client: httpx.AsyncClient, admin_key: str
-) -> None:
+async def test_last_active_admin_cannot_be_disabled_or_deleted(client: httpx.AsyncClient, admin_key: str) -> None:
     users = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()
     (admin,) = users["data"]
     for method, path in (("POST", f"/admin/users/{admin['id']}/disable"), ("DELETE", f"/admin/users/{admin['id']}")):
@@ -142,9 +138,7 @@ async def test_last_active_admin_cannot_be_disabled_or_deleted(
         assert response.json()["error"]["code"] == "last_admin"
 
 
-async def test_keys_are_issued_listed_and_revoked(
-    client: httpx.AsyncClient, admin_key: str
-) -> None:
+async def test_keys_are_issued_listed_and_revoked(client: httpx.AsyncClient, admin_key: str) -> None:
     user = await _create(client, admin_key, "dave", "admin")
     issued = await client.post(f"/admin/users/{user['id']}/keys", headers=bearer(admin_key))
     assert issued.status_code == 201
@@ -158,9 +152,7 @@ async def test_keys_are_issued_listed_and_revoked(
         assert set(key) == {"id", "user_id", "prefix", "created_at", "last_used_at", "revoked_at"}
         assert KEY_RE.match(key["prefix"]) is None
 
-    revoked = await client.post(
-        f"/admin/users/{user['id']}/keys/{body['id']}/revoke", headers=bearer(admin_key)
-    )
+    revoked = await client.post(f"/admin/users/{user['id']}/keys/{body['id']}/revoke", headers=bearer(admin_key))
     assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
     refused = await client.get("/admin/users", headers=bearer(body["api_key"]))
     assert refused.status_code == 401
@@ -169,9 +161,7 @@ async def test_keys_are_issued_listed_and_revoked(
     assert (await client.get("/admin/users", headers=bearer(user["api_key"]))).status_code == 200
 
     other = await _create(client, admin_key, "erin")
-    wrong_owner = await client.post(
-        f"/admin/users/{other['id']}/keys/{body['id']}/revoke", headers=bearer(admin_key)
-    )
+    wrong_owner = await client.post(f"/admin/users/{other['id']}/keys/{body['id']}/revoke", headers=bearer(admin_key))
     assert wrong_owner.status_code == 404
 
 
@@ -182,9 +172,7 @@ async def test_last_used_is_recorded(client: httpx.AsyncClient, admin_key: str) 
     assert keys["data"][0]["last_used_at"] is not None
 
 
-async def test_key_versions_list_activate_retire(
-    app: Any, client: httpx.AsyncClient, admin_key: str
-) -> None:
+async def test_key_versions_list_activate_retire(app: Any, client: httpx.AsyncClient, admin_key: str) -> None:
     listed = (await client.get("/admin/key-versions", headers=bearer(admin_key))).json()["data"]
     by_name = {v["name"]: v for v in listed}
     assert by_name["v1"]["status"] == "active" and by_name["v2"]["status"] == "pending"
@@ -203,15 +191,11 @@ async def test_key_versions_list_activate_retire(
     again = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))
     assert again.status_code == 409
 
-    retired = await client.post(
-        f"/admin/key-versions/{by_name['v1']['id']}/retire", headers=bearer(admin_key)
-    )
+    retired = await client.post(f"/admin/key-versions/{by_name['v1']['id']}/retire", headers=bearer(admin_key))
     assert retired.status_code == 200 and retired.json()["status"] == "retired"
     assert [h.name for h in app.state.keyring.usable()] == ["v2"]
 
-    last = await client.post(
-        f"/admin/key-versions/{by_name['v2']['id']}/retire", headers=bearer(admin_key)
-    )
+    last = await client.post(f"/admin/key-versions/{by_name['v2']['id']}/retire", headers=bearer(admin_key))
     assert last.status_code == 409
     assert last.json()["error"]["code"] == "last_active_key_version"
 
@@ -240,17 +224,13 @@ async def test_admin_writes_nothing_on_refusal(
     client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
 ) -> None:
     before = await db_session.scalar(select(func.count()).select_from(User))
-    bad = await client.post(
-        "/admin/users", json={"name": "x", "role": "root"}, headers=bearer(admin_key)
-    )
+    bad = await client.post("/admin/users", json={"name": "x", "role": "root"}, headers=bearer(admin_key))
     assert bad.status_code == 422
     assert await db_session.scalar(select(func.count()).select_from(User)) == before
 
 
 @pytest.mark.parametrize("name", ["", "   ", "a" * 201, "tab\tname"])
-async def test_bad_user_names_are_rejected(
-    client: httpx.AsyncClient, admin_key: str, name: str
-) -> None:
+async def test_bad_user_names_are_rejected(client: httpx.AsyncClient, admin_key: str, name: str) -> None:
     response = await client.post("/admin/users", json={"name": name}, headers=bearer(admin_key))
     assert response.status_code == 422
     assert response.json()["error"]["param"] == "name"

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
-from xmark_core import Message, WatermarkParams, allocate_message
 
 from service.errors import ConflictError
 from service.models import User
 from service.services.users import UserService
+from xmark_core import Message, WatermarkParams, allocate_message
 
 TINY = WatermarkParams(bits=2, block_bits=2, num_keys=2)  # four possible IDs
 
@@ -38,9 +38,7 @@ async def test_ids_are_spread_in_hamming_distance(app: Any, db_session: AsyncSes
     params = WatermarkParams()
     service = UserService(db_session, params, app.state.api_key_hasher)
     ids = [(await service.create_user(f"s{i}", "user")).message_id for i in range(8)]
-    distance = min(
-        sum(a != b for a, b in zip(x, y, strict=True)) for i, x in enumerate(ids) for y in ids[i + 1 :]
-    )
+    distance = min(sum(a != b for a, b in zip(x, y, strict=True)) for i, x in enumerate(ids) for y in ids[i + 1 :])
     # best-candidate sampling keeps eight 16-bit IDs at distance >= 7 in 3000 of 3000 trials;
     # uniformly random IDs fall below 4 about a quarter of the time
     assert distance >= 6

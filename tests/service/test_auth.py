@@ -39,7 +39,11 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/admin/key-versions/{version_id}/retire"): ADMIN,
 }
 BODIES: dict[str, Any] = {
-    "/v1/chat/completions": {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/chat/completions": {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    },
     "/trace": {"text": "some suspect text"},
     "/admin/users": {"name": "mallory", "role": "admin"},
     "/admin/key-versions": {"name": "v2"},
@@ -87,9 +91,7 @@ def test_every_route_is_classified(app: Any) -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), PROTECTED)
-async def test_missing_key_is_401(
-    client: httpx.AsyncClient, db_session: AsyncSession, method: str, path: str
-) -> None:
+async def test_missing_key_is_401(client: httpx.AsyncClient, db_session: AsyncSession, method: str, path: str) -> None:
     before = await _row_counts(db_session)
     response = await _call(client, method, path, {})
     _assert_envelope(response, 401, "authentication_error")
@@ -110,9 +112,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize(("method", "path"), PROTECTED)
 @pytest.mark.parametrize("header", MALFORMED)
-async def test_malformed_key_is_401(
-    client: httpx.AsyncClient, method: str, path: str, header: str
-) -> None:
+async def test_malformed_key_is_401(client: httpx.AsyncClient, method: str, path: str, header: str) -> None:
     response = await _call(client, method, path, {"Authorization": header})
     _assert_envelope(response, 401, "authentication_error")
     token = header.partition(" ")[2]
@@ -121,9 +121,7 @@ async def test_malformed_key_is_401(
 
 
 @pytest.mark.parametrize(("method", "path"), PROTECTED)
-async def test_unknown_well_formed_key_is_401(
-    client: httpx.AsyncClient, method: str, path: str
-) -> None:
+async def test_unknown_well_formed_key_is_401(client: httpx.AsyncClient, method: str, path: str) -> None:
     unknown = generate_api_key().plaintext
     response = await _call(client, method, path, {"Authorization": f"Bearer {unknown}"})
     _assert_envelope(response, 401, "authentication_error")
@@ -135,9 +133,7 @@ async def test_revoked_key_is_401(
     client: httpx.AsyncClient, make_user: Any, admin_key: str, method: str, path: str
 ) -> None:
     principal, key = await make_user("admin")
-    keys = await client.get(
-        f"/admin/users/{principal['id']}/keys", headers={"Authorization": f"Bearer {admin_key}"}
-    )
+    keys = await client.get(f"/admin/users/{principal['id']}/keys", headers={"Authorization": f"Bearer {admin_key}"})
     key_id = keys.json()["data"][0]["id"]
     revoked = await client.post(
         f"/admin/users/{principal['id']}/keys/{key_id}/revoke",
@@ -181,18 +177,14 @@ async def test_deleted_user_is_refused(
     client: httpx.AsyncClient, make_user: Any, admin_key: str, method: str, path: str
 ) -> None:
     principal, key = await make_user("admin")
-    deleted = await client.delete(
-        f"/admin/users/{principal['id']}", headers={"Authorization": f"Bearer {admin_key}"}
-    )
+    deleted = await client.delete(f"/admin/users/{principal['id']}", headers={"Authorization": f"Bearer {admin_key}"})
     assert deleted.status_code == 200
     response = await _call(client, method, path, {"Authorization": f"Bearer {key}"})
     # deletion revokes every key of the user
     _assert_envelope(response, 401, "authentication_error")
 
 
-async def test_right_role_passes_authentication(
-    client: httpx.AsyncClient, make_user: Any
-) -> None:
+async def test_right_role_passes_authentication(client: httpx.AsyncClient, make_user: Any) -> None:
     _, auditor = await make_user("auditor")
     response = await client.get("/v1/models", headers={"Authorization": f"Bearer {auditor}"})
     assert response.status_code == 200

@@ -184,9 +184,7 @@ async def test_revoking_a_cached_key_takes_effect_on_the_next_request(
     principal, key = await make_user("user")
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
     key_id = await _key_id(db_session, principal["id"])
-    revoked = await client.post(
-        f"/admin/users/{principal['id']}/keys/{key_id}/revoke", headers=bearer(admin_key)
-    )
+    revoked = await client.post(f"/admin/users/{principal['id']}/keys/{key_id}/revoke", headers=bearer(admin_key))
     assert revoked.status_code == 200
     response = await client.get("/v1/models", headers=bearer(key))
     assert response.status_code == 401

@@ -30,7 +30,9 @@ def test_every_single_character_typo_is_rejected() -> None:
                 parse_api_key(typo)
 
 
-@pytest.mark.parametrize("text", ["", "xm_", "sk-abc", "xm_" + "a" * 43, "xm_" + "a" * 43 + "_" + "a" * 7, " " + "x" * 53])
+@pytest.mark.parametrize(
+    "text", ["", "xm_", "sk-abc", "xm_" + "a" * 43, "xm_" + "a" * 43 + "_" + "a" * 7, " " + "x" * 53]
+)
 def test_malformed_keys_are_rejected_without_echo(text: str) -> None:
     with pytest.raises(ApiKeyFormatError) as info:
         parse_api_key(text)

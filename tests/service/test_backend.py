@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from xmark_core import Message, decode
 
 from service.backends import build_backend
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
@@ -16,6 +15,7 @@ from service.backends.detokenizer import IncrementalDetokenizer
 from service.backends.local import LocalBackend
 from service.backends.stop_strings import StopStringBuffer
 from service.config import ConfigurationError
+from xmark_core import Message, decode
 
 
 @pytest.fixture
@@ -64,9 +64,7 @@ def test_vllm_backend_is_a_configuration_error(settings: Any) -> None:
         build_backend(settings.model_copy(update={"backend": "vllm"}), None)  # type: ignore[arg-type]
 
 
-async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(
-    app: Any, backend: LocalBackend
-) -> None:
+async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(app: Any, backend: LocalBackend) -> None:
     """Different users in one generate call: every row decodes to its own caller's message."""
     params = app.state.keyring.params
     messages = ["0110100111000101", "1001011000111010", "1111000010100110"]

@@ -96,9 +96,7 @@ async def test_completion_is_returned_and_recorded(
     assert 0 < float(timings["model"]) < float(timings["app"])
 
     assert await _generation_count(db_session) == before + 1
-    row = (
-        await db_session.scalars(select(Generation).where(Generation.request_id == data["id"]))
-    ).one()
+    row = (await db_session.scalars(select(Generation).where(Generation.request_id == data["id"]))).one()
     assert row.user_id == principal["user_id"]
     assert row.key_version_id == app.state.keyring.active().id
     assert row.model == MODEL
@@ -153,12 +151,8 @@ async def test_n_choices_seed_reproducible_and_each_recorded(
     assert len(set(texts)) > 1  # sampling, not three copies of one row
     assert await _generation_count(db_session) == before + 6
     usage = first.json()["usage"]
-    rows = (
-        await db_session.scalars(select(Generation).where(Generation.request_id == first.json()["id"]))
-    ).all()
-    assert sorted(r.completion_sha256 for r in rows) == sorted(
-        hashlib.sha256(t.encode()).hexdigest() for t in texts
-    )
+    rows = (await db_session.scalars(select(Generation).where(Generation.request_id == first.json()["id"]))).all()
+    assert sorted(r.completion_sha256 for r in rows) == sorted(hashlib.sha256(t.encode()).hexdigest() for t in texts)
     assert sum(r.completion_tokens for r in rows) == usage["completion_tokens"]
 
 
@@ -205,9 +199,7 @@ async def test_streaming_sse_format_usage_and_record(
     text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
     assert text
     assert usage_chunk["usage"]["completion_tokens"] <= 10
-    row = (
-        await db_session.scalars(select(Generation).where(Generation.request_id == chunks[0]["id"]))
-    ).one()
+    row = (await db_session.scalars(select(Generation).where(Generation.request_id == chunks[0]["id"]))).one()
     assert await _generation_count(db_session) == before + 1
     assert row.streamed is True
     assert row.user_id == principal["user_id"]
@@ -242,7 +234,12 @@ BAD_BODIES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("empty messages", {"messages": []}, 422, "messages"),
     ("unknown role", {"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages.0.role"),
     ("tool role", {"messages": [{"role": "tool", "content": "hi"}]}, 422, "messages.0.role"),
-    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 422, None),
+    (
+        "image part",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        422,
+        None,
+    ),
     ("zero max_tokens", {"max_tokens": 0}, 422, "max_tokens"),
     ("negative max_tokens", {"max_tokens": -5}, 422, "max_tokens"),
     ("huge max_tokens", {"max_tokens": 10**6}, 400, "max_tokens"),
@@ -323,8 +320,11 @@ async def test_client_cannot_choose_the_watermark(app: Any, user_key: Any, db_se
     )
     assert "vllm_xargs" not in body.model_dump() and "watermarking" not in body.model_dump()
     caller = Principal(
-        user_id=principal["user_id"], name=principal["name"], role="user",
-        message_id=principal["message_id"], api_key_id=1,
+        user_id=principal["user_id"],
+        name=principal["name"],
+        role="user",
+        message_id=principal["message_id"],
+        api_key_id=1,
     )
     service = GenerationService(
         app.state.generation_records, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics

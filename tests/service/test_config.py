@@ -30,7 +30,15 @@ def _settings(**values: object) -> Settings:
 
 @pytest.mark.parametrize(
     "secret",
-    ["changeme", "changeme-changeme-changeme", "CHANGEME1234567890", "short-secret", "x" * 40, "your-secret-goes-here-please", "replace-me-with-a-real-one"],
+    [
+        "changeme",
+        "changeme-changeme-changeme",
+        "CHANGEME1234567890",
+        "short-secret",
+        "x" * 40,
+        "your-secret-goes-here-please",
+        "replace-me-with-a-real-one",
+    ],
 )
 def test_placeholder_watermark_secrets_are_refused(secret: str) -> None:
     with pytest.raises(ValidationError) as info:
@@ -54,7 +62,10 @@ def test_missing_secrets_are_refused_outside_embedded_mode() -> None:
         _settings(database_url=PG, watermark_secrets=SecretStr(f"v1:{GOOD_SECRET}"))
 
 
-@pytest.mark.parametrize("value", ["v1", "v1:", ":secretsecretsecret1", "bad name:Zq8r-2mV7xK1pL9wT4nB6yH3", f"v1:{GOOD_SECRET},v1:{GOOD_SECRET}x"])
+@pytest.mark.parametrize(
+    "value",
+    ["v1", "v1:", ":secretsecretsecret1", "bad name:Zq8r-2mV7xK1pL9wT4nB6yH3", f"v1:{GOOD_SECRET},v1:{GOOD_SECRET}x"],
+)
 def test_malformed_secret_lists_are_refused(value: str) -> None:
     with pytest.raises(ValidationError):
         _settings(database_url=PG, watermark_secrets=SecretStr(value), api_key_pepper=SecretStr(GOOD_PEPPER))
@@ -135,7 +146,10 @@ def test_embedded_mode_still_refuses_configured_placeholders(tmp_path: Path) -> 
 
 def test_bootstrap_admin_key_must_be_well_formed() -> None:
     good = generate_api_key().plaintext
-    assert _settings(database_url="sqlite+aiosqlite:///x.db", bootstrap_admin_key=SecretStr(good)).bootstrap_admin_key is not None
+    assert (
+        _settings(database_url="sqlite+aiosqlite:///x.db", bootstrap_admin_key=SecretStr(good)).bootstrap_admin_key
+        is not None
+    )
     for bad in ("not-a-key-at-all", good[:-1] + ("A" if good[-1] != "A" else "B"), good + "x"):
         with pytest.raises(ValidationError) as info:
             _settings(database_url="sqlite+aiosqlite:///x.db", bootstrap_admin_key=SecretStr(bad))
@@ -165,8 +179,13 @@ def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) ->
     assert (configured.auth_cache_ttl_s, configured.auth_cache_size) == (0.0, 50)
     assert (configured.model_threads, configured.max_batch_size, configured.workers) == (3, 4, 2)
     for bad in (
-        {"auth_cache_ttl_s": -1}, {"auth_cache_size": 0}, {"model_threads": 0}, {"max_batch_size": 0}, {"workers": 0},
-        {"record_linger_ms": -1}, {"record_linger_ms": 1001},
+        {"auth_cache_ttl_s": -1},
+        {"auth_cache_size": 0},
+        {"model_threads": 0},
+        {"max_batch_size": 0},
+        {"workers": 0},
+        {"record_linger_ms": -1},
+        {"record_linger_ms": 1001},
     ):
         with pytest.raises(ValidationError):
             _settings(database_url="sqlite+aiosqlite:///x.db", **bad)
@@ -189,10 +208,9 @@ def test_the_local_backend_takes_its_threads_and_batch_size_from_the_settings(tm
 
 @pytest.mark.parametrize("secret", ["changeme-changeme-changeme", "tiny-one", "aaaaaaaaaaaaaaaaaaaaaaaa"])
 def test_the_gateway_and_the_workers_refuse_the_same_secrets(secret: str) -> None:
+    from service.config import parse_secret_entries
     from xmark_core.vllm_common import WorkerConfigError
     from xmark_core.vllm_common import parse_secret_entries as worker_parse
-
-    from service.config import parse_secret_entries
 
     with pytest.raises(ConfigurationError) as gateway:
         parse_secret_entries(f"v1:{secret}", source="XMARK_WATERMARK_SECRETS")

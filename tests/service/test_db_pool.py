@@ -65,9 +65,7 @@ def pings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-async def test_a_healthy_pooled_connection_is_reused_without_a_ping(
-    engine: AsyncEngine, pings: list[str]
-) -> None:
+async def test_a_healthy_pooled_connection_is_reused_without_a_ping(engine: AsyncEngine, pings: list[str]) -> None:
     pid = await _backend_pid(engine)
     statements = _statements(engine)
     assert await _backend_pid(engine) == pid

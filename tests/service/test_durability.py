@@ -24,8 +24,8 @@ from sqlalchemy.pool import NullPool
 from starlette.types import Message, Receive, Scope, Send
 
 from service.db import RowWriter, create_sessionmaker, session_scope
-from service.schemas.chat import ChatCompletionRequest
 from service.models import ApiKey, Generation, Trace, User
+from service.schemas.chat import ChatCompletionRequest
 from service.services.users import UserService
 
 MODEL = "smollm2-135m-instruct"
@@ -146,7 +146,9 @@ async def test_with_record_before_response_a_completion_is_committed_before_its_
 
 
 async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logged(
-    app: Any, committed_users: dict[str, tuple[int, str]], monkeypatch: pytest.MonkeyPatch,
+    app: Any,
+    committed_users: dict[str, tuple[int, str]],
+    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The database is really unreachable (a database that does not exist): the client still gets
@@ -208,8 +210,10 @@ async def test_a_stream_is_committed_when_it_ends(
             assert response.status_code == 200
             raw = (await response.aread()).decode()
     request_id = json.loads(raw.split("\n\n")[0][len("data: ") :])["id"]
-    rows = select(func.count()).select_from(Generation).where(
-        Generation.request_id == request_id, Generation.streamed.is_(True)
+    rows = (
+        select(func.count())
+        .select_from(Generation)
+        .where(Generation.request_id == request_id, Generation.streamed.is_(True))
     )
     assert await _count(observer, rows) == 1
 

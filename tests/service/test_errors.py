@@ -57,9 +57,7 @@ async def test_invalid_bodies_name_the_field_and_write_nothing(
     assert await _counts(db_session) == before
 
 
-@pytest.mark.parametrize(
-    "raw", [b"{", b'{"name": "a", "role": "user"', b"not json at all", b'{"name": }']
-)
+@pytest.mark.parametrize("raw", [b"{", b'{"name": "a", "role": "user"', b"not json at all", b'{"name": }'])
 async def test_malformed_json_is_422_and_writes_nothing(
     client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession, raw: bytes
 ) -> None:
@@ -87,11 +85,15 @@ async def test_empty_body_is_422(client: httpx.AsyncClient, admin_key: str) -> N
 
 @pytest.mark.parametrize(
     ("query", "param"),
-    [("limit=abc", "limit"), ("limit=0", "limit"), ("limit=100000", "limit"), ("offset=-1", "offset"), ("status=gone", "status")],
+    [
+        ("limit=abc", "limit"),
+        ("limit=0", "limit"),
+        ("limit=100000", "limit"),
+        ("offset=-1", "offset"),
+        ("status=gone", "status"),
+    ],
 )
-async def test_bad_query_parameters(
-    client: httpx.AsyncClient, admin_key: str, query: str, param: str
-) -> None:
+async def test_bad_query_parameters(client: httpx.AsyncClient, admin_key: str, query: str, param: str) -> None:
     error = _error(await client.get(f"/admin/users?{query}", headers=bearer(admin_key)), 422)
     assert error["param"] == param
 
@@ -170,7 +172,9 @@ async def test_planted_secrets_never_appear_in_responses_or_logs(
     responses: list[httpx.Response] = []
     for key in (admin_key, other_key):
         # a user name is echoed by design, but one containing an API key is refused
-        refused = await client.post("/admin/users", json={"name": f"x {key}", "role": "user"}, headers=bearer(admin_key))
+        refused = await client.post(
+            "/admin/users", json={"name": f"x {key}", "role": "user"}, headers=bearer(admin_key)
+        )
         assert refused.status_code == 422
         responses.append(refused)
     for secret in secrets:
@@ -188,7 +192,9 @@ async def test_planted_secrets_never_appear_in_responses_or_logs(
             await client.get("/admin/users", headers={"Authorization": f"Bearer {secret}x"}),
             await client.get("/admin/users", headers={"Authorization": secret}),
             await client.get("/admin/users", headers={**bearer(admin_key), "X-Request-ID": secret}),
-            await client.post("/v1/chat/completions", json={"model": secret, "messages": secret}, headers=bearer(other_key)),
+            await client.post(
+                "/v1/chat/completions", json={"model": secret, "messages": secret}, headers=bearer(other_key)
+            ),
             await client.post("/trace", json={"text": 5, "extra": secret}, headers=bearer(admin_key)),
         ]
     for response in responses:

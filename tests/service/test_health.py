@@ -40,13 +40,9 @@ async def test_readyz_is_503_while_the_backend_loads(app: Any, client: httpx.Asy
     assert error["code"] == "backend_not_ready"
 
 
-async def test_readyz_is_503_when_the_database_is_unreachable(
-    app: Any, client: httpx.AsyncClient
-) -> None:
+async def test_readyz_is_503_when_the_database_is_unreachable(app: Any, client: httpx.AsyncClient) -> None:
     original = app.state.engine
-    unreachable = create_async_engine(
-        "postgresql+asyncpg://root@127.0.0.1:1/test", connect_args={"timeout": 2}
-    )
+    unreachable = create_async_engine("postgresql+asyncpg://root@127.0.0.1:1/test", connect_args={"timeout": 2})
     app.state.engine = unreachable
     try:
         response = await client.get("/readyz")

@@ -8,10 +8,10 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from xmark_core import WatermarkKey, WatermarkParams
 
 from service.keyring import Keyring, KeyringError
 from service.models import KeyVersion
+from xmark_core import WatermarkKey, WatermarkParams
 
 PARAMS = WatermarkParams()
 S1 = b"keyring-test-secret-one-3b9f1c2d"
@@ -36,7 +36,13 @@ async def test_first_sync_registers_first_active_then_pending(empty_versions: As
     rows = await _rows(empty_versions)
     assert {n: r.status for n, r in rows.items()} == {"a": "active", "b": "pending"}
     assert rows["a"].fingerprint == WatermarkKey.from_secret(S1, PARAMS).fingerprint
-    assert (rows["a"].bits, rows["a"].block_bits, rows["a"].num_keys, rows["a"].delta, rows["a"].scheme) == (16, 2, 2, 2.0, "xmark")
+    assert (rows["a"].bits, rows["a"].block_bits, rows["a"].num_keys, rows["a"].delta, rows["a"].scheme) == (
+        16,
+        2,
+        2,
+        2.0,
+        "xmark",
+    )
     for row in rows.values():  # the secret itself is never stored
         for column in KeyVersion.__table__.columns:
             assert str(getattr(row, column.key)) not in (S1.decode(), S2.decode())
@@ -103,9 +109,7 @@ async def test_app_start_refuses_a_mismatched_secret(settings: Any, app: Any) ->
     """The configured test secrets are registered; starting with another v1 secret fails."""
     from service.app import create_app
 
-    changed = settings.model_copy(
-        update={"watermark_secrets": SecretStr("v1:another-secret-for-v1-7c1e9a5b3d")}
-    )
+    changed = settings.model_copy(update={"watermark_secrets": SecretStr("v1:another-secret-for-v1-7c1e9a5b3d")})
     other = create_app(changed)
     with pytest.raises(KeyringError, match="'v1'"):
         async with other.router.lifespan_context(other):

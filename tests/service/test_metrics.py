@@ -20,9 +20,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def test_requests_are_counted_by_route_template_and_status(
-    client: httpx.AsyncClient, admin_key: str
-) -> None:
+async def test_requests_are_counted_by_route_template_and_status(client: httpx.AsyncClient, admin_key: str) -> None:
     before = (await client.get("/metrics")).text
     await client.get("/healthz")
     await client.get("/admin/users/1", headers={"Authorization": f"Bearer {admin_key}"})
@@ -41,7 +39,9 @@ async def test_requests_are_counted_by_route_template_and_status(
 
     assert delta(route="/healthz", method="GET", status="200") == 1
     user_route = "/admin/users/{user_id}"
-    assert delta(route=user_route, method="GET", status="404") + delta(route=user_route, method="GET", status="200") == 2
+    assert (
+        delta(route=user_route, method="GET", status="404") + delta(route=user_route, method="GET", status="200") == 2
+    )
     assert delta(route=user_route, method="GET", status="401") == 1
     assert delta(route="unmatched", method="GET", status="404") == 1
     assert "/admin/users/1" not in after  # raw paths never become labels

@@ -46,7 +46,9 @@ def test_checkpoint_loads_with_its_chat_template(built_checkpoint: Path) -> None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(built_checkpoint, local_files_only=True)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert "<|im_start|>user\nHi<|im_end|>" in prompt
     model = AutoModelForCausalLM.from_pretrained(built_checkpoint, local_files_only=True)
     assert getattr(model.config, "quantization_config", None) is None
@@ -89,7 +91,9 @@ def test_corruption_is_detected_and_repaired(built_checkpoint: Path) -> None:
 
 def test_missing_manifest_or_file_fails_verification(tmp_path: Path) -> None:
     assert verify_checkpoint(tmp_path).reason == "no manifest"
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 1, "files": {"a.bin": {"sha256": "0" * 64, "size": 1}}}))
+    (tmp_path / MANIFEST_NAME).write_text(
+        json.dumps({"format": 1, "files": {"a.bin": {"sha256": "0" * 64, "size": 1}}})
+    )
     assert verify_checkpoint(tmp_path).reason == "missing file a.bin"
     (tmp_path / MANIFEST_NAME).write_text("not json")
     assert verify_checkpoint(tmp_path).reason == "unreadable manifest"

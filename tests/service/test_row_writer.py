@@ -150,9 +150,7 @@ async def test_a_refused_row_fails_its_write_and_the_connection_stays(
     assert [label for label, _, _ in await _stored(admin, table)] == ["ok", "after"]
 
 
-async def test_a_connection_the_server_closed_is_replaced(
-    writer: RowWriter, admin: AsyncEngine, table: Table
-) -> None:
+async def test_a_connection_the_server_closed_is_replaced(writer: RowWriter, admin: AsyncEngine, table: Table) -> None:
     await writer.write([_row("before")])
     pid = writer._connection.get_server_pid()  # type: ignore[union-attr]
     async with admin.connect() as connection:

@@ -93,7 +93,7 @@ async def _get(base: str, path: str, key: str | None = None) -> httpx.Response:
 
 def _models_served(exposition: str) -> float:
     prefix = 'xmark_http_requests_total{method="GET",route="/v1/models",status="200"} '
-    return sum(float(line[len(prefix):]) for line in exposition.splitlines() if line.startswith(prefix))
+    return sum(float(line[len(prefix) :]) for line in exposition.splitlines() if line.startswith(prefix))
 
 
 async def _count(engine: AsyncEngine, sql: str) -> int:
@@ -126,7 +126,9 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
     with log.open("wb") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=out, stderr=out,
+            env=env,
+            stdout=out,
+            stderr=out,
         )
     observer = create_async_engine(database, poolclass=NullPool)
     try:

@@ -8,11 +8,11 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from xmark_core import Message
 
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.models import Trace
 from service.services.registry_cache import RegistryCache
+from xmark_core import Message
 
 MODEL = "smollm2-135m-instruct"
 ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
@@ -183,7 +183,9 @@ async def test_every_usable_key_version_is_tried(
     assert report["attribution"]["user_id"] == target["user_id"]
 
 
-async def test_registry_cache_reloads_only_when_users_change(app: Any, db_session: AsyncSession, make_user: Any) -> None:
+async def test_registry_cache_reloads_only_when_users_change(
+    app: Any, db_session: AsyncSession, make_user: Any
+) -> None:
     cache = RegistryCache(app.state.sessionmaker, app.state.keyring.params, check_interval=0.0)
     first = await cache.snapshot(db_session)
     assert cache.reloads == 1
@@ -237,9 +239,8 @@ async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrat
     background, so the first traces find them cached; larger rows are left for first use."""
     import asyncio
 
-    from xmark_core.null import row_null
-
     from service.app import create_app
+    from xmark_core.null import row_null
 
     warm = 3
     application = create_app(settings.model_copy(update={"trace_warm_row_tokens": warm}))

@@ -17,16 +17,16 @@ pytest.importorskip(
     "vllm.sampling_params", reason="vLLM is not installed in this interpreter (make test-vllm installs it)"
 )
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import VllmConfig  # noqa: E402
-from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import VllmConfig
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from benchmarks.evaluation.config import GenSpec  # noqa: E402
-from benchmarks.evaluation.generation import MixedRowsProcessor, RowJob  # noqa: E402
-from benchmarks.evaluation.population import evaluation_key, user_messages  # noqa: E402
-from benchmarks.evaluation.vllm_engine import EvalLogitsProcessor, request_args  # noqa: E402
-from xmark_core.hf import XMarkLogitsProcessor  # noqa: E402
+from benchmarks.evaluation.config import GenSpec
+from benchmarks.evaluation.generation import MixedRowsProcessor, RowJob
+from benchmarks.evaluation.population import evaluation_key, user_messages
+from benchmarks.evaluation.vllm_engine import EvalLogitsProcessor, request_args
+from xmark_core.hf import XMarkLogitsProcessor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152

@@ -21,34 +21,34 @@ pytest.importorskip(
     "vllm.sampling_params", reason="vLLM is not installed in this interpreter (make test-vllm installs it)"
 )
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import VllmConfig  # noqa: E402
-from vllm.exceptions import VLLMValidationError  # noqa: E402
-from vllm.v1.sample.logits_processor import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import (
     BatchUpdate,
     MoveDirectionality,
     validate_logits_processors_parameters,
 )
-from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns as load_v1_classes  # noqa: E402
-from vllm.v1.worker.gpu.sample.logits_processor import (  # noqa: E402
+from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns as load_v1_classes
+from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsContext,
     LogitsProcRequestState,
     build_custom_logits_processors_params_validator,
 )
-from vllm.v1.worker.gpu.sample.logits_processor.loader import (  # noqa: E402
+from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     _load_v2_logitsprocs_by_fqcns as load_v2_classes,
 )
 
-from xmark_core import (  # noqa: E402
+from xmark_core import (
     Message,
     WatermarkKey,
-    vllm_common,  # noqa: E402
+    vllm_common,
 )
-from xmark_core.hf import XMarkLogitsProcessor as HFProcessor  # noqa: E402
-from xmark_core.vllm_common import WorkerConfigError, WorkerKeyring  # noqa: E402
-from xmark_core.vllm_v1 import XMarkLogitsProcessor as V1Processor  # noqa: E402
-from xmark_core.vllm_v2 import XMarkLogitsProcessor as V2Processor  # noqa: E402
+from xmark_core.hf import XMarkLogitsProcessor as HFProcessor
+from xmark_core.vllm_common import WorkerConfigError, WorkerKeyring
+from xmark_core.vllm_v1 import XMarkLogitsProcessor as V1Processor
+from xmark_core.vllm_v2 import XMarkLogitsProcessor as V2Processor
 
 V1_FQCN = "xmark_core.vllm_v1:XMarkLogitsProcessor"
 V2_FQCN = "xmark_core.vllm_v2:XMarkLogitsProcessor"
