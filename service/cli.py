@@ -23,6 +23,7 @@ from service.schemas.admin import CreatedUser, CreateUserRequest, UserPage
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.bootstrap import DEFAULT_ADMIN_NAME, ensure_first_admin
 from service.services.users import UserService
+from service.vocabulary import Role, UserStatus
 
 
 class CliError(Exception):
@@ -227,15 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     user = sub.add_parser("create-user", help="create a user and print its API key once")
     user.add_argument("name")
-    user.add_argument("--role", choices=["user", "auditor", "admin"], default="user")
+    user.add_argument("--role", choices=[role.value for role in Role], default=Role.USER.value)
     user.add_argument("--json", action="store_true", help="print JSON")
     user.set_defaults(func=cmd_create_user)
 
     users = sub.add_parser("users", help="list users")
     users.add_argument("--limit", type=int, default=100)
     users.add_argument("--offset", type=int, default=0)
-    users.add_argument("--status", choices=["active", "disabled", "deleted"])
-    users.add_argument("--role", choices=["user", "auditor", "admin"])
+    users.add_argument("--status", choices=[status.value for status in UserStatus])
+    users.add_argument("--role", choices=[role.value for role in Role])
     users.add_argument("--json", action="store_true", help="print JSON")
     users.set_defaults(func=cmd_users)
 

@@ -110,4 +110,4 @@ def require_roles(*roles: Role) -> Callable[[Principal], Awaitable[Principal]]:
     return dependency
 
 
-AdminDep = Annotated[Principal, Depends(require_roles("admin"))]
+AdminDep = Annotated[Principal, Depends(require_roles(Role.ADMIN))]

@@ -27,6 +27,7 @@ from service.config import Settings
 from service.errors import ServiceUnavailableError
 from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
+from service.vocabulary import KeyVersionStatus
 from xmark_core import WatermarkKey, WatermarkParams
 
 logger = logging.getLogger("xmark.keyring")
@@ -43,14 +44,14 @@ class KeyVersionHandle:
     id: int
     name: str
     key: WatermarkKey
-    status: str
+    status: KeyVersionStatus
 
 
 @dataclass(frozen=True)
 class _RowView:
     id: int
     name: str
-    status: str
+    status: KeyVersionStatus
     params: WatermarkParams
     fingerprint: str
     activated_at: datetime | None
@@ -116,7 +117,7 @@ class Keyring:
     def active(self) -> KeyVersionHandle:
         """The newest active version; it encodes new generations."""
         for handle in self._handles:
-            if handle.status == "active":
+            if handle.status == KeyVersionStatus.ACTIVE:
                 return handle
         raise ServiceUnavailableError("No active watermark key version is configured")
 
@@ -131,17 +132,19 @@ class Keyring:
         """Start-up: register configured secrets, verify fingerprints, load the usable versions."""
         repo = KeyVersionRepository(session)
         rows = {row.name: row for row in await repo.list_all()}
-        has_active = any(row.status == "active" for row in rows.values())
+        has_active = any(row.status == KeyVersionStatus.ACTIVE for row in rows.values())
         for name in self._secrets:
             row = rows.get(name)
             if row is None:
-                row = await self._register(session, repo, name, "pending" if has_active else "active")
+                row = await self._register(
+                    session, repo, name, KeyVersionStatus.PENDING if has_active else KeyVersionStatus.ACTIVE
+                )
                 rows[name] = row
             self._verify(row)
-            has_active = has_active or row.status == "active"
+            has_active = has_active or row.status == KeyVersionStatus.ACTIVE
         await self._load(repo, strict=True)
-        newest = next((v for v in self._views(await repo.list_all()) if v.status == "active"), None)
-        if not any(h.status == "active" for h in self._handles):
+        newest = next((v for v in self._views(await repo.list_all()) if v.status == KeyVersionStatus.ACTIVE), None)
+        if not any(h.status == KeyVersionStatus.ACTIVE for h in self._handles):
             raise KeyringError(
                 "no active key version has a configured secret; configure the secret of an "
                 "active version or activate a configured one"
@@ -156,11 +159,13 @@ class Keyring:
         """Reload the table (after an admin change, or periodically on every replica)."""
         await self._load(KeyVersionRepository(session), strict=False)
 
-    async def register(self, session: AsyncSession, name: str, status: str) -> KeyVersion:
+    async def register(self, session: AsyncSession, name: str, status: KeyVersionStatus) -> KeyVersion:
         """Insert the row of a configured secret (used by activation)."""
         return await self._register(session, KeyVersionRepository(session), name, status)
 
-    async def _register(self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: str) -> KeyVersion:
+    async def _register(
+        self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: KeyVersionStatus
+    ) -> KeyVersion:
         key = self.key_for(name, self._params)
         now = datetime.now(UTC)
         row = KeyVersion(
@@ -173,7 +178,7 @@ class Keyring:
             fingerprint=key.fingerprint,
             status=status,
             created_at=now,
-            activated_at=now if status == "active" else None,
+            activated_at=now if status == KeyVersionStatus.ACTIVE else None,
         )
         try:
             async with session.begin_nested():
@@ -208,7 +213,7 @@ class Keyring:
             _RowView(
                 id=row.id,
                 name=row.name,
-                status=row.status,
+                status=KeyVersionStatus(row.status),
                 params=row_params(row),
                 fingerprint=row.fingerprint,
                 activated_at=row.activated_at,
@@ -223,7 +228,7 @@ class Keyring:
         handles: list[KeyVersionHandle] = []
         mismatched: set[str] = set()
         for view in self._views(await repo.list_all()):
-            if view.status == "retired" or view.name not in self._secrets:
+            if view.status == KeyVersionStatus.RETIRED or view.name not in self._secrets:
                 continue
             if view.params.bits != self._params.bits:
                 mismatched.add(view.name)
@@ -245,5 +250,5 @@ class Keyring:
         self._mismatched = frozenset(mismatched)
         # pending versions are tried by /trace (no text carries them yet, so they cost nothing
         # but time) but never encode: order active ones first for clarity.
-        handles.sort(key=lambda h: h.status != "active")
+        handles.sort(key=lambda h: h.status != KeyVersionStatus.ACTIVE)
         self._handles = tuple(handles)

@@ -122,10 +122,9 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.strip().isdigit():
-            if int(declared) > self.max_body_bytes:
-                await self._reject(send)
-                return
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_body_bytes:
+            await self._reject(send)
+            return
         chunks: list[bytes] = []
         total = 0
         while True:

@@ -21,6 +21,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from service.vocabulary import KeyVersionStatus, Role, UserStatus
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -29,9 +31,9 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-USER_ROLES = ("user", "auditor", "admin")
-USER_STATUSES = ("active", "disabled", "deleted")
-KEY_VERSION_STATUSES = ("active", "pending", "retired")
+USER_ROLES = tuple(role.value for role in Role)
+USER_STATUSES = tuple(status.value for status in UserStatus)
+KEY_VERSION_STATUSES = tuple(status.value for status in KeyVersionStatus)
 
 
 def utcnow() -> datetime:
@@ -76,7 +78,7 @@ class User(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     role: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16), default="active", index=True)
+    status: Mapped[str] = mapped_column(String(16), default=UserStatus.ACTIVE.value, index=True)
     message_id: Mapped[str] = mapped_column(String(256), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)

@@ -6,13 +6,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from service.vocabulary import FinishReason
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from xmark_core import Message, WatermarkKey
 
 Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled"]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ waiting client and tells ``generate`` which rows are finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import StoppingCriteria
 
-from service.backends.base import ChoiceDelta, FinishReason, GenerationRequest, WatermarkStamp
+from service.backends.base import ChoiceDelta, GenerationRequest, WatermarkStamp
 from service.backends.detokenizer import IncrementalDetokenizer
 from service.backends.stop_strings import StopStringBuffer
+from service.vocabulary import FinishReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,10 +75,8 @@ def deliver_to_loop(
     """A thread-safe callback that puts events on an asyncio queue owned by ``loop``."""
 
     def deliver(event: StreamEvent) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             loop.call_soon_threadsafe(queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
     return deliver
 
@@ -124,20 +124,20 @@ class RowTracker(StoppingCriteria):
 
     def _step_row(self, row_number: int, row: _Row, token_id: int) -> None:
         if row.job.cancelled.is_set():
-            self._finish(row_number, row, "cancelled")
+            self._finish(row_number, row, FinishReason.CANCELLED)
             return
         row.tokens += 1
         if token_id in self._eos_ids:
             tail = row.stop_buffer.push(row.detokenizer.flush())[0] + row.stop_buffer.flush()
-            self._finish(row_number, row, "stop", tail)
+            self._finish(row_number, row, FinishReason.STOP, tail)
             return
         text, stopped = row.stop_buffer.push(row.detokenizer.push(token_id))
         if stopped:
-            self._finish(row_number, row, "stop", text)
+            self._finish(row_number, row, FinishReason.STOP, text)
         elif row.tokens >= row.max_tokens:
             tail, stopped = row.stop_buffer.push(row.detokenizer.flush())
             tail = text + tail + ("" if stopped else row.stop_buffer.flush())
-            self._finish(row_number, row, "stop" if stopped else "length", tail)
+            self._finish(row_number, row, FinishReason.STOP if stopped else FinishReason.LENGTH, tail)
         elif text:
             row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens))
 
@@ -156,5 +156,5 @@ class RowTracker(StoppingCriteria):
             if not row.done:
                 tail, stopped = row.stop_buffer.push(row.detokenizer.flush())
                 tail += "" if stopped else row.stop_buffer.flush()
-                reason: FinishReason = "cancelled" if row.job.cancelled.is_set() else "length"
-                self._finish(row_number, row, "stop" if stopped else reason, tail)
+                reason = FinishReason.CANCELLED if row.job.cancelled.is_set() else FinishReason.LENGTH
+                self._finish(row_number, row, FinishReason.STOP if stopped else reason, tail)

@@ -26,6 +26,7 @@ from service.backends.base import (
 )
 from service.backends.batch import Job, RowTracker, StreamEnd, StreamEvent, StreamFailure, deliver_to_loop
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
+from service.vocabulary import FinishReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -255,7 +256,7 @@ class LocalBackend:
             for job in batch:
                 if job.cancelled.is_set():
                     for index in range(job.rows):
-                        job.deliver(ChoiceDelta(index, "", 0, "cancelled"))
+                        job.deliver(ChoiceDelta(index, "", 0, FinishReason.CANCELLED))
             if not live:
                 continue
             self._running = live

@@ -35,7 +35,6 @@ import httpx
 
 from service.backends.base import (
     ChoiceDelta,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     WatermarkStamp,
@@ -49,6 +48,7 @@ from service.errors import (
     UpstreamUnavailableError,
     scrub,
 )
+from service.vocabulary import FinishReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,7 +62,11 @@ HEALTH_PATH = "/health"
 HEALTH_TIMEOUT_S = 2.0
 MAX_UPSTREAM_ERROR_CHARS = 500
 
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "cancelled"}
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+}
 
 
 def _origin(url: str) -> str:
@@ -259,7 +263,7 @@ class VllmStream:
             if raw_reason is not None:
                 if raw_reason == "error":
                     raise UpstreamUnavailableError("The model worker failed while generating")
-                reason = _FINISH_REASONS.get(raw_reason, "stop")
+                reason = _FINISH_REASONS.get(raw_reason, FinishReason.STOP)
                 self._open.discard(index)
             if text or reason is not None or choice.get("token_ids"):
                 self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason))

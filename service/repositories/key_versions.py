@@ -8,6 +8,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import KeyVersion
+from service.vocabulary import KeyVersionStatus
 
 
 class KeyVersionRepository:
@@ -30,7 +31,7 @@ class KeyVersionRepository:
         return version
 
     async def count_active(self) -> int:
-        stmt = select(func.count()).select_from(KeyVersion).where(KeyVersion.status == "active")
+        stmt = select(func.count()).select_from(KeyVersion).where(KeyVersion.status == KeyVersionStatus.ACTIVE)
         return int(await self._session.scalar(stmt) or 0)
 
     async def flush(self) -> None:

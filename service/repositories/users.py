@@ -8,6 +8,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import User
+from service.vocabulary import Role, UserStatus
 
 
 class UserRepository:
@@ -48,7 +49,7 @@ class UserRepository:
         return list((await self._session.scalars(select(User.message_id))).all())
 
     async def count_active_admins(self) -> int:
-        stmt = select(func.count()).select_from(User).where(User.role == "admin", User.status == "active")
+        stmt = select(func.count()).select_from(User).where(User.role == Role.ADMIN, User.status == UserStatus.ACTIVE)
         return int(await self._session.scalar(stmt) or 0)
 
     async def flush(self) -> None:

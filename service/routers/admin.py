@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, status
 
@@ -30,12 +30,13 @@ from service.schemas.common import ERROR_RESPONSES
 from service.services.key_versions import KeyVersionService
 from service.services.keys import ApiKeyService
 from service.services.users import UserService
+from service.vocabulary import Role, UserStatus
 
 router = APIRouter(
     prefix="/admin",
     tags=["admin"],
     responses=ERROR_RESPONSES,
-    dependencies=[Depends(require_roles("admin"))],
+    dependencies=[Depends(require_roles(Role.ADMIN))],
     route_class=AuthenticatedRoute,
 )
 
@@ -80,8 +81,8 @@ async def list_users(
     users: UsersDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
-    status_: Annotated[Literal["active", "disabled", "deleted"] | None, Query(alias="status")] = None,
-    role: Annotated[Literal["user", "auditor", "admin"] | None, Query()] = None,
+    status_: Annotated[UserStatus | None, Query(alias="status")] = None,
+    role: Annotated[Role | None, Query()] = None,
 ) -> UserPage:
     return await users.list_users(limit=limit, offset=offset, status=status_, role=role)
 

@@ -12,10 +12,11 @@ from service.schemas.common import ERROR_RESPONSES, Principal
 from service.schemas.trace import TraceReport, TraceRequest
 from service.services.registry_cache import RegistryCache
 from service.services.tracing import TracingService
+from service.vocabulary import Role
 
 router = APIRouter(tags=["trace"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)
 
-ForensicDep = Annotated[Principal, Depends(require_roles("auditor", "admin"))]
+ForensicDep = Annotated[Principal, Depends(require_roles(Role.AUDITOR, Role.ADMIN))]
 
 
 async def _registry(request: Request) -> RegistryCache:

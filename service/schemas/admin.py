@@ -7,11 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from service.schemas.common import Role
 from service.security import KEY_PATTERN
-
-UserStatus = Literal["active", "disabled", "deleted"]
-KeyVersionStatus = Literal["active", "pending", "retired"]
+from service.vocabulary import KeyVersionStatus, Role, UserStatus
 
 UserName = Annotated[
     str,
@@ -26,7 +23,7 @@ class _Request(BaseModel):
 
 class CreateUserRequest(_Request):
     name: UserName
-    role: Role = "user"
+    role: Role = Role.USER
 
     @field_validator("name")
     @classmethod

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict
 
-Role = Literal["user", "auditor", "admin"]
+from service.vocabulary import Role
+
+__all__ = ["ERROR_RESPONSES", "ErrorDetail", "ErrorEnvelope", "Principal", "Role"]
 
 
 class ErrorDetail(BaseModel):

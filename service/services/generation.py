@@ -63,6 +63,7 @@ from service.schemas.chat import (
     Usage,
 )
 from service.schemas.common import Principal
+from service.vocabulary import FinishReason
 from xmark_core import Message
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ class GenerationService:
                 "model": prepared.model,
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": choice.completion_tokens,
-                "finish_reason": choice.finish_reason or "cancelled",
+                "finish_reason": choice.finish_reason or FinishReason.CANCELLED,
                 "streamed": streamed,
                 "completion_sha256": _sha256(choice.text),
                 "completion_text": choice.text if retain else None,
@@ -284,7 +285,7 @@ class GenerationService:
                 "streamed": streamed,
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": [choice.completion_tokens for choice in choices],
-                "finish_reasons": [choice.finish_reason or "cancelled" for choice in choices],
+                "finish_reasons": [choice.finish_reason or FinishReason.CANCELLED for choice in choices],
                 "attempts": attempts,
                 "error_type": error_type,
             },
@@ -396,7 +397,7 @@ class GenerationService:
                     choice.finish_reason = delta.finish_reason
             except GatewayError as error:  # the backend failed midway: tell the client in-band
                 for choice in tally.choices:
-                    choice.finish_reason = choice.finish_reason or "error"
+                    choice.finish_reason = choice.finish_reason or FinishReason.ERROR
                 yield json.dumps(envelope(error.message, type_=error.type, code=error.code))
                 return
             if include_usage:

@@ -13,6 +13,7 @@ from service.keyring import Keyring
 from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
 from service.schemas.admin import KeyVersionList, KeyVersionOut
+from service.vocabulary import KeyVersionStatus
 
 logger = logging.getLogger("xmark.key_versions")
 
@@ -55,9 +56,9 @@ class KeyVersionService:
     async def activate(self, name: str) -> KeyVersionOut:
         """Make ``name`` the encoding version; its secret must be configured (or, embedded, generated)."""
         row = await self._repo.get_by_name(name)
-        if row is not None and row.status == "active":
+        if row is not None and row.status == KeyVersionStatus.ACTIVE:
             raise ConflictError(f"Key version '{name}' is already active", param="name")
-        if row is not None and row.status == "retired":
+        if row is not None and row.status == KeyVersionStatus.RETIRED:
             raise ConflictError(
                 f"Key version '{name}' is retired and cannot be reactivated; use a new name",
                 param="name",
@@ -77,9 +78,9 @@ class KeyVersionService:
             self._keyring.add_secret(name, secret)
         now = datetime.now(UTC)
         if row is None:
-            row = await self._keyring.register(self._session, name, "active")
-        if row.status != "active":
-            row.status = "active"
+            row = await self._keyring.register(self._session, name, KeyVersionStatus.ACTIVE)
+        if row.status != KeyVersionStatus.ACTIVE:
+            row.status = KeyVersionStatus.ACTIVE
             row.activated_at = now
             await self._repo.flush()
         await self._keyring.refresh(self._session)
@@ -90,14 +91,14 @@ class KeyVersionService:
         row = await self._repo.get(version_id)
         if row is None:
             raise NotFoundError(f"Key version {version_id} not found", param="key_version_id")
-        if row.status == "retired":
+        if row.status == KeyVersionStatus.RETIRED:
             raise ConflictError(f"Key version '{row.name}' is already retired")
-        if row.status == "active" and await self._repo.count_active() <= 1:
+        if row.status == KeyVersionStatus.ACTIVE and await self._repo.count_active() <= 1:
             raise ConflictError(
                 "The last active key version cannot be retired; activate another one first",
                 code="last_active_key_version",
             )
-        row.status = "retired"
+        row.status = KeyVersionStatus.RETIRED
         row.retired_at = datetime.now(UTC)
         await self._repo.flush()
         await self._keyring.refresh(self._session)

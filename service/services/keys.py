@@ -17,6 +17,7 @@ from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, IssuedKey
 from service.schemas.common import Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
+from service.vocabulary import UserStatus
 
 if TYPE_CHECKING:
     from service.services.auth_cache import AuthCache
@@ -93,7 +94,7 @@ class ApiKeyService:
         user = await self._users.get(user_id)
         if user is None:
             raise NotFoundError(f"User {user_id} not found", param="user_id")
-        if user.status == "deleted":
+        if user.status == UserStatus.DELETED:
             raise ConflictError("A deleted user cannot receive keys", code="user_deleted")
         key = generate_api_key()
         row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
@@ -129,9 +130,9 @@ class ApiKeyService:
         key, user = match
         if key.revoked_at is not None:
             raise _unauthorized("This API key has been revoked")
-        if user.status == "disabled":
+        if user.status == UserStatus.DISABLED:
             raise PermissionDeniedError("This user is disabled", code="user_disabled")
-        if user.status != "active":
+        if user.status != UserStatus.ACTIVE:
             raise PermissionDeniedError("This user has been deleted", code="user_deleted")
         return key, user
 

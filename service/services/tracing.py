@@ -31,6 +31,7 @@ from service.schemas.trace import (
     TraceRequest,
 )
 from service.services.registry_cache import RegistryCache, RegistrySnapshot
+from service.vocabulary import TraceVerdict
 from xmark_core import Attribution, DecodeResult, Detection, attribute, decode, detect, warm_null_cache
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class TracingService:
                 include_tokens=request.include_tokens,
             )
         report = outcome.report
-        verdict = "watermarked" if report.watermarked else "not_watermarked"
+        verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
         row = {
             "requester_id": principal.user_id,
             "verdict": verdict,

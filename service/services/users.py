@@ -23,6 +23,7 @@ from service.schemas.admin import CreatedUser, UserOut, UserPage
 from service.schemas.common import Role
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
 from service.services.auth_cache import AuthCache
+from service.vocabulary import UserStatus
 from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
 
 logger = logging.getLogger("xmark.users")
@@ -91,7 +92,7 @@ class UserService:
             user = User(
                 name=name,
                 role=role,
-                status="active",
+                status=UserStatus.ACTIVE,
                 message_id=message.bits,
                 created_at=now,
                 updated_at=now,
@@ -126,11 +127,11 @@ class UserService:
 
     async def disable_user(self, user_id: int) -> UserOut:
         user = await self._require(user_id, for_update=True)
-        if user.status == "deleted":
+        if user.status == UserStatus.DELETED:
             raise ConflictError("A deleted user cannot be disabled", code="user_deleted")
-        if user.status == "active":
+        if user.status == UserStatus.ACTIVE:
             await self._guard_last_admin(user)
-            user.status = "disabled"
+            user.status = UserStatus.DISABLED
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
             self._changed()
@@ -140,10 +141,10 @@ class UserService:
 
     async def enable_user(self, user_id: int) -> UserOut:
         user = await self._require(user_id, for_update=True)
-        if user.status == "deleted":
+        if user.status == UserStatus.DELETED:
             raise ConflictError("A deleted user cannot be enabled", code="user_deleted")
-        if user.status == "disabled":
-            user.status = "active"
+        if user.status == UserStatus.DISABLED:
+            user.status = UserStatus.ACTIVE
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
             self._changed()
@@ -154,11 +155,11 @@ class UserService:
     async def delete_user(self, user_id: int) -> UserOut:
         """Tombstone: status deleted, every key revoked, row and message ID kept forever."""
         user = await self._require(user_id, for_update=True)
-        if user.status != "deleted":
-            if user.status == "active":
+        if user.status != UserStatus.DELETED:
+            if user.status == UserStatus.ACTIVE:
                 await self._guard_last_admin(user)
             now = datetime.now(UTC)
-            user.status = "deleted"
+            user.status = UserStatus.DELETED
             user.deleted_at = now
             user.updated_at = now
             await self._keys.revoke_all_for_user(user.id, now)

@@ -1,0 +1,40 @@
+"""The gateway's vocabulary, defined once: roles, user and key-version statuses, finish reasons,
+trace verdicts. Models (check constraints), schemas, routers, services and the CLI use these."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    """What an API key's user may do: generate (user), trace (auditor), everything (admin)."""
+
+    USER = "user"
+    AUDITOR = "auditor"
+    ADMIN = "admin"
+
+
+class UserStatus(StrEnum):
+    ACTIVE = "active"
+    DISABLED = "disabled"
+    DELETED = "deleted"  # a tombstone: the row and its message ID are kept for tracing
+
+
+class KeyVersionStatus(StrEnum):
+    ACTIVE = "active"  # encodes new generations; /trace tries it
+    PENDING = "pending"  # configured, not yet activated; /trace tries it
+    RETIRED = "retired"  # neither encodes nor is tried
+
+
+class FinishReason(StrEnum):
+    """Why a choice ended. ``cancelled``: the client went away; ``error``: the backend failed midway."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class TraceVerdict(StrEnum):
+    WATERMARKED = "watermarked"
+    NOT_WATERMARKED = "not_watermarked"
