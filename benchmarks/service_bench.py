@@ -5,7 +5,7 @@
 1. Gateway overhead: the gateway runs in this process (uvicorn on a local port, PostgreSQL,
    API-key auth, the access log at INFO, recording), and the same non-streamed chat request
    (greedy, one token by default) goes in turn straight to its own backend object
-   (``app.state.backend.generate``: the same model instance, thread and event loop), then
+   (``app.state.resources.backend.generate``: the same model instance, thread and event loop), then
    through the gateway with aiohttp, then with httpx. ``overhead_ms`` holds percentiles of the
    paired differences (aiohttp call minus the direct call just before it): everything the
    gateway adds (HTTP, auth, validation, the generation record where it precedes the response,
@@ -309,8 +309,8 @@ async def _gateway_in_process(settings: Settings, port: int, log_path: Path) -> 
         task = asyncio.create_task(server.serve())
         try:
             await _wait_ready(f"http://127.0.0.1:{port}", None, log_path)
-            if app.state.trace_null_warmer is not None:  # measure after the start-up work, not during it
-                await asyncio.wait_for(asyncio.shield(app.state.trace_null_warmer), timeout=300)
+            if app.state.resources.trace_null_warmer is not None:  # measure after the start-up work, not during it
+                await asyncio.wait_for(asyncio.shield(app.state.resources.trace_null_warmer), timeout=300)
             yield app
         finally:
             server.should_exit = True
@@ -567,8 +567,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             seeded = await _seed(settings, pepper, args.users, args.traced_users)
             port = _free_port()
             async with _gateway_in_process(settings, port, log_path) as app:
-                backend = app.state.backend
-                handle = app.state.keyring.active()
+                backend = app.state.resources.backend
+                handle = app.state.resources.keyring.active()
                 stamp = WatermarkStamp(
                     handle.key, Message.from_bits(seeded.chat_message_id, handle.key.params), handle.name
                 )

@@ -14,9 +14,9 @@ from service.db import session_scope
 from service.errors import PermissionDeniedError
 from service.keyring import Keyring
 from service.metrics import Metrics
+from service.resources import Resources
 from service.schemas.common import Principal, Role
 from service.security import ApiKeyHasher
-from service.services.auth import Authenticator
 
 __all__ = [
     "AdminDep",
@@ -26,44 +26,56 @@ __all__ = [
     "MetricsDep",
     "Principal",
     "PrincipalDep",
+    "Resources",
+    "ResourcesDep",
     "SessionDep",
     "SettingsDep",
     "current_principal",
+    "get_resources",
     "get_session",
     "require_roles",
     "resolve_principal",
 ]
 
 
-async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
+async def get_resources(request: Request) -> Resources:
+    """The process's resources (opened by the lifespan)."""
+    resources: Resources = request.app.state.resources
+    return resources
+
+
+ResourcesDep = Annotated[Resources, Depends(get_resources)]
+
+
+async def get_session(resources: ResourcesDep) -> AsyncIterator[AsyncSession]:
     """The request's unit of work: commits when the endpoint succeeds, rolls back otherwise.
 
     It is closed (committed) before the response is sent (``scope="function"`` below), so a
     client never sees a success whose writes are not durable yet, and a failing commit turns into
     an error response. Streamed responses write in units of work of their own.
     """
-    async with session_scope(request.app.state.sessionmaker) as session:
+    async with session_scope(resources.sessionmaker) as session:
         yield session
 
 
-async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings  # type: ignore[no-any-return]
+async def get_settings(resources: ResourcesDep) -> Settings:
+    return resources.settings
 
 
-async def get_keyring(request: Request) -> Keyring:
-    return request.app.state.keyring  # type: ignore[no-any-return]
+async def get_keyring(resources: ResourcesDep) -> Keyring:
+    return resources.keyring
 
 
-async def get_metrics(request: Request) -> Metrics:
-    return request.app.state.metrics  # type: ignore[no-any-return]
+async def get_metrics(resources: ResourcesDep) -> Metrics:
+    return resources.metrics
 
 
-async def get_backend(request: Request) -> Backend:
-    return request.app.state.backend  # type: ignore[no-any-return]
+async def get_backend(resources: ResourcesDep) -> Backend:
+    return resources.backend
 
 
-async def get_api_key_hasher(request: Request) -> ApiKeyHasher:
-    return request.app.state.api_key_hasher  # type: ignore[no-any-return]
+async def get_api_key_hasher(resources: ResourcesDep) -> ApiKeyHasher:
+    return resources.api_key_hasher
 
 
 SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
@@ -78,8 +90,8 @@ async def resolve_principal(request: Request) -> Principal:
     """Authenticate the request once (cached on ``request.state``)."""
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None:
-        authenticator: Authenticator = request.app.state.authenticator
-        principal = await authenticator.authenticate(request.headers.get("authorization"))
+        resources: Resources = request.app.state.resources
+        principal = await resources.authenticator.authenticate(request.headers.get("authorization"))
         request.state.principal = principal
     return principal
 

@@ -163,8 +163,9 @@ _HTTP_TYPES = {
 
 
 def redact_known_secrets(request: Request, body: dict[str, Any]) -> dict[str, Any]:
-    """Replace every configured secret (``app.state.secret_values``) in the envelope text."""
-    secrets: tuple[str, ...] = getattr(request.app.state, "secret_values", ())
+    """Replace every configured secret (``Resources.secret_values``) in the envelope text."""
+    resources = getattr(request.app.state, "resources", None)
+    secrets: tuple[str, ...] = resources.secret_values if resources is not None else ()
     error = body["error"]
     for field in ("message", "param"):
         value = error.get(field)

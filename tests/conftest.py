@@ -4,7 +4,7 @@
                       temporary var dir, the checkpoint fetched by ``xmark fetch-model``).
 * ``app``           — one app per test session, started through its real lifespan.
 * ``db_connection`` — per test: one connection inside a transaction that is rolled back afterwards;
-                      every session the app opens (``app.state.sessionmaker``) joins it through
+                      every session the app opens (``app.state.resources.sessionmaker``) joins it through
                       savepoints, so request handlers, background writers and caches all see the
                       test's rows and nothing outlives the test.
 * ``client``        — httpx.AsyncClient over ASGITransport on that app.
@@ -113,8 +113,8 @@ async def app(settings: Settings, migrated_database: str) -> AsyncIterator[Any]:
 
 @pytest.fixture
 async def db_connection(app: Any) -> AsyncIterator[AsyncConnection]:
-    engine = app.state.engine
-    sessionmaker = app.state.sessionmaker
+    engine = app.state.resources.engine
+    sessionmaker = app.state.resources.sessionmaker
     async with engine.connect() as connection:
         transaction = await connection.begin()
         sessionmaker.configure(bind=connection, join_transaction_mode="create_savepoint")
@@ -125,7 +125,7 @@ async def db_connection(app: Any) -> AsyncIterator[AsyncConnection]:
             await transaction.rollback()
     # in-memory state derived from rows the test created must not outlive the rollback
     async with session_scope(sessionmaker) as session:
-        await app.state.keyring.refresh(session)
+        await app.state.resources.keyring.refresh(session)
 
 
 @pytest.fixture
@@ -151,10 +151,10 @@ def make_user(app: Any, db_connection: AsyncConnection) -> MakeUser:
     counter = itertools.count(1)
 
     async def factory(role: str = "user", name: str | None = None) -> tuple[dict[str, Any], str]:
-        async with session_scope(app.state.sessionmaker) as session:
-            created = await UserService(session, app.state.keyring.params, app.state.api_key_hasher).create_user(
-                name or f"{role}-{next(counter)}", role
-            )  # type: ignore[arg-type]
+        async with session_scope(app.state.resources.sessionmaker) as session:
+            created = await UserService(
+                session, app.state.resources.keyring.params, app.state.resources.api_key_hasher
+            ).create_user(name or f"{role}-{next(counter)}", role)  # type: ignore[arg-type]
         principal = {
             "id": created.id,
             "user_id": created.id,

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, status
 
 from service.deps import (
-    ApiKeyHasherDep,
-    KeyringDep,
+    ResourcesDep,
     SessionDep,
-    SettingsDep,
     require_roles,
 )
 from service.routing import AuthenticatedRoute
@@ -44,25 +42,24 @@ UserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-async def _users(request: Request, session: SessionDep, keyring: KeyringDep, hasher: ApiKeyHasherDep) -> UserService:
-    registry = request.app.state.registry_cache
+async def _users(session: SessionDep, resources: ResourcesDep) -> UserService:
     return UserService(
         session,
-        keyring.params,
-        hasher,
-        on_change=registry.invalidate,
-        auth_cache=request.app.state.authenticator.cache,
+        resources.keyring.params,
+        resources.api_key_hasher,
+        on_change=resources.registry_cache.invalidate,
+        auth_cache=resources.authenticator.cache,
     )
 
 
-async def _keys(request: Request, session: SessionDep, hasher: ApiKeyHasherDep) -> ApiKeyService:
-    return ApiKeyService(session, hasher, auth_cache=request.app.state.authenticator.cache)
+async def _keys(session: SessionDep, resources: ResourcesDep) -> ApiKeyService:
+    return ApiKeyService(session, resources.api_key_hasher, auth_cache=resources.authenticator.cache)
 
 
-async def _key_versions(
-    request: Request, session: SessionDep, keyring: KeyringDep, settings: SettingsDep
-) -> KeyVersionService:
-    return KeyVersionService(session, keyring, settings, can_generate=request.app.state.secrets_can_generate)
+async def _key_versions(session: SessionDep, resources: ResourcesDep) -> KeyVersionService:
+    return KeyVersionService(
+        session, resources.keyring, resources.settings, can_generate=resources.secrets_can_generate
+    )
 
 
 UsersDep = Annotated[UserService, Depends(_users)]

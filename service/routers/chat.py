@@ -1,26 +1,96 @@
-"""OpenAI-compatible chat completions and model listing."""
+"""OpenAI-compatible chat completions and model listing: the HTTP side (JSON body, SSE stream)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+import anyio
+from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from service.deps import PrincipalDep
+from service.backends.base import GenerationStream
+from service.deps import PrincipalDep, ResourcesDep
+from service.errors import GatewayError, envelope
 from service.routing import AuthenticatedRoute
-from service.schemas.chat import ChatCompletion, ChatCompletionRequest, ModelList
+from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelList
 from service.schemas.common import ERROR_RESPONSES
-from service.services.generation import CompletionResponse, GenerationService
+from service.services.generation import CompletedChat, GenerationService, PreparedCompletion
 
 router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)
 
 
-async def _generation(request: Request) -> GenerationService:
-    # No request-wide unit of work: the generation record commits on its own. One dependency
-    # reading the app's state (rather than one per resource) keeps FastAPI's per-request work small.
-    state = request.app.state
-    return GenerationService(state.generation_records, state.settings, state.backend, state.keyring, state.metrics)
+class CompletionResponse(Response):
+    """A non-streamed completion as JSON. ``after`` runs once the response has been handed to the
+    server, also when sending failed or the request was cancelled meanwhile (shielded)."""
+
+    media_type = "application/json"
+
+    def __init__(
+        self,
+        completion: ChatCompletion,
+        *,
+        headers: dict[str, str],
+        after: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(completion.model_dump_json().encode(), headers=headers)
+        self._after = after
+
+    @classmethod
+    def of(cls, completed: CompletedChat) -> CompletionResponse:
+        # the backend's share of the request (W3C Server-Timing): the rest is the gateway's
+        headers = {"Server-Timing": f"model;dur={completed.model_ms:.3f}"}
+        return cls(completed.completion, headers=headers, after=completed.after)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._after is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._after()
+
+
+def sse_payload(chunk: ChatCompletionChunk, *, include_usage: bool) -> str:
+    """One chunk as the ``data:`` payload OpenAI clients expect (``usage`` only when asked for)."""
+    payload = chunk.model_dump(mode="json", exclude={"choices"})
+    if not include_usage:
+        payload.pop("usage")
+    payload["choices"] = [
+        {
+            "index": c.index,
+            "delta": c.delta.model_dump(mode="json", exclude_none=True),
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+        }
+        for c in chunk.choices
+    ]
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+async def sse_events(
+    service: GenerationService, prepared: PreparedCompletion, stream: GenerationStream, *, include_usage: bool
+) -> AsyncIterator[str]:
+    """The ``data:`` payloads of the SSE response, ending with ``[DONE]`` (or an error envelope)."""
+    async with contextlib.aclosing(service.stream_chunks(prepared, stream, include_usage=include_usage)) as chunks:
+        async for item in chunks:
+            if isinstance(item, GatewayError):
+                yield json.dumps(envelope(item.message, type_=item.type, code=item.code))
+            elif isinstance(item, ChatCompletionChunk):
+                yield sse_payload(item, include_usage=include_usage)
+            else:  # EndOfStream
+                yield "[DONE]"
+
+
+async def _generation(resources: ResourcesDep) -> GenerationService:
+    # No request-wide unit of work: the generation record commits on its own.
+    return GenerationService(
+        resources.generation_records, resources.settings, resources.backend, resources.keyring, resources.metrics
+    )
 
 
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
@@ -46,7 +116,8 @@ async def create_chat_completion(
 ) -> CompletionResponse | EventSourceResponse:
     prepared = service.prepare(principal, body)
     if not body.stream:
-        return await service.complete(prepared)
+        return CompletionResponse.of(await service.complete(prepared))
     stream = await service.open_stream(prepared)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return EventSourceResponse(service.sse_events(prepared, stream, include_usage=include_usage), sep="\n", ping=15)
+    events = sse_events(service, prepared, stream, include_usage=include_usage)
+    return EventSourceResponse(events, sep="\n", ping=15)

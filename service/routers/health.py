@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 
 from service.db import ping
-from service.deps import BackendDep, MetricsDep
+from service.deps import MetricsDep, ResourcesDep
 from service.errors import ServiceUnavailableError
 
 logger = logging.getLogger("xmark.health")
@@ -22,14 +22,14 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(request: Request, backend: BackendDep) -> dict[str, str]:
+async def readyz(resources: ResourcesDep) -> dict[str, str]:
     """Ready when the database answers and the model backend is ready (503 envelope otherwise)."""
     try:
-        await ping(request.app.state.engine)
+        await ping(resources.engine)
     except Exception as exc:  # any driver error means "not ready"
         logger.warning("database not reachable", extra={"error_type": type(exc).__name__})
         raise ServiceUnavailableError("The database is not reachable", code="database_unavailable") from None
-    if not getattr(backend, "ready", False):
+    if not getattr(resources.backend, "ready", False):
         raise ServiceUnavailableError("The model backend is not ready yet", code="backend_not_ready")
     return {"status": "ready"}
 

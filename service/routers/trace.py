@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
-from service.deps import BackendDep, KeyringDep, MetricsDep, SessionDep, SettingsDep, require_roles
+from service.deps import ResourcesDep, SessionDep, require_roles
 from service.routing import AuthenticatedRoute
 from service.schemas.common import ERROR_RESPONSES, Principal
 from service.schemas.trace import TraceReport, TraceRequest
-from service.services.registry_cache import RegistryCache
 from service.services.tracing import TracingService
 from service.vocabulary import Role
 
@@ -19,20 +18,16 @@ router = APIRouter(tags=["trace"], responses=ERROR_RESPONSES, route_class=Authen
 ForensicDep = Annotated[Principal, Depends(require_roles(Role.AUDITOR, Role.ADMIN))]
 
 
-async def _registry(request: Request) -> RegistryCache:
-    return request.app.state.registry_cache  # type: ignore[no-any-return]
-
-
-async def _tracing(
-    request: Request,
-    session: SessionDep,
-    settings: SettingsDep,
-    backend: BackendDep,
-    keyring: KeyringDep,
-    metrics: MetricsDep,
-    registry: Annotated[RegistryCache, Depends(_registry)],
-) -> TracingService:
-    return TracingService(session, request.app.state.trace_records, settings, backend, keyring, metrics, registry)
+async def _tracing(session: SessionDep, resources: ResourcesDep) -> TracingService:
+    return TracingService(
+        session,
+        resources.trace_records,
+        resources.settings,
+        resources.backend,
+        resources.keyring,
+        resources.metrics,
+        resources.registry_cache,
+    )
 
 
 TracingDep = Annotated[TracingService, Depends(_tracing)]

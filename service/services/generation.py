@@ -21,17 +21,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from service.backends.base import (
     ChatTurn,
@@ -47,7 +44,6 @@ from service.errors import (
     InvalidRequestError,
     NotFoundError,
     ServiceUnavailableError,
-    envelope,
 )
 from service.models import utcnow
 from service.schemas.chat import (
@@ -81,29 +77,20 @@ logger = logging.getLogger("xmark.generation")
 RECORD_RETRY_PAUSES_S = (0.2, 1.0)
 
 
-class CompletionResponse(Response):
-    """A non-streamed completion as JSON. ``after`` runs once the response has been handed to the
-    server, also when sending failed or the request was cancelled meanwhile (shielded)."""
+@dataclass(frozen=True)
+class CompletedChat:
+    """A non-streamed completion, ready to send. ``model_ms``: the backend's share of the request.
+    ``after`` (unless None) writes its generation rows; the caller runs it once the response has
+    been handed to the server, also when sending failed or the request was cancelled meanwhile."""
 
-    media_type = "application/json"
+    completion: ChatCompletion
+    model_ms: float
+    after: Callable[[], Awaitable[None]] | None = None
 
-    def __init__(
-        self,
-        completion: ChatCompletion,
-        *,
-        headers: dict[str, str],
-        after: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        super().__init__(completion.model_dump_json().encode(), headers=headers)
-        self._after = after
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self._after is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._after()
+@dataclass(frozen=True)
+class EndOfStream:
+    """The last item of ``GenerationService.stream_chunks`` when the stream ended normally."""
 
 
 @dataclass(frozen=True)
@@ -117,13 +104,6 @@ class PreparedCompletion:
     stamp: WatermarkStamp
     key_version_id: int
     principal: Principal
-
-
-@dataclass
-class _StreamTally:
-    """What has been sent to the client so far, per choice."""
-
-    choices: list[ChoiceResult] = field(default_factory=list)
 
 
 def _sha256(text: str) -> str:
@@ -291,16 +271,14 @@ class GenerationService:
             },
         )
 
-    async def complete(self, prepared: PreparedCompletion) -> CompletionResponse:
+    async def complete(self, prepared: PreparedCompletion) -> CompletedChat:
         started = time.perf_counter()
         result: GenerationResult = await self._backend.generate(prepared.request, prepared.stamp)
         model_ms = (time.perf_counter() - started) * 1000
-        # the backend's share of the request (W3C Server-Timing): the rest is the gateway's
-        headers = {"Server-Timing": f"model;dur={model_ms:.3f}"}
         completion = self._completion(prepared, result)
         if self._settings.record_before_response:
             await self._record(prepared, result.prompt_tokens, result.choices, streamed=False)
-            return CompletionResponse(completion, headers=headers)
+            return CompletedChat(completion, model_ms)
         after = functools.partial(
             self._record_after_response,
             prepared,
@@ -309,7 +287,7 @@ class GenerationService:
             streamed=False,
             linger_s=self._settings.record_linger_ms / 1000,
         )
-        return CompletionResponse(completion, headers=headers, after=after)
+        return CompletedChat(completion, model_ms, after)
 
     @staticmethod
     def _completion(prepared: PreparedCompletion, result: GenerationResult) -> ChatCompletion:
@@ -339,46 +317,29 @@ class GenerationService:
         """Enqueue the generation; errors (not ready, context too long) surface here, before any byte is sent."""
         return await self._backend.stream(prepared.request, prepared.stamp)
 
+    @staticmethod
     def _chunk(
-        self,
-        prepared: PreparedCompletion,
-        choices: list[ChunkChoice],
-        *,
-        include_usage: bool,
-        usage: Usage | None = None,
-    ) -> str:
-        chunk = ChatCompletionChunk(
+        prepared: PreparedCompletion, choices: list[ChunkChoice], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
             id=prepared.request_id, created=prepared.created, model=prepared.model, choices=choices, usage=usage
         )
-        payload = chunk.model_dump(mode="json", exclude={"choices"})
-        if not include_usage:
-            payload.pop("usage")
-        payload["choices"] = [
-            {
-                "index": c.index,
-                "delta": c.delta.model_dump(mode="json", exclude_none=True),
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]
-        return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
-    async def sse_events(
+    async def stream_chunks(
         self, prepared: PreparedCompletion, stream: GenerationStream, *, include_usage: bool
-    ) -> AsyncIterator[str]:
-        """The ``data:`` payloads of the SSE response, ending with ``[DONE]``.
+    ) -> AsyncIterator[ChatCompletionChunk | GatewayError | EndOfStream]:
+        """The chunks of a streamed completion, then ``EndOfStream``; a backend failure midway is
+        yielded as the error (the last item) for the client to receive in-band.
 
-        The generation is recorded when the stream ends for any reason; if the client leaves
-        midway the backend is told to stop and the record holds what was sent.
+        The generation is recorded when the stream ends for any reason (close this generator when
+        the client leaves: ``contextlib.aclosing``); the backend is then told to stop and the
+        record holds what was sent.
         """
         n = prepared.request.n
-        tally = _StreamTally([ChoiceResult(i) for i in range(n)])
+        tally = [ChoiceResult(i) for i in range(n)]
         try:
             yield self._chunk(
-                prepared,
-                [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(n)],
-                include_usage=include_usage,
+                prepared, [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(n)]
             )
             try:
                 async for delta in stream:
@@ -390,26 +351,26 @@ class GenerationService:
                             ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=delta.finish_reason)
                         )
                     if choices:
-                        yield self._chunk(prepared, choices, include_usage=include_usage)
-                    choice = tally.choices[delta.index]
+                        yield self._chunk(prepared, choices)
+                    choice = tally[delta.index]
                     choice.text += delta.text
                     choice.completion_tokens = delta.completion_tokens
                     choice.finish_reason = delta.finish_reason
             except GatewayError as error:  # the backend failed midway: tell the client in-band
-                for choice in tally.choices:
+                for choice in tally:
                     choice.finish_reason = choice.finish_reason or FinishReason.ERROR
-                yield json.dumps(envelope(error.message, type_=error.type, code=error.code))
+                yield error
                 return
             if include_usage:
-                completion_tokens = sum(c.completion_tokens for c in tally.choices)
+                completion_tokens = sum(c.completion_tokens for c in tally)
                 usage = Usage(
                     prompt_tokens=stream.prompt_tokens,
                     completion_tokens=completion_tokens,
                     total_tokens=stream.prompt_tokens + completion_tokens,
                 )
-                yield self._chunk(prepared, [], include_usage=True, usage=usage)
-            yield "[DONE]"
+                yield self._chunk(prepared, [], usage)
+            yield EndOfStream()
         finally:
             stream.cancel()  # no-op when the generation already finished
             with anyio.CancelScope(shield=True):
-                await self._record_after_response(prepared, stream.prompt_tokens, tally.choices, streamed=True)
+                await self._record_after_response(prepared, stream.prompt_tokens, tally, streamed=True)

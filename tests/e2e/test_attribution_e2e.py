@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from service.services.tracing import offline_trace
+from service.cli.offline_trace import offline_trace
 
 MODEL = "smollm2-135m-instruct"
 MIN_TOKENS = 150

@@ -180,20 +180,20 @@ async def test_key_versions_list_activate_retire(app: Any, client: httpx.AsyncCl
         assert re.fullmatch(r"[0-9a-f]{64}", version["fingerprint"])
         assert version["configured"] is True
         assert (version["bits"], version["block_bits"], version["num_keys"]) == (16, 2, 2)
-    assert app.state.keyring.active().name == "v1"
+    assert app.state.resources.keyring.active().name == "v1"
 
     added = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))
     assert added.status_code == 201, added.text
     assert added.json()["status"] == "active"
-    assert app.state.keyring.active().name == "v2"
-    assert {h.name for h in app.state.keyring.usable()} == {"v1", "v2"}
+    assert app.state.resources.keyring.active().name == "v2"
+    assert {h.name for h in app.state.resources.keyring.usable()} == {"v1", "v2"}
 
     again = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))
     assert again.status_code == 409
 
     retired = await client.post(f"/admin/key-versions/{by_name['v1']['id']}/retire", headers=bearer(admin_key))
     assert retired.status_code == 200 and retired.json()["status"] == "retired"
-    assert [h.name for h in app.state.keyring.usable()] == ["v2"]
+    assert [h.name for h in app.state.resources.keyring.usable()] == ["v2"]
 
     last = await client.post(f"/admin/key-versions/{by_name['v2']['id']}/retire", headers=bearer(admin_key))
     assert last.status_code == 409
@@ -216,8 +216,8 @@ async def test_key_version_without_configured_secret_is_refused(
 
 async def test_key_versions_are_restored_after_a_rolled_back_test(app: Any) -> None:
     # runs after the activation test: the rollback and keyring refresh undo its changes
-    assert app.state.keyring.active().name == "v1"
-    assert {h.name: h.status for h in app.state.keyring.usable()} == {"v1": "active", "v2": "pending"}
+    assert app.state.resources.keyring.active().name == "v1"
+    assert {h.name: h.status for h in app.state.resources.keyring.usable()} == {"v1": "active", "v2": "pending"}
 
 
 async def test_admin_writes_nothing_on_refusal(

@@ -18,7 +18,7 @@ TINY = WatermarkParams(bits=2, block_bits=2, num_keys=2)  # four possible IDs
 
 
 async def test_deleted_users_ids_are_never_reused(app: Any, db_session: AsyncSession) -> None:
-    service = UserService(db_session, TINY, app.state.api_key_hasher)
+    service = UserService(db_session, TINY, app.state.resources.api_key_hasher)
     first = [await service.create_user(f"u{i}", "user") for i in range(3)]
     assert len({u.message_id for u in first}) == 3
     deleted = await service.delete_user(first[0].id)
@@ -36,7 +36,7 @@ async def test_deleted_users_ids_are_never_reused(app: Any, db_session: AsyncSes
 
 async def test_ids_are_spread_in_hamming_distance(app: Any, db_session: AsyncSession) -> None:
     params = WatermarkParams()
-    service = UserService(db_session, params, app.state.api_key_hasher)
+    service = UserService(db_session, params, app.state.resources.api_key_hasher)
     ids = [(await service.create_user(f"s{i}", "user")).message_id for i in range(8)]
     distance = min(sum(a != b for a, b in zip(x, y, strict=True)) for i, x in enumerate(ids) for y in ids[i + 1 :])
     # best-candidate sampling keeps eight 16-bit IDs at distance >= 7 in 3000 of 3000 trials;
@@ -46,7 +46,7 @@ async def test_ids_are_spread_in_hamming_distance(app: Any, db_session: AsyncSes
 
 async def test_a_concurrent_collision_is_retried(app: Any, db_session: AsyncSession) -> None:
     params = WatermarkParams()
-    existing = await UserService(db_session, params, app.state.api_key_hasher).create_user("first", "user")
+    existing = await UserService(db_session, params, app.state.resources.api_key_hasher).create_user("first", "user")
     calls: list[str] = []
 
     def racing_allocator(taken: Iterable[str], p: WatermarkParams) -> Message:
@@ -56,7 +56,7 @@ async def test_a_concurrent_collision_is_retried(app: Any, db_session: AsyncSess
             return Message(existing.message_id, p)
         return allocate_message(taken, p)
 
-    service = UserService(db_session, params, app.state.api_key_hasher, allocator=racing_allocator)
+    service = UserService(db_session, params, app.state.resources.api_key_hasher, allocator=racing_allocator)
     created = await service.create_user("second", "user")
     assert len(calls) == 2
     assert created.message_id != existing.message_id
@@ -66,12 +66,12 @@ async def test_a_concurrent_collision_is_retried(app: Any, db_session: AsyncSess
 
 async def test_persistent_collisions_give_up_cleanly(app: Any, db_session: AsyncSession) -> None:
     params = WatermarkParams()
-    existing = await UserService(db_session, params, app.state.api_key_hasher).create_user("first", "user")
+    existing = await UserService(db_session, params, app.state.resources.api_key_hasher).create_user("first", "user")
 
     def always_taken(_: Iterable[str], p: WatermarkParams) -> Message:
         return Message(existing.message_id, p)
 
-    service = UserService(db_session, params, app.state.api_key_hasher, allocator=always_taken)
+    service = UserService(db_session, params, app.state.resources.api_key_hasher, allocator=always_taken)
     with pytest.raises(ConflictError) as info:
         await service.create_user("second", "user")
     assert info.value.code == "message_id_conflict"

@@ -48,7 +48,7 @@ def clock() -> FakeClock:
 def cache(app: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> AuthCache:
     """A fresh cache with a controllable clock, installed in the app for this test."""
     fresh = AuthCache(TTL, 1000, clock=clock)
-    monkeypatch.setattr(app.state.authenticator, "cache", fresh)
+    monkeypatch.setattr(app.state.resources.authenticator, "cache", fresh)
     return fresh
 
 
@@ -60,7 +60,7 @@ def sql(app: Any) -> Iterator[list[str]]:
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         statements.append(statement)
 
-    engine = app.state.engine.sync_engine
+    engine = app.state.resources.engine.sync_engine
     event.listen(engine, "before_cursor_execute", record)
     try:
         yield statements
@@ -154,7 +154,7 @@ async def test_only_the_hmac_of_the_key_is_a_cache_key(
     _, key = await make_user("user")
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
     stored = list(cache._entries)
-    assert stored == [app.state.api_key_hasher.hash(parse_api_key(key))]
+    assert stored == [app.state.resources.api_key_hasher.hash(parse_api_key(key))]
     for cache_key, entry in cache._entries.items():
         assert key not in cache_key and cache_key not in key
         assert key not in repr(entry)
@@ -247,7 +247,7 @@ async def test_last_use_is_written_once_its_resolution_has_passed(
     sql.clear()
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
     assert sql == []  # within the minute: nothing written
-    entry = cache.get(app.state.api_key_hasher.hash(parse_api_key(key)))
+    entry = cache.get(app.state.resources.api_key_hasher.hash(parse_api_key(key)))
     assert entry is not None
     entry.last_used_at = first_use - timedelta(minutes=2)  # as if the last write were older
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
@@ -261,7 +261,7 @@ async def test_last_use_is_written_once_its_resolution_has_passed(
 async def test_ttl_zero_asks_the_database_every_time(
     app: Any, client: httpx.AsyncClient, make_user: Any, monkeypatch: pytest.MonkeyPatch, sql: list[str]
 ) -> None:
-    monkeypatch.setattr(app.state.authenticator, "cache", AuthCache(0))
+    monkeypatch.setattr(app.state.resources.authenticator, "cache", AuthCache(0))
     _, key = await make_user("user")
     for _ in range(3):
         assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200

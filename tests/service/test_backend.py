@@ -20,13 +20,13 @@ from xmark_core import Message, decode
 
 @pytest.fixture
 async def backend(app: Any) -> LocalBackend:
-    backend = app.state.backend
+    backend = app.state.resources.backend
     assert await backend.wait_ready(180)
     return backend  # type: ignore[no-any-return]
 
 
 def _stamp(app: Any, bits: str) -> WatermarkStamp:
-    key = app.state.keyring.active().key
+    key = app.state.resources.keyring.active().key
     return WatermarkStamp(key, Message.from_bits(bits, key.params))
 
 
@@ -66,7 +66,7 @@ def test_vllm_backend_is_a_configuration_error(settings: Any) -> None:
 
 async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(app: Any, backend: LocalBackend) -> None:
     """Different users in one generate call: every row decodes to its own caller's message."""
-    params = app.state.keyring.params
+    params = app.state.resources.keyring.params
     messages = ["0110100111000101", "1001011000111010", "1111000010100110"]
     prompt = (ChatTurn("user", "Write a detailed story about a fox who learns to read."),)
     # 200 tokens per row: at 120 the 16 bits of a row were sometimes decoded with 5 errors by
@@ -79,7 +79,7 @@ async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(ap
     await asyncio.sleep(0)  # the worker takes the blocker; the next three queue up together
     results = await asyncio.gather(*(backend.generate(request, _stamp(app, m)) for m in messages))
     await blocker
-    key = app.state.keyring.active().key
+    key = app.state.resources.keyring.active().key
     tokenizer = backend.tokenizer
     for bits, result in zip(messages, results, strict=True):
         text = result.choices[0].text

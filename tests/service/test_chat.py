@@ -22,7 +22,7 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture
 async def ready(app: Any) -> None:
-    assert await app.state.backend.wait_ready(180), "the local model did not load"
+    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ async def test_completion_is_returned_and_recorded(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, user_key: Any
 ) -> None:
     principal, key = user_key
-    metrics = app.state.metrics
+    metrics = app.state.resources.metrics
     completion_counter = metrics.tokens_generated.labels(kind="completion")
     prompt_counter = metrics.tokens_generated.labels(kind="prompt")
     counted = (completion_counter._value.get(), prompt_counter._value.get())
@@ -98,7 +98,7 @@ async def test_completion_is_returned_and_recorded(
     assert await _generation_count(db_session) == before + 1
     row = (await db_session.scalars(select(Generation).where(Generation.request_id == data["id"]))).one()
     assert row.user_id == principal["user_id"]
-    assert row.key_version_id == app.state.keyring.active().id
+    assert row.key_version_id == app.state.resources.keyring.active().id
     assert row.model == MODEL
     assert row.streamed is False
     assert row.prompt_tokens == usage["prompt_tokens"]
@@ -219,7 +219,7 @@ async def test_streaming_without_usage_has_no_usage_field(client: httpx.AsyncCli
 async def test_retained_completion_text(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, user_key: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(app.state.settings, "retain_completions", True)
+    monkeypatch.setattr(app.state.resources.settings, "retain_completions", True)
     response = await client.post("/v1/chat/completions", json=_body(), headers=_auth(user_key[1]))
     data = response.json()
     row = (await db_session.scalars(select(Generation).where(Generation.request_id == data["id"]))).one()
@@ -279,7 +279,7 @@ async def test_prompt_over_the_character_limit_is_rejected(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, user_key: Any
 ) -> None:
     before = await _generation_count(db_session)
-    body = _body(messages=[{"role": "user", "content": _long_prompt(app.state.settings)}])
+    body = _body(messages=[{"role": "user", "content": _long_prompt(app.state.resources.settings)}])
     response = await client.post("/v1/chat/completions", json=body, headers=_auth(user_key[1]))
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -297,13 +297,13 @@ async def test_backend_not_ready_is_503(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, user_key: Any, tmp_path: Any
 ) -> None:
     loading = LocalBackend(tmp_path / "no-model", MODEL)  # never started: not ready
-    original = app.state.backend
-    app.state.backend = loading
+    original = app.state.resources.backend
+    app.state.resources.backend = loading
     try:
         before = await _generation_count(db_session)
         response = await client.post("/v1/chat/completions", json=_body(), headers=_auth(user_key[1]))
     finally:
-        app.state.backend = original
+        app.state.resources.backend = original
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "not_ready"
     assert await _generation_count(db_session) == before
@@ -327,8 +327,12 @@ async def test_client_cannot_choose_the_watermark(app: Any, user_key: Any, db_se
         api_key_id=1,
     )
     service = GenerationService(
-        app.state.generation_records, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
+        app.state.resources.generation_records,
+        app.state.resources.settings,
+        app.state.resources.backend,
+        app.state.resources.keyring,
+        app.state.resources.metrics,
     )
     prepared = service.prepare(caller, body)
     assert prepared.stamp.message.bits == principal["message_id"]
-    assert prepared.stamp.key.fingerprint == app.state.keyring.active().key.fingerprint
+    assert prepared.stamp.key.fingerprint == app.state.resources.keyring.active().key.fingerprint

@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.db import RowWriter, create_sessionmaker, session_scope
 from service.models import ApiKey, Generation, Trace, User
+from service.routers.chat import CompletionResponse
 from service.schemas.chat import ChatCompletionRequest
 from service.services.users import UserService
 
@@ -34,7 +35,7 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture
 async def observer(app: Any) -> AsyncIterator[AsyncEngine]:
     """A connection pool of its own: it sees committed rows only."""
-    engine = create_async_engine(app.state.settings.database_url, poolclass=NullPool)
+    engine = create_async_engine(app.state.resources.settings.database_url, poolclass=NullPool)
     try:
         yield engine
     finally:
@@ -44,10 +45,10 @@ async def observer(app: Any) -> AsyncIterator[AsyncEngine]:
 @pytest.fixture
 async def committed_users(app: Any) -> AsyncIterator[dict[str, tuple[int, str]]]:
     """A committed user, auditor and admin (role -> (id, API key)); removed with their rows afterwards."""
-    assert await app.state.backend.wait_ready(180)
+    assert await app.state.resources.backend.wait_ready(180)
     users: dict[str, tuple[int, str]] = {}
-    async with session_scope(app.state.sessionmaker) as session:
-        service = UserService(session, app.state.keyring.params, app.state.api_key_hasher)
+    async with session_scope(app.state.resources.sessionmaker) as session:
+        service = UserService(session, app.state.resources.keyring.params, app.state.resources.api_key_hasher)
         for role in ("user", "auditor", "admin"):
             created = await service.create_user(f"durable-{role}", role)  # type: ignore[arg-type]
             users[role] = (created.id, created.api_key)
@@ -55,14 +56,14 @@ async def committed_users(app: Any) -> AsyncIterator[dict[str, tuple[int, str]]]
         yield users
     finally:
         ids = [user_id for user_id, _ in users.values()]
-        async with session_scope(app.state.sessionmaker) as session:
+        async with session_scope(app.state.resources.sessionmaker) as session:
             created_here = select(User.id).where(User.name.like("durable-%"))
             everyone = [*ids, *(await session.scalars(created_here)).all()]
             await session.execute(delete(Generation).where(Generation.user_id.in_(everyone)))
             await session.execute(delete(Trace).where(Trace.requester_id.in_(everyone)))
             await session.execute(delete(ApiKey).where(ApiKey.user_id.in_(everyone)))
             await session.execute(delete(User).where(User.id.in_(everyone)))
-        app.state.registry_cache.invalidate()
+        app.state.resources.registry_cache.invalidate()
 
 
 def probing_client(app: Any, probe: Any) -> httpx.AsyncClient:
@@ -116,8 +117,8 @@ async def test_a_completion_is_sent_first_and_recorded_as_its_response_ends(
     app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
 ) -> None:
     user_id, key = committed_users["user"]
-    assert app.state.settings.record_before_response is False  # the default
-    assert app.state.generation_records.direct  # rows go over the writer's own connection
+    assert app.state.resources.settings.record_before_response is False  # the default
+    assert app.state.resources.generation_records.direct  # rows go over the writer's own connection
     seen_at_start, seen_after, request_id = await _completion_rows_at_response_start(app, observer, user_id, key)
     assert seen_at_start == [0, 2, 4]  # the response does not wait for its rows
     assert seen_after == [2, 4, 6]  # both choices, committed by the time the request is over
@@ -135,12 +136,12 @@ async def test_with_record_before_response_a_completion_is_committed_before_its_
     app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
 ) -> None:
     user_id, key = committed_users["user"]
-    default = app.state.settings
-    app.state.settings = default.model_copy(update={"record_before_response": True})
+    default = app.state.resources.settings
+    app.state.resources.settings = default.model_copy(update={"record_before_response": True})
     try:
         seen_at_start, seen_after, _ = await _completion_rows_at_response_start(app, observer, user_id, key)
     finally:
-        app.state.settings = default
+        app.state.resources.settings = default
     assert seen_at_start == [2, 4, 6]  # both choices of each request, already committed
     assert seen_after == [2, 4, 6]
 
@@ -158,18 +159,22 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
     user_id, key = committed_users["user"]
     monkeypatch.setattr(generation, "RECORD_RETRY_PAUSES_S", (0.01, 0.01))
     gone = create_async_engine(
-        make_url(app.state.settings.database_url).set(database="xmark_no_such_database"), poolclass=NullPool
+        make_url(app.state.resources.settings.database_url).set(database="xmark_no_such_database"), poolclass=NullPool
     )
-    principal = await app.state.authenticator.authenticate(f"Bearer {key}")
+    principal = await app.state.resources.authenticator.authenticate(f"Bearer {key}")
     records = RowWriter(create_sessionmaker(gone), Generation.__table__)
     assert records.direct  # the PostgreSQL path: the writer's own connection cannot be opened
     service = generation.GenerationService(
-        records, app.state.settings, app.state.backend, app.state.keyring, app.state.metrics
+        records,
+        app.state.resources.settings,
+        app.state.resources.backend,
+        app.state.resources.keyring,
+        app.state.resources.metrics,
     )
     body = ChatCompletionRequest.model_validate(
         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     )
-    failures = app.state.metrics.generation_record_failures
+    failures = app.state.resources.metrics.generation_record_failures
     before = failures._value.get()
     sent: list[dict[str, Any]] = []
 
@@ -181,7 +186,7 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
 
     try:
         with caplog.at_level(logging.ERROR, logger="xmark.generation"):
-            response = await service.complete(service.prepare(principal, body))
+            response = CompletionResponse.of(await service.complete(service.prepare(principal, body)))
             await response({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
     finally:
         await records.close()

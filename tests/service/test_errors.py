@@ -112,7 +112,7 @@ async def test_oversized_body_by_content_length_is_413(
     app: Any, client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
 ) -> None:
     before = await _counts(db_session)
-    limit = app.state.settings.max_body_bytes
+    limit = app.state.resources.settings.max_body_bytes
     payload = b'{"name": "' + b"a" * limit + b'", "role": "user"}'
     response = await client.post(
         "/admin/users", content=payload, headers={**bearer(admin_key), "Content-Type": "application/json"}
@@ -126,7 +126,7 @@ async def test_oversized_streamed_body_is_413(
     app: Any, client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
 ) -> None:
     before = await _counts(db_session)
-    limit = app.state.settings.max_body_bytes
+    limit = app.state.resources.settings.max_body_bytes
 
     async def chunks() -> AsyncIterator[bytes]:
         yield b'{"name": "'
@@ -208,7 +208,7 @@ async def test_planted_secrets_never_appear_in_responses_or_logs(
     assert "xmark.access" in logged  # the requests were logged
     for secret in secrets:
         assert secret not in logged
-    hasher = app.state.api_key_hasher
+    hasher = app.state.resources.api_key_hasher
     assert repr(hasher).count("pepper") == 1 and "hidden" in repr(hasher)
 
 
@@ -216,14 +216,14 @@ async def test_internal_errors_hide_details(
     app: Any, client: httpx.AsyncClient, admin_key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Unexpected failures answer a generic 500 envelope (no exception text)."""
-    original = app.state.keyring
-    app.state.keyring = None  # any access now raises AttributeError inside the handler
+    original = app.state.resources.keyring
+    app.state.resources.keyring = None  # any access now raises AttributeError inside the handler
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as raw:
             response = await raw.post("/admin/users", json={"name": "x"}, headers=bearer(admin_key))
     finally:
-        app.state.keyring = original
+        app.state.resources.keyring = original
     error = _error(response, 500)
     assert error["message"] == "Internal server error"
     assert "AttributeError" not in response.text

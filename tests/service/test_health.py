@@ -17,23 +17,23 @@ async def test_healthz_needs_no_key(client: httpx.AsyncClient) -> None:
 
 
 async def test_readyz_reports_ready_once_the_backend_is(app: Any, client: httpx.AsyncClient) -> None:
-    original = app.state.backend
-    app.state.backend = SimpleNamespace(ready=True)
+    original = app.state.resources.backend
+    app.state.resources.backend = SimpleNamespace(ready=True)
     try:
         response = await client.get("/readyz")
     finally:
-        app.state.backend = original
+        app.state.resources.backend = original
     assert response.status_code == 200
     assert response.json() == {"status": "ready"}
 
 
 async def test_readyz_is_503_while_the_backend_loads(app: Any, client: httpx.AsyncClient) -> None:
-    original = app.state.backend
-    app.state.backend = SimpleNamespace(ready=False)
+    original = app.state.resources.backend
+    app.state.resources.backend = SimpleNamespace(ready=False)
     try:
         response = await client.get("/readyz")
     finally:
-        app.state.backend = original
+        app.state.resources.backend = original
     assert response.status_code == 503
     error = response.json()["error"]
     assert error["type"] == "service_unavailable"
@@ -41,13 +41,13 @@ async def test_readyz_is_503_while_the_backend_loads(app: Any, client: httpx.Asy
 
 
 async def test_readyz_is_503_when_the_database_is_unreachable(app: Any, client: httpx.AsyncClient) -> None:
-    original = app.state.engine
+    original = app.state.resources.engine
     unreachable = create_async_engine("postgresql+asyncpg://root@127.0.0.1:1/test", connect_args={"timeout": 2})
-    app.state.engine = unreachable
+    app.state.resources.engine = unreachable
     try:
         response = await client.get("/readyz")
     finally:
-        app.state.engine = original
+        app.state.resources.engine = original
         await unreachable.dispose()
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "database_unavailable"

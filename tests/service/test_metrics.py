@@ -50,7 +50,7 @@ async def test_requests_are_counted_by_route_template_and_status(client: httpx.A
 
 
 async def test_domain_counters_are_exposed(app: Any, client: httpx.AsyncClient) -> None:
-    metrics: Metrics = app.state.metrics
+    metrics: Metrics = app.state.resources.metrics
     metrics.tokens_generated.labels(kind="completion").inc(5)
     metrics.trace_verdicts.labels(verdict="watermarked", attributed="yes").inc()
     text = (await client.get("/metrics")).text

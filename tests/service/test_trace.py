@@ -21,12 +21,12 @@ ESSAY = "Write a detailed essay about the history of sailing ships, with many fa
 @pytest.fixture(autouse=True)
 def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test rolls back its users; make the cache look at the table on every trace."""
-    monkeypatch.setattr(app.state.registry_cache, "check_interval", 0.0)
+    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
 
 
 @pytest.fixture
 async def ready(app: Any) -> None:
-    assert await app.state.backend.wait_ready(180), "the local model did not load"
+    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -40,11 +40,11 @@ async def _trace_count(session: AsyncSession) -> int:
 async def _watermarked_text(app: Any, message_bits: str, *, key_version: str | None = None, tokens: int = 400) -> str:
     # 400 tokens: the detection verdict (a test over all 2**b messages at alpha = 1e-3) is not
     # guaranteed on a single 200-token answer; attribution among a few users is far more sensitive.
-    keyring = app.state.keyring
+    keyring = app.state.resources.keyring
     handle = keyring.active() if key_version is None else next(h for h in keyring.usable() if h.name == key_version)
     stamp = WatermarkStamp(handle.key, Message.from_bits(message_bits, handle.key.params))
     request = GenerationRequest((ChatTurn("user", ESSAY),), max_tokens=tokens, temperature=0.8, seed=7)
-    result = await app.state.backend.generate(request, stamp)
+    result = await app.state.resources.backend.generate(request, stamp)
     return result.choices[0].text
 
 
@@ -65,7 +65,7 @@ async def test_bad_trace_requests_write_nothing(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, ready: None
 ) -> None:
     _, key = await make_user("auditor")
-    limit = app.state.settings.max_trace_chars
+    limit = app.state.resources.settings.max_trace_chars
     cases: list[tuple[dict[str, Any], int, str | None]] = [
         ({"text": "a" * (limit + 1)}, 413, "text"),
         ({"text": ""}, 422, "text"),
@@ -95,7 +95,7 @@ async def test_short_text_is_reported_unwatermarked_and_recorded(
     assert report["scored_tokens"] == 0
     assert report["attribution"] is None
     assert report["p_value"] == 1.0
-    assert len(report["blocks"]) == app.state.keyring.params.num_blocks
+    assert len(report["blocks"]) == app.state.resources.keyring.params.num_blocks
     assert report["tokens"] and all(t["block"] is None for t in report["tokens"])
     assert await _trace_count(db_session) == before + 1
     row = (await db_session.scalars(select(Trace).order_by(Trace.id.desc()).limit(1))).one()
@@ -112,7 +112,7 @@ async def test_generated_text_is_attributed_even_after_the_user_is_deleted(
     _, auditor_key = await make_user("auditor")
     text = await _watermarked_text(app, target["message_id"])
     before = await _trace_count(db_session)
-    metric = app.state.metrics.trace_verdicts.labels(verdict="watermarked", attributed="yes")
+    metric = app.state.resources.metrics.trace_verdicts.labels(verdict="watermarked", attributed="yes")
     counted = metric._value.get()
 
     response = await client.post(
@@ -122,7 +122,7 @@ async def test_generated_text_is_attributed_even_after_the_user_is_deleted(
     report = response.json()
     assert report["watermarked"] is True
     assert report["p_value"] < 1e-3
-    assert report["key_version"] == app.state.keyring.active().name
+    assert report["key_version"] == app.state.resources.keyring.active().name
     assert report["scored_tokens"] > 100
     attribution = report["attribution"]
     assert attribution is not None
@@ -135,27 +135,30 @@ async def test_generated_text_is_attributed_even_after_the_user_is_deleted(
     assert candidates[0]["user_id"] == target["user_id"]
     assert other["user_id"] not in [c["user_id"] for c in candidates[:1]]
     assert [c["score"] for c in candidates] == sorted((c["score"] for c in candidates), reverse=True)
-    bits = app.state.keyring.params.bits
+    bits = app.state.resources.keyring.params.bits
     assert len(report["decoded_message"]) == bits
     assert candidates[0]["hamming"] == sum(
         a != b for a, b in zip(report["decoded_message"], target["message_id"], strict=True)
     )
     blocks = report["blocks"]
-    assert [b["index"] for b in blocks] == list(range(app.state.keyring.params.num_blocks))
+    assert [b["index"] for b in blocks] == list(range(app.state.resources.keyring.params.num_blocks))
     assert sum(sum(b["counts"]) for b in blocks) >= report["scored_tokens"]
     tokens = report["tokens"]
-    tokenizer = app.state.backend.tokenizer
+    tokenizer = app.state.resources.backend.tokenizer
     assert [t["id"] for t in tokens] == tokenizer.encode(text, add_special_tokens=False)
     assert tokens[0]["block"] is None and tokens[1]["block"] is None
     scored = [t for t in tokens if t["block"] is not None]
     assert len(scored) == report["scored_tokens"]
-    assert all(0 <= t["block"] < len(blocks) and len(t["shards"]) == app.state.keyring.params.num_keys for t in scored)
+    assert all(
+        0 <= t["block"] < len(blocks) and len(t["shards"]) == app.state.resources.keyring.params.num_keys
+        for t in scored
+    )
     assert "".join(t["text"] for t in tokens) == text
 
     row = (await db_session.scalars(select(Trace).order_by(Trace.id.desc()).limit(1))).one()
     assert row.verdict == "watermarked"
     assert row.attributed_user_id == target["user_id"]
-    assert row.key_version_id == app.state.keyring.active().id
+    assert row.key_version_id == app.state.resources.keyring.active().id
     assert metric._value.get() == counted + 1
 
     deleted = await client.delete(f"/admin/users/{target['user_id']}", headers=_auth(admin_key))
@@ -170,9 +173,9 @@ async def test_generated_text_is_attributed_even_after_the_user_is_deleted(
 async def test_every_usable_key_version_is_tried(
     app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
 ) -> None:
-    handles = app.state.keyring.usable()
+    handles = app.state.resources.keyring.usable()
     assert len(handles) >= 2, "the test settings configure two key versions"
-    other_version = next(h for h in handles if h.id != app.state.keyring.active().id)
+    other_version = next(h for h in handles if h.id != app.state.resources.keyring.active().id)
     target, _ = await make_user("user")
     _, auditor_key = await make_user("auditor")
     text = await _watermarked_text(app, target["message_id"], key_version=other_version.name)
@@ -186,7 +189,7 @@ async def test_every_usable_key_version_is_tried(
 async def test_registry_cache_reloads_only_when_users_change(
     app: Any, db_session: AsyncSession, make_user: Any
 ) -> None:
-    cache = RegistryCache(app.state.sessionmaker, app.state.keyring.params, check_interval=0.0)
+    cache = RegistryCache(app.state.resources.sessionmaker, app.state.resources.keyring.params, check_interval=0.0)
     first = await cache.snapshot(db_session)
     assert cache.reloads == 1
     assert await cache.snapshot(db_session) is first
@@ -197,7 +200,9 @@ async def test_registry_cache_reloads_only_when_users_change(
     assert len(refreshed) == len(first) + 1
     assert created["user_id"] in refreshed.users
 
-    throttled = RegistryCache(app.state.sessionmaker, app.state.keyring.params, check_interval=3600.0)
+    throttled = RegistryCache(
+        app.state.resources.sessionmaker, app.state.resources.keyring.params, check_interval=3600.0
+    )
     snapshot = await throttled.snapshot(db_session)
     await make_user("user")
     assert await throttled.snapshot(db_session) is snapshot  # within the interval: no query at all
@@ -207,9 +212,9 @@ async def test_registry_cache_reloads_only_when_users_change(
 
 async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -> None:
     """/trace reads token ids through the fast tokenizer's backend: exactly tokenizer.encode's ids."""
-    from service.services.tracing import tokenize
+    from service.services.trace_analysis import tokenize
 
-    tokenizer = app.state.backend.tokenizer
+    tokenizer = app.state.resources.backend.tokenizer
     texts = [
         ESSAY,
         "  leading spaces, tabs\tand\nnew lines  ",
@@ -225,11 +230,11 @@ async def test_trace_tokenization_ignores_a_truncation_in_the_tokenizer_file(app
     """A checkpoint whose tokenizer file configures truncation still has every token read."""
     import copy
 
-    from service.services.tracing import tokenize
+    from service.services.trace_analysis import tokenize
 
-    tokenizer = copy.deepcopy(app.state.backend.tokenizer)
+    tokenizer = copy.deepcopy(app.state.resources.backend.tokenizer)
     tokenizer.backend_tokenizer.enable_truncation(max_length=8)
-    expected = list(app.state.backend.tokenizer.encode(ESSAY, add_special_tokens=False))
+    expected = list(app.state.resources.backend.tokenizer.encode(ESSAY, add_special_tokens=False))
     assert len(expected) > 8
     assert tokenize(tokenizer, ESSAY) == expected
 
@@ -246,10 +251,10 @@ async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrat
     application = create_app(settings.model_copy(update={"trace_warm_row_tokens": warm}))
     row_null.cache_clear()
     async with application.router.lifespan_context(application):
-        warmer = application.state.trace_null_warmer
+        warmer = application.state.resources.trace_null_warmer
         assert warmer is not None
         await asyncio.wait_for(asyncio.shield(warmer), timeout=120)
-        params = application.state.keyring.active().key.params
+        params = application.state.resources.keyring.active().key.params
         upper = params.scheme == "mpac"
         misses = row_null.cache_info().misses
         for n in range(1, warm + 1):

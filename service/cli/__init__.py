@@ -176,7 +176,7 @@ def cmd_users(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from service.services.tracing import offline_trace
+    from service.cli.offline_trace import offline_trace
 
     settings = _settings()
     if args.file in (None, "-"):

@@ -1,0 +1,7 @@
+"""``python -m service.cli``."""
+
+import sys
+
+from service.cli import main
+
+sys.exit(main())

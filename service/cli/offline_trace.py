@@ -1,0 +1,45 @@
+"""``xmark trace``: the /trace report of a text computed from the configuration alone (no server,
+no record)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from service.config import Settings, load_secrets
+from service.db import create_engine, create_sessionmaker
+from service.errors import PayloadTooLargeError, ServiceUnavailableError
+from service.keyring import Keyring, params_from_settings
+from service.services.registry_cache import RegistryCache
+from service.services.trace_analysis import analyze_text
+
+
+async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
+    """The /trace report of ``text`` computed from the configuration alone (no server, no record)."""
+    from transformers import AutoTokenizer  # heavy: only when a trace is asked for
+
+    if len(text) > settings.max_trace_chars:
+        raise PayloadTooLargeError(f"text is longer than {settings.max_trace_chars} characters", param="text")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    tokenizer = AutoTokenizer.from_pretrained(settings.resolved_model_path(), local_files_only=True)
+    params = params_from_settings(settings)
+    keyring = Keyring(params, load_secrets(settings).watermark)
+    engine = create_engine(settings)
+    try:
+        sessionmaker = create_sessionmaker(engine)
+        async with sessionmaker() as session:
+            await keyring.refresh(session)
+            snapshot = await RegistryCache(sessionmaker, params).snapshot(session)
+    finally:
+        await engine.dispose()
+    versions = keyring.usable()
+    if not versions:
+        raise ServiceUnavailableError("No usable watermark key version is configured")
+    outcome = await asyncio.to_thread(analyze_text, text, tokenizer, versions, snapshot, alpha=settings.trace_alpha)
+    return outcome.report.model_dump()
+
+
+def offline_trace(settings: Settings, text: str) -> dict[str, Any]:
+    """Synchronous entry point of :func:`offline_trace_async` (for the command line)."""
+    return asyncio.run(offline_trace_async(settings, text))

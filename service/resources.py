@@ -1,0 +1,166 @@
+"""Everything a running gateway process holds, in one typed object built by the app's lifespan.
+
+``open_resources`` creates each resource in order and registers its disposal on an
+``AsyncExitStack``, so whatever was opened is closed again, in reverse order, however the start-up
+or the process ends. Routers reach the object through one dependency (``service.deps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from service.backends import Backend, build_backend
+from service.config import ConfigurationError, Settings, load_secrets
+from service.db import RowWriter, create_engine, create_sessionmaker, session_scope
+from service.keyring import Keyring, params_from_settings
+from service.metrics import Metrics
+from service.models import Generation, Trace
+from service.security import ApiKeyHasher, parse_api_key
+from service.services.auth import Authenticator
+from service.services.auth_cache import AuthCache
+from service.services.bootstrap import ensure_first_admin
+from service.services.registry_cache import RegistryCache
+from service.services.tracing import prepare_null_distributions
+from xmark_core import WatermarkParams
+
+logger = logging.getLogger("xmark.app")
+
+
+@dataclass(eq=False)
+class Resources:
+    """The process's resources. Fields are replaced only by tests (e.g. a backend that is loading)."""
+
+    settings: Settings
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    generation_records: RowWriter
+    trace_records: RowWriter
+    metrics: Metrics
+    keyring: Keyring
+    api_key_hasher: ApiKeyHasher
+    authenticator: Authenticator
+    backend: Backend
+    registry_cache: RegistryCache
+    # every configured secret as text, redacted from error messages
+    secret_values: tuple[str, ...]
+    # embedded mode with generated secrets: a key version may be activated without a configured secret
+    secrets_can_generate: bool
+    # the start-up simulation of /trace's null distributions (None when switched off)
+    trace_null_warmer: asyncio.Task[None] | None
+
+
+async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
+    """Register the configured key versions and load the usable ones."""
+    try:
+        async with session_scope(sessionmaker) as session:
+            await keyring.sync(session)
+    except (OperationalError, ProgrammingError) as exc:
+        raise ConfigurationError(
+            "the database schema is missing or outdated: run `xmark migrate` "
+            f"({type(exc.orig).__name__ if isinstance(exc, DBAPIError) else type(exc).__name__})"
+        ) from None
+
+
+async def bootstrap_admin(
+    settings: Settings,
+    sessionmaker: async_sessionmaker[AsyncSession],
+    params: WatermarkParams,
+    hasher: ApiKeyHasher,
+) -> None:
+    """With ``XMARK_BOOTSTRAP_ADMIN_KEY``: that key becomes the first admin's if there is none."""
+    if settings.bootstrap_admin_key is not None:
+        async with session_scope(sessionmaker) as session:
+            await ensure_first_admin(
+                session, params, hasher, api_key=parse_api_key(settings.bootstrap_admin_key.get_secret_value())
+            )
+
+
+async def _refresh_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession], interval: float) -> None:
+    """Pick up key-version changes made through other replicas."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            async with session_scope(sessionmaker) as session:
+                await keyring.refresh(session)
+        except Exception as exc:  # keep serving with the last known keyring
+            logger.warning("keyring refresh failed", extra={"error_type": type(exc).__name__})
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _background(stack: AsyncExitStack, task: asyncio.Task[None]) -> asyncio.Task[None]:
+    stack.push_async_callback(_cancel, task)
+    return task
+
+
+@asynccontextmanager
+async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
+    """Open every resource of a gateway process; all are closed when the context exits."""
+    secrets = load_secrets(settings)
+    bootstrap_key = settings.bootstrap_admin_key
+    secret_values = tuple(
+        value
+        for value in (
+            *(v.decode(errors="ignore") for v in secrets.all_values()),
+            bootstrap_key.get_secret_value() if bootstrap_key is not None else "",
+        )
+        if value
+    )
+    async with AsyncExitStack() as stack:
+        engine = create_engine(settings)
+        stack.push_async_callback(engine.dispose)
+        sessionmaker = create_sessionmaker(engine)
+        generation_records = RowWriter(sessionmaker, Generation.__table__)  # type: ignore[arg-type]  # a Table
+        stack.push_async_callback(generation_records.close)
+        trace_records = RowWriter(sessionmaker, Trace.__table__)  # type: ignore[arg-type]  # a Table
+        stack.push_async_callback(trace_records.close)
+        metrics = Metrics()
+        params = params_from_settings(settings)
+        keyring = Keyring(params, secrets.watermark)
+        await sync_keyring(keyring, sessionmaker)
+        hasher = ApiKeyHasher(secrets.api_key_pepper)
+        authenticator = Authenticator(
+            sessionmaker, hasher, AuthCache(settings.auth_cache_ttl_s, settings.auth_cache_size)
+        )
+        await bootstrap_admin(settings, sessionmaker, params, hasher)
+        backend = build_backend(settings, metrics)
+        stack.push_async_callback(backend.close)
+        await backend.start()
+        if settings.keyring_refresh_seconds > 0:
+            _background(
+                stack,
+                asyncio.create_task(_refresh_keyring(keyring, sessionmaker, settings.keyring_refresh_seconds)),
+            )
+        warmer = None
+        if settings.trace_warm_row_tokens > 0:
+            warmer = _background(
+                stack, asyncio.create_task(prepare_null_distributions(keyring, settings.trace_warm_row_tokens))
+            )
+        yield Resources(
+            settings=settings,
+            engine=engine,
+            sessionmaker=sessionmaker,
+            generation_records=generation_records,
+            trace_records=trace_records,
+            metrics=metrics,
+            keyring=keyring,
+            api_key_hasher=hasher,
+            authenticator=authenticator,
+            backend=backend,
+            registry_cache=RegistryCache(sessionmaker, params),
+            secret_values=secret_values,
+            secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
+            trace_null_warmer=warmer,
+        )
