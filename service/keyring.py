@@ -19,6 +19,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -29,6 +30,7 @@ from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
 from service.vocabulary import KeyVersionStatus
 from xmark_core import WatermarkKey, WatermarkParams
+from xmark_core.params import Scheme
 
 logger = logging.getLogger("xmark.keyring")
 
@@ -73,7 +75,7 @@ def row_params(row: KeyVersion) -> WatermarkParams:
         block_bits=row.block_bits,
         num_keys=row.num_keys,
         delta=row.delta,
-        scheme=row.scheme,
+        scheme=cast("Scheme", row.scheme),  # WatermarkParams checks it is one of the schemes
     )
 
 

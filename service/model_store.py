@@ -143,7 +143,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     # The weights are de-quantized on load; drop the GGUF quantization record so the saved
     # checkpoint is an ordinary one that any loader (transformers, vLLM) accepts.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # typed without None; None means "not quantized"
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = ""

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import StoppingCriteria
@@ -148,7 +148,7 @@ class RowTracker(StoppingCriteria):
             for row_number, row in enumerate(self._rows):
                 if not row.done:
                     self._step_row(row_number, row, int(newest[row_number]))
-        return self._done.clone()
+        return cast("torch.BoolTensor", self._done.clone())  # _done: [rows] bool
 
     def cancel_unfinished(self) -> None:
         """Close rows that ``generate`` left open (it stopped for a reason of its own)."""

@@ -23,7 +23,9 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this offset have been released as text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""

@@ -161,7 +161,7 @@ class LocalBackend:
         import torch
         from transformers import GenerationConfig
 
-        ids = tokenizer.apply_chat_template(
+        ids: Any = tokenizer.apply_chat_template(
             [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True
         )
         if hasattr(ids, "keys"):
@@ -169,7 +169,8 @@ class LocalBackend:
         input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, prompt] int64
         config = GenerationConfig(max_new_tokens=2, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id)
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+            # transformers types generate through nn.Module.__getattr__ (Tensor | Module)
+            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)  # type: ignore[operator]
 
     def _run(self) -> None:
         try:
@@ -311,7 +312,7 @@ class LocalBackend:
             if seed is not None:
                 torch.manual_seed(seed)
             try:
-                model.generate(
+                model.generate(  # type: ignore[operator]  # typed through nn.Module.__getattr__
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=config,

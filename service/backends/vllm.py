@@ -49,14 +49,13 @@ from service.errors import (
     scrub,
 )
 from service.vocabulary import FinishReason
+from xmark_core.vllm_common import XARG_KEY_VERSION, XARG_MESSAGE  # the names the workers read
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-XARG_MESSAGE = "xmark_message"  # the names xmark_core.vllm_common expects
-XARG_KEY_VERSION = "xmark_key_version"
 CHAT_PATH = "/v1/chat/completions"
 HEALTH_PATH = "/health"
 HEALTH_TIMEOUT_S = 2.0

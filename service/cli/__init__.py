@@ -120,7 +120,7 @@ def cmd_fetch_model(_: argparse.Namespace) -> int:
 
 def cmd_create_admin(args: argparse.Namespace) -> int:
     settings = _settings()
-    request = CreateUserRequest(name=args.name, role="admin")
+    request = CreateUserRequest(name=args.name, role=Role.ADMIN)
     bootstrap = settings.bootstrap_admin_key
     api_key = parse_api_key(bootstrap.get_secret_value()) if bootstrap is not None else None
 
@@ -128,7 +128,7 @@ def cmd_create_admin(args: argparse.Namespace) -> int:
         params = params_from_settings(settings)
         if args.if_none:
             return await ensure_first_admin(session, params, hasher, api_key=api_key, name=request.name)
-        return await UserService(session, params, hasher).create_user(request.name, "admin")
+        return await UserService(session, params, hasher).create_user(request.name, Role.ADMIN)
 
     created = asyncio.run(_with_session(settings, work))
     if created is None:

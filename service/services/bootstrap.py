@@ -11,6 +11,7 @@ from service.repositories.users import UserRepository
 from service.schemas.admin import CreatedUser
 from service.security import ApiKeyHasher, ParsedKey
 from service.services.users import UserService
+from service.vocabulary import Role
 from xmark_core import WatermarkParams
 
 logger = logging.getLogger("xmark.bootstrap")
@@ -39,7 +40,7 @@ async def ensure_first_admin(
         return None
     try:
         async with session.begin_nested():
-            created = await UserService(session, params, hasher).create_user(name, "admin", api_key=api_key)
+            created = await UserService(session, params, hasher).create_user(name, Role.ADMIN, api_key=api_key)
     except IntegrityError:
         # another process bootstrapped the same key concurrently
         logger.info("first admin created concurrently elsewhere")

@@ -24,7 +24,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -327,7 +327,7 @@ class GenerationService:
 
     async def stream_chunks(
         self, prepared: PreparedCompletion, stream: GenerationStream, *, include_usage: bool
-    ) -> AsyncIterator[ChatCompletionChunk | GatewayError | EndOfStream]:
+    ) -> AsyncGenerator[ChatCompletionChunk | GatewayError | EndOfStream, None]:
         """The chunks of a streamed completion, then ``EndOfStream``; a backend failure midway is
         yielded as the error (the last item) for the client to receive in-band.
 

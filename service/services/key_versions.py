@@ -37,7 +37,7 @@ class KeyVersionService:
         return KeyVersionOut(
             id=row.id,
             name=row.name,
-            status=row.status,  # type: ignore[arg-type]
+            status=KeyVersionStatus(row.status),
             bits=row.bits,
             block_bits=row.block_bits,
             num_keys=row.num_keys,

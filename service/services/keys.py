@@ -17,7 +17,7 @@ from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, IssuedKey
 from service.schemas.common import Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
-from service.vocabulary import UserStatus
+from service.vocabulary import Role, UserStatus
 
 if TYPE_CHECKING:
     from service.services.auth_cache import AuthCache
@@ -60,7 +60,7 @@ def principal_of(key: ApiKey, user: User) -> Principal:
     return Principal(
         user_id=user.id,
         name=user.name,
-        role=user.role,  # type: ignore[arg-type]
+        role=Role(user.role),
         message_id=user.message_id,
         api_key_id=key.id,
     )

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from service.keyring import KeyVersionHandle
 from service.schemas.trace import (
     AttributionReport,
@@ -82,9 +84,22 @@ def _empty_report(bits: int, block_bits: int) -> TraceReport:
     )
 
 
+def _user_id(candidate_id: object) -> int:
+    """The user id a registry snapshot gave its candidate (an int, or a numpy integer)."""
+    assert isinstance(candidate_id, int | np.integer)
+    return int(candidate_id)
+
+
+def _piece(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
+    """The text of one token, as the tokenizer decodes it alone."""
+    text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
+    assert isinstance(text, str)  # one sequence of ids decodes to one string
+    return text
+
+
 def _token_reports(tokenizer: PreTrainedTokenizerBase, ids: list[int], result: DecodeResult) -> list[TokenReport]:
     assert result.token_blocks is not None and result.token_shards is not None
-    pieces = [tokenizer.decode([token], clean_up_tokenization_spaces=False) for token in ids]
+    pieces = [_piece(tokenizer, token) for token in ids]
     reports = []
     for position, token in enumerate(ids):
         block = int(result.token_blocks[position])
@@ -114,12 +129,7 @@ def analyze_text(
     if len(ids) < 3:  # the first two tokens are context only: nothing to score
         report = _empty_report(params.bits, params.block_bits)
         if include_tokens:
-            report.tokens = [
-                TokenReport(
-                    text=tokenizer.decode([t], clean_up_tokenization_spaces=False), id=t, block=None, shards=None
-                )
-                for t in ids
-            ]
+            report.tokens = [TokenReport(text=_piece(tokenizer, t), id=t, block=None, shards=None) for t in ids]
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
     # Trying several key versions is several tests: Bonferroni-correct the level and the p-values.
@@ -141,7 +151,7 @@ def analyze_text(
     users = snapshot.users
 
     def name_of(user_id: object) -> str:
-        user = users.get(int(user_id))  # type: ignore[call-overload]
+        user = users.get(_user_id(user_id))
         return user.name if user is not None else ""
 
     attributed = attribution.best
@@ -166,14 +176,14 @@ def analyze_text(
         attribution=None
         if attributed is None
         else AttributionReport(
-            user_id=int(attributed.id),  # type: ignore[call-overload]
+            user_id=_user_id(attributed.id),
             name=name_of(attributed.id),
             confidence=attribution.confidence,
             p_value=min(1.0, attributed.p_value * tries),
         ),
         candidates=[
             CandidateReport(
-                user_id=int(c.id),  # type: ignore[call-overload]
+                user_id=_user_id(c.id),
                 name=name_of(c.id),
                 score=c.score,
                 p_value=min(1.0, c.p_value * tries),
@@ -186,5 +196,5 @@ def analyze_text(
     return TraceOutcome(
         report,
         best.handle.id,
-        None if attributed is None else int(attributed.id),  # type: ignore[call-overload]
+        None if attributed is None else _user_id(attributed.id),
     )

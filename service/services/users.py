@@ -20,10 +20,9 @@ from service.models import ApiKey, User
 from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.users import UserRepository
 from service.schemas.admin import CreatedUser, UserOut, UserPage
-from service.schemas.common import Role
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
 from service.services.auth_cache import AuthCache
-from service.vocabulary import UserStatus
+from service.vocabulary import Role, UserStatus
 from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
 
 logger = logging.getLogger("xmark.users")
@@ -36,8 +35,8 @@ def user_out(user: User) -> UserOut:
     return UserOut(
         id=user.id,
         name=user.name,
-        role=user.role,  # type: ignore[arg-type]
-        status=user.status,  # type: ignore[arg-type]
+        role=Role(user.role),
+        status=UserStatus(user.status),
         message_id=user.message_id,
         created_at=user.created_at,
         updated_at=user.updated_at,
