@@ -100,9 +100,6 @@ class Keyring:
     def is_configured(self, name: str) -> bool:
         return name in self._secrets
 
-    def configured_names(self) -> list[str]:
-        return list(self._secrets)
-
     def add_secret(self, name: str, secret: bytes) -> None:
         """Register a secret created at run time (embedded mode)."""
         self._secrets[name] = secret

@@ -113,10 +113,6 @@ class RowTracker(StoppingCriteria):
         self._prompt_length = prompt_length
         self._done = torch.zeros(len(self._rows), dtype=torch.bool)
 
-    @property
-    def all_done(self) -> bool:
-        return bool(self._done.all())
-
     def _finish(self, row_number: int, row: _Row, reason: FinishReason, text: str = "") -> None:
         row.done = True
         self._done[row_number] = True

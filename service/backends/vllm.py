@@ -126,10 +126,6 @@ class WorkerPool:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))
 
-    @property
-    def any_healthy(self) -> bool:
-        return any(w.healthy for w in self.workers)
-
 
 def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str) -> dict[str, Any]:
     """The OpenAI request sent to a worker: the validated fields plus the gateway's watermark args."""

@@ -7,9 +7,8 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.db import session_scope
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
 from service.models import ApiKey, User
 from service.repositories.api_keys import ApiKeyRepository
@@ -76,7 +75,6 @@ class ApiKeyService:
         self,
         session: AsyncSession,
         hasher: ApiKeyHasher,
-        usage_sessionmaker: async_sessionmaker[AsyncSession] | None = None,
         *,
         auth_cache: AuthCache | None = None,
     ) -> None:
@@ -84,10 +82,6 @@ class ApiKeyService:
         self._hasher = hasher
         self._keys = ApiKeyRepository(session)
         self._users = UserRepository(session)
-        # last_used_at is bookkeeping: written in its own short unit of work when a sessionmaker is
-        # given, so the row lock is not held for the whole request (a long stream would otherwise
-        # make every concurrent request with the same key wait, and SQLite's single writer too).
-        self._usage_sessionmaker = usage_sessionmaker
         self._auth_cache = auth_cache
 
     async def issue_key(self, user_id: int) -> IssuedKey:
@@ -137,17 +131,5 @@ class ApiKeyService:
         return key, user
 
     async def touch(self, key: ApiKey, now: datetime) -> None:
-        """Record a use of ``key`` at ``now`` (in its own unit of work when a sessionmaker is given)."""
-        if self._usage_sessionmaker is None:
-            await self._keys.touch(key.id, now)
-        else:
-            async with session_scope(self._usage_sessionmaker) as usage:
-                await ApiKeyRepository(usage).touch(key.id, now)
-
-    async def authenticate(self, authorization: str | None) -> Principal:
-        """Resolve an ``Authorization: Bearer <key>`` header to the calling principal (no cache)."""
-        key, user = await self.verify(parse_bearer(authorization))
-        now = datetime.now(UTC)
-        if touch_due(key.last_used_at, now):
-            await self.touch(key, now)
-        return principal_of(key, user)
+        """Record a use of ``key`` at ``now`` (in this service's unit of work)."""
+        await self._keys.touch(key.id, now)

@@ -10,11 +10,12 @@ import pytest
 
 from service.cli import main
 from service.config import Settings, load_secrets
-from service.db import create_engine, create_sessionmaker, session_scope
+from service.db import create_engine, create_sessionmaker
 from service.errors import AuthenticationError
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher, generate_api_key
-from service.services.keys import ApiKeyService
+from service.services.auth import Authenticator
+from service.services.auth_cache import AuthCache
 
 
 @pytest.fixture
@@ -35,9 +36,9 @@ def _authenticate(settings: Settings, key: str) -> Principal:
     async def work() -> Principal:
         engine = create_engine(settings)
         try:
-            async with session_scope(create_sessionmaker(engine)) as session:
-                hasher = ApiKeyHasher(load_secrets(settings).api_key_pepper)
-                return await ApiKeyService(session, hasher).authenticate(f"Bearer {key}")
+            hasher = ApiKeyHasher(load_secrets(settings).api_key_pepper)
+            authenticator = Authenticator(create_sessionmaker(engine), hasher, AuthCache(0))
+            return await authenticator.authenticate(f"Bearer {key}")
         finally:
             await engine.dispose()
 
@@ -122,7 +123,7 @@ def test_placeholder_secret_is_reported_without_the_value(
 
 def test_a_mistyped_key_does_not_authenticate(embedded: Settings, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(capsys, "migrate")[0] == 0
-    code, out, _ = _run(capsys, "create-user", "dora", "--json")
+    _code, out, _ = _run(capsys, "create-user", "dora", "--json")
     key = json.loads(out)["api_key"]
     with pytest.raises(AuthenticationError):
         _authenticate(embedded, key[:-1] + ("0" if key[-1] != "0" else "1"))
