@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run test bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-reduced eval-smoke
+.PHONY: run lint format test bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-reduced eval-smoke
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -50,6 +50,17 @@ export CHECK_POSTGRES
 
 check-postgres: venv
 	@$(BIN)/python -c "$$CHECK_POSTGRES"
+
+# Lint and types: ruff (lint + format check) over the tree, mypy (strict for xmark_core). Zero findings.
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# Apply ruff's formatting and safe fixes.
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test: venv model check-postgres
 	$(BIN)/pytest tests
