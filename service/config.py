@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     bootstrap_admin_key: SecretStr | None = None
     trace_alpha: float = 1e-3
     # /trace: the null distributions of rows of up to this many tokens are simulated in the
-    # background at start-up (about 0.1 s of one core per row size); larger rows on first use.
+    # background at start-up; larger rows on first use.
     trace_warm_row_tokens: int = 64
     keyring_refresh_seconds: float = 30.0
     # `xmark serve`: gateway processes sharing the port (each with its own event loop, caches

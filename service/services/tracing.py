@@ -41,7 +41,7 @@ async def prepare_null_distributions(keyring: Keyring, max_row_tokens: int) -> N
     """Simulate the per-row null distributions that /trace's test needs, for rows of 1 to
     ``max_row_tokens`` tokens and the parameters of every usable key version.
 
-    Each row size is simulated once per process (about 0.1 s of one core) and cached; without
+    Each row size is simulated once per process and cached; without
     this, the first traces after start-up pay for it inline. Runs on a worker thread, one row
     size at a time, so it can be cancelled between sizes and the event loop keeps serving.
     """
