@@ -12,9 +12,19 @@ from typing import TYPE_CHECKING, Any
 from .attribution import DEFAULT_MIN_CONFIDENCE, Attribution, CandidateScore, CandidateSet, attribute
 from .decoder import DecodeResult, decode, null_inclusion_probability
 from .detect import DEFAULT_ALPHA, Detection, detect, warm_null_cache
+from .errors import (
+    DecodeInputError,
+    MessageError,
+    MessageSpaceExhausted,
+    ParamsError,
+    RequestArgumentError,
+    SecretConfigError,
+    WorkerConfigError,
+    XMarkError,
+)
 from .hashing import block_index, context_multipliers, shard, token_codes
 from .keys import WatermarkKey
-from .message import Message, MessageAllocator, MessageSpaceExhausted, allocate_message, bits_to_blocks
+from .message import Message, MessageAllocator, allocate_message, bits_to_blocks
 from .params import SCHEMES, WatermarkParams
 
 if TYPE_CHECKING:
@@ -27,14 +37,21 @@ __all__ = [
     "Attribution",
     "CandidateScore",
     "CandidateSet",
+    "DecodeInputError",
     "DecodeResult",
     "Detection",
     "Message",
     "MessageAllocator",
+    "MessageError",
     "MessageSpaceExhausted",
+    "ParamsError",
+    "RequestArgumentError",
+    "SecretConfigError",
     "TorchWatermarker",
     "WatermarkKey",
     "WatermarkParams",
+    "WorkerConfigError",
+    "XMarkError",
     "allocate_message",
     "apply_watermark",
     "attribute",

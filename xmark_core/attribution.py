@@ -31,6 +31,7 @@ import numpy as np
 
 from .decoder import DecodeResult, null_inclusion_probability
 from .detect import DEFAULT_ALPHA
+from .errors import ParamsError
 from .message import bits_to_blocks
 from .null import binomial_log_cdf
 from .params import WatermarkParams
@@ -111,7 +112,7 @@ def attribute(
         raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
-        raise ValueError("candidate messages do not match the decoder's message length")
+        raise ParamsError("candidate messages do not match the decoder's message length")
     if top < 1:
         raise ValueError("top must be >= 1")
     count = len(candidates)

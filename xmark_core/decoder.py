@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import DecodeInputError
 from .hashing import block_index, shard
 from .keys import WatermarkKey
 from .message import Message
@@ -77,7 +78,7 @@ def null_inclusion_probability(params: WatermarkParams, constrained: bool) -> fl
 def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
     if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 and token_ids.dtype == np.int64:
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID):
-            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+            raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
         return [token_ids]
     if isinstance(token_ids, np.ndarray):
         texts = [token_ids] if token_ids.ndim == 1 else list(token_ids)
@@ -98,11 +99,11 @@ def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
             out.append(np.zeros(0, dtype=np.int64))
             continue
         if text.ndim != 1:
-            raise ValueError(f"each text must be a 1-D sequence of token ids (got shape {text.shape})")
+            raise DecodeInputError(f"each text must be a 1-D sequence of token ids (got shape {text.shape})")
         if text.dtype == bool or not np.issubdtype(text.dtype, np.integer):
             raise TypeError(f"token ids must be integers (got dtype {text.dtype})")
         if text.min() < 0 or text.max() > MAX_TOKEN_ID:
-            raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+            raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
         out.append(text.astype(np.int64, copy=False))
     return out
 
@@ -121,7 +122,7 @@ def decode(
     params = key.params
     texts = _as_texts(token_ids)
     if not texts or all(t.size < 3 for t in texts):
-        raise ValueError("need at least one text of 3 or more tokens to decode (the first two are context)")
+        raise DecodeInputError("need at least one text of 3 or more tokens to decode (the first two are context)")
     if min_observations < 1:
         raise ValueError("min_observations must be >= 1")
     r, shards_n, k = params.num_blocks, params.num_shards, params.num_keys

@@ -9,6 +9,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .encoder import TorchWatermarker
+from .errors import ParamsError
 from .keys import WatermarkKey
 from .message import Message
 
@@ -31,7 +32,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
             if message is None:
                 continue
             if message.params.bits != params.bits or message.params.block_bits != params.block_bits:
-                raise ValueError("message length does not match the key's parameters")
+                raise ParamsError("message length does not match the key's parameters")
             blocks[row] = message.blocks
         self._blocks = torch.from_numpy(blocks)  # [rows, r]
         self._active = torch.tensor([m is not None for m in messages], dtype=torch.bool)  # [rows]

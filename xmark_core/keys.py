@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from .errors import SecretConfigError
 from .params import WatermarkParams
 
 MIN_SECRET_BYTES = 16
@@ -44,7 +45,7 @@ class WatermarkKey:
         else:
             raise TypeError(f"secret must be str or bytes (got {type(secret).__name__})")
         if len(secret_bytes) < MIN_SECRET_BYTES:
-            raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes long")
+            raise SecretConfigError(f"secret must be at least {MIN_SECRET_BYTES} bytes long")
         words = np.empty((params.num_keys, WORDS_PER_KEY), dtype=np.int64)
         for j in range(params.num_keys):
             digest = hmac.new(secret_bytes, _LABEL + b"/hash-key/%d" % j, hashlib.sha256).digest()

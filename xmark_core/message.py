@@ -8,14 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import MessageError
+from .errors import MessageSpaceExhausted as MessageSpaceExhausted  # re-exported: its historic home
 from .params import WatermarkParams
 
 ALLOCATION_CANDIDATES = 256
 _TABLE_BITS = 16
-
-
-class MessageSpaceExhausted(RuntimeError):
-    """Every b-bit message has been allocated; no new ID can be issued."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,16 +27,16 @@ class Message:
         if not isinstance(self.bits, str):
             raise TypeError(f"message bits must be a str of '0'/'1' (got {type(self.bits).__name__})")
         if len(self.bits) != self.params.bits:
-            raise ValueError(f"message must have exactly {self.params.bits} bits (got {len(self.bits)})")
+            raise MessageError(f"message must have exactly {self.params.bits} bits (got {len(self.bits)})")
         if self.bits.strip("01"):
-            raise ValueError("message must contain only the characters '0' and '1'")
+            raise MessageError("message must contain only the characters '0' and '1'")
 
     @classmethod
     def from_bits(cls, bits: str | Sequence[int], params: WatermarkParams) -> Message:
         if not isinstance(bits, str):
             values = list(bits)
             if any(v not in (0, 1) or isinstance(v, bool) for v in values):
-                raise ValueError("message bits must be 0 or 1")
+                raise MessageError("message bits must be 0 or 1")
             bits = "".join(str(v) for v in values)
         return cls(bits, params)
 
@@ -47,7 +45,7 @@ class Message:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError("message value must be an int")
         if not 0 <= value < (1 << params.bits):
-            raise ValueError(f"message value must be in [0, 2**{params.bits})")
+            raise MessageError(f"message value must be in [0, 2**{params.bits})")
         return cls(format(value, f"0{params.bits}b"), params)
 
     @classmethod
@@ -56,9 +54,9 @@ class Message:
         if values.dtype == bool or not np.issubdtype(values.dtype, np.integer):
             raise TypeError(f"block values must be integers (got dtype {values.dtype})")
         if values.shape != (params.num_blocks,):
-            raise ValueError(f"expected {params.num_blocks} block values (got shape {values.shape})")
+            raise MessageError(f"expected {params.num_blocks} block values (got shape {values.shape})")
         if values.min(initial=0) < 0 or values.max(initial=0) >= params.num_shards:
-            raise ValueError(f"block values must be in [0, {params.num_shards})")
+            raise MessageError(f"block values must be in [0, {params.num_shards})")
         d = params.block_bits
         return cls("".join(format(int(v), f"0{d}b") for v in values), params)
 
@@ -78,10 +76,10 @@ def bits_to_blocks(bits: Sequence[str], params: WatermarkParams) -> np.ndarray:
         return np.zeros((0, params.num_blocks), dtype=np.int64)
     raw = np.frombuffer("".join(bits).encode("ascii"), dtype=np.uint8)
     if raw.size != b * len(bits):
-        raise ValueError(f"every message must have exactly {b} bits")
+        raise MessageError(f"every message must have exactly {b} bits")
     digits = raw.reshape(len(bits), params.num_blocks, d).astype(np.int64) - ord("0")  # [C, r, d]
     if ((digits != 0) & (digits != 1)).any():
-        raise ValueError("messages must contain only the characters '0' and '1'")
+        raise MessageError("messages must contain only the characters '0' and '1'")
     weights = 1 << np.arange(d - 1, -1, -1, dtype=np.int64)  # [d]
     return digits @ weights
 
@@ -92,11 +90,11 @@ def _packed(bits: Sequence[str], b: int) -> np.ndarray:
         return np.zeros((0, (b + 7) // 8), dtype=np.uint8)
     raw = np.frombuffer("".join(bits).encode("ascii"), dtype=np.uint8)
     if raw.size != b * len(bits):
-        raise ValueError(f"every message must have exactly {b} bits")
+        raise MessageError(f"every message must have exactly {b} bits")
     raw = raw.reshape(len(bits), b)
     ones = raw == ord("1")
     if not (ones | (raw == ord("0"))).all():
-        raise ValueError("messages must contain only the characters '0' and '1'")
+        raise MessageError("messages must contain only the characters '0' and '1'")
     return np.packbits(ones, axis=1)
 
 

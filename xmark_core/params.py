@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from .errors import ParamsError
+
 Scheme = Literal["xmark", "mpac", "loso"]
 SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso")
 MAX_BITS = 256
@@ -32,17 +34,19 @@ class WatermarkParams:
         _check_int("block_bits", self.block_bits, 1, 4)
         _check_int("bits", self.bits, self.block_bits, MAX_BITS)
         if self.bits % self.block_bits:
-            raise ValueError(f"bits must be a positive multiple of block_bits={self.block_bits} (got bits={self.bits})")
+            raise ParamsError(
+                f"bits must be a positive multiple of block_bits={self.block_bits} (got bits={self.bits})"
+            )
         _check_int("num_keys", self.num_keys, 1, 8)
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
             raise TypeError(f"delta must be a number > 0 (got {type(self.delta).__name__})")
         if not (self.delta > 0.0) or self.delta != self.delta or self.delta == float("inf"):
-            raise ValueError(f"delta must be a finite number > 0 (got {self.delta})")
+            raise ParamsError(f"delta must be a finite number > 0 (got {self.delta})")
         object.__setattr__(self, "delta", float(self.delta))  # 2 and 2.0 are the same key version
         if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
+            raise ParamsError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
         if self.scheme in ("loso", "mpac") and self.num_keys != 1:
-            raise ValueError(f"num_keys must be 1 for scheme {self.scheme!r} (got {self.num_keys})")
+            raise ParamsError(f"num_keys must be 1 for scheme {self.scheme!r} (got {self.num_keys})")
 
     @property
     def num_blocks(self) -> int:
@@ -72,4 +76,4 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer in [{low}, {high}] (got {type(value).__name__})")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}] (got {value})")
+        raise ParamsError(f"{name} must be in [{low}, {high}] (got {value})")

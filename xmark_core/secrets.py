@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from .errors import SecretConfigError
 from .keys import MIN_SECRET_BYTES
 
 __all__ = [
@@ -39,10 +40,6 @@ _PLACEHOLDER_WORDS = (
     "todo",
 )
 _PLACEHOLDER_VALUES = {"secret", "password", "default", "test", "xxx", "none", "null"}
-
-
-class SecretConfigError(ValueError):
-    """The configured secrets cannot be used; the message says why (never the secret)."""
 
 
 def placeholder_reason(value: str | bytes) -> str | None:

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - re-exported
+from .errors import RequestArgumentError
+from .errors import WorkerConfigError as WorkerConfigError  # re-exported: its historic home
+from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - MIN_SECRET_BYTES is re-exported
 from .message import bits_to_blocks
 from .params import WatermarkParams
 from .secrets import KEY_VERSION_NAME
@@ -51,10 +53,6 @@ ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
 ENV_DELTA = "XMARK_WATERMARK_DELTA"
 
 LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"  # vLLM's entry-point group for processors
-
-
-class WorkerConfigError(ValueError):
-    """The worker's watermark configuration cannot be used (start-up error)."""
 
 
 def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
@@ -179,36 +177,36 @@ class RequestWatermark:
 def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) -> RequestWatermark | None:
     """The watermark of a request, None when it carries no XMark arguments.
 
-    Raises ValueError (vLLM answers HTTP 400) for malformed arguments; the message names the
-    argument and the rule, never its value.
+    Raises :class:`RequestArgumentError`, a ValueError (vLLM answers HTTP 400), for malformed
+    arguments; the message names the argument and the rule, never its value.
     """
     if not extra_args:
         return None
     if not isinstance(extra_args, Mapping):
-        raise ValueError("extra_args must be an object")
+        raise RequestArgumentError("extra_args must be an object")
     ours = {k for k in extra_args if isinstance(k, str) and k.startswith(XARG_PREFIX)}
     if not ours:
         return None
     unknown = sorted(ours - KNOWN_XARGS)
     if unknown:
-        raise ValueError(
+        raise RequestArgumentError(
             f"unknown XMark argument(s) {', '.join(unknown)}; expected exactly {XARG_MESSAGE} and {XARG_KEY_VERSION}"
         )
     missing = sorted(KNOWN_XARGS - ours)
     if missing:
-        raise ValueError(
+        raise RequestArgumentError(
             f"XMark argument {missing[0]} is missing (both {XARG_MESSAGE} and {XARG_KEY_VERSION} are required)"
         )
     params = keyring.params
     message = extra_args[XARG_MESSAGE]
     if not isinstance(message, str) or len(message) != params.bits or message.strip("01"):
-        raise ValueError(f"{XARG_MESSAGE} must be a string of exactly {params.bits} characters '0' or '1'")
+        raise RequestArgumentError(f"{XARG_MESSAGE} must be a string of exactly {params.bits} characters '0' or '1'")
     name = extra_args[XARG_KEY_VERSION]
     if not isinstance(name, str) or not KEY_VERSION_NAME.match(name):
-        raise ValueError(f"{XARG_KEY_VERSION} must be a key version name")
+        raise RequestArgumentError(f"{XARG_KEY_VERSION} must be a key version name")
     index = keyring.index(name)
     if index is None:
-        raise ValueError(f"{XARG_KEY_VERSION} names a key version this worker is not configured with")
+        raise RequestArgumentError(f"{XARG_KEY_VERSION} names a key version this worker is not configured with")
     return RequestWatermark(index, bits_to_blocks([message], params)[0])
 
 
