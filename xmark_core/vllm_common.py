@@ -1,6 +1,8 @@
 """What the vLLM adapters share: the worker's keyring, per-request arguments, start-up checks.
 
-vLLM is not imported here; ``vllm_v1`` and ``vllm_v2`` are the only modules that import it.
+Importing this module imports neither vLLM nor torch: the gateway imports it for the argument
+names (``build_watermarkers`` imports the torch encoder when a worker starts), and ``vllm_v1`` and
+``vllm_v2`` are the only modules that import vLLM.
 
 Per-request arguments travel in ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``)
 and are exactly two: ``xmark_message`` (the b-bit message as a string of '0'/'1') and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +41,8 @@ from .secrets import KEY_VERSION_NAME
 from .secrets import parse_secret_entries as _parse_secret_entries
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
+
     from .encoder import TorchWatermarker
 
 XARG_MESSAGE = "xmark_message"
@@ -53,6 +58,8 @@ ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
 ENV_DELTA = "XMARK_WATERMARK_DELTA"
 
 LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"  # vLLM's entry-point group for processors
+
+logger = logging.getLogger("vllm.xmark")  # under vLLM's logger, so its log configuration shows it
 
 
 def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
@@ -272,3 +279,27 @@ def refuse_duplicate_load(vllm_config: Any, base: type) -> None:
             f"and/or the '{LOGITS_PROCESSORS_GROUP}' entry point); it must be loaded exactly once, "
             "or the watermark bias would be added more than once"
         )
+
+
+def start_worker(vllm_config: Any, processor: type) -> WorkerKeyring:
+    """The start-up both adapters' processors run: the checks, then this process's keyring.
+
+    Refuses speculative decoding and a second load of ``processor`` (:class:`WorkerConfigError`);
+    the keyring is read from the environment on the first call and cached.
+    """
+    refuse_speculative_decoding(vllm_config)
+    refuse_duplicate_load(vllm_config, processor)
+    return worker_keyring()
+
+
+class ValidatesXMarkArguments:
+    """Mixed into both adapters' processors, ahead of vLLM's ``LogitsProcessor`` base class.
+
+    vLLM calls ``validate_params`` on every processor class when it admits a request, before the
+    request reaches a worker's batch, and answers a ValueError with HTTP 400.
+    """
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Reject malformed XMark arguments (:class:`RequestArgumentError`); accept the rest."""
+        parse_request(sampling_params.extra_args, worker_keyring())

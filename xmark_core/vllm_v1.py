@@ -22,7 +22,6 @@ What vLLM 0.32 does that matters here:
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,33 +30,24 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from .vllm_common import (
     RequestWatermark,
+    ValidatesXMarkArguments,
     build_watermarkers,
     last_two,
+    logger,
     parse_request,
-    refuse_duplicate_load,
-    refuse_speculative_decoding,
-    worker_keyring,
+    start_worker,
 )
 
 if TYPE_CHECKING:
-    from vllm import SamplingParams
     from vllm.config import VllmConfig
 
-logger = logging.getLogger("vllm.xmark")  # under vLLM's logger, so its log configuration shows it
 
-
-class XMarkLogitsProcessor(LogitsProcessor):
+# misc: where mypy runs (.venv) vLLM is not installed and this base class is Any; unused-ignore: where it is
+class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: ignore[misc, unused-ignore]
     """Adds δ to each watermarked row's evergreen list, with that row's own message and key."""
 
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        parse_request(sampling_params.extra_args, worker_keyring())
-
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        refuse_speculative_decoding(vllm_config)
-        refuse_duplicate_load(vllm_config, XMarkLogitsProcessor)
-        keyring = worker_keyring()
-        self._keyring = keyring
+        keyring = self._keyring = start_worker(vllm_config, XMarkLogitsProcessor)
         self._device = device
         self._pin = is_pin_memory and device.type != "cpu"
         # The op runs as one fused kernel (torch.compile: C++ on CPU workers, Triton on CUDA),

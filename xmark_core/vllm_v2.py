@@ -26,7 +26,6 @@ Speculative decoding (one row per draft token, drafts not in the committed histo
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,32 +38,24 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 
 from .vllm_common import (
     RequestWatermark,
+    ValidatesXMarkArguments,
     build_watermarkers,
+    logger,
     parse_request,
-    refuse_duplicate_load,
-    refuse_speculative_decoding,
-    worker_keyring,
+    start_worker,
 )
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
 
-logger = logging.getLogger("vllm.xmark")  # under vLLM's logger, so its log configuration shows it
 
-
-class XMarkLogitsProcessor(LogitsProcessor):
+# misc: where mypy runs (.venv) vLLM is not installed and this base class is Any; unused-ignore: where it is
+class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: ignore[misc, unused-ignore]
     """Adds δ to each watermarked row's evergreen list, with that row's own message and key."""
 
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        parse_request(sampling_params.extra_args, worker_keyring())
-
     def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
-        refuse_speculative_decoding(vllm_config)
-        refuse_duplicate_load(vllm_config, XMarkLogitsProcessor)
-        keyring = worker_keyring()
-        self._keyring = keyring
+        keyring = self._keyring = start_worker(vllm_config, XMarkLogitsProcessor)
         self._req_states = req_states
         slots, device = req_states.max_num_reqs, req_states.device
         # On CUDA the op runs as one fused Triton kernel (torch.compile), bit-identical to the
