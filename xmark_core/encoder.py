@@ -175,7 +175,9 @@ class TorchWatermarker:
                     logits, context, blocks, active, self.words(device), self.codes(device, logits.shape[1])
                 )
             except Exception as exc:  # no C++ toolchain, unsupported platform: keep serving, eagerly
-                warnings.warn(f"fused watermark kernel unavailable, using the eager op ({type(exc).__name__})")
+                warnings.warn(
+                    f"fused watermark kernel unavailable, using the eager op ({type(exc).__name__})", stacklevel=2
+                )
                 self._compiled = None
             else:
                 return logits.copy_(out) if inplace else out

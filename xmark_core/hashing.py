@@ -17,9 +17,15 @@ multiply-shift per (row, token, key).
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-Array = TypeVar("Array")  # numpy.ndarray or torch.Tensor of int64
+if TYPE_CHECKING:  # for the annotations only: importing this module imports neither
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+# int64 numpy arrays or torch tensors: each function is checked for both and returns what it is given
+Array = TypeVar("Array", "npt.NDArray[np.int64]", "torch.Tensor")
 
 MASK32 = 0xFFFFFFFF
 MASK31 = 0x7FFFFFFF

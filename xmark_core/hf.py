@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -53,4 +54,6 @@ class XMarkLogitsProcessor(LogitsProcessor):
         context = input_ids[:, -2:]  # [B, 2]: (x[t-2], x[t-1])
         if context.shape[1] < 2:
             context = torch.nn.functional.pad(context, (2 - context.shape[1], 0))
-        return self._watermarker.apply(scores, context.to(torch.int64), blocks, active)
+        marked = self._watermarker.apply(scores, context.to(torch.int64), blocks, active)
+        # apply returns a tensor of the scores' dtype, which transformers' signature calls FloatTensor
+        return cast(torch.FloatTensor, marked)

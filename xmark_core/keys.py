@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from typing import NoReturn
 
 import numpy as np
 
@@ -71,5 +72,5 @@ class WatermarkKey:
     def __repr__(self) -> str:
         return f"WatermarkKey(params={self._params!r}, fingerprint={self._fingerprint[:12]}…)"
 
-    def __reduce__(self):  # pragma: no cover - keys must not be pickled by accident
+    def __reduce__(self) -> NoReturn:  # pragma: no cover - keys must not be pickled by accident
         raise TypeError("WatermarkKey cannot be pickled")

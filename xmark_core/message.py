@@ -63,7 +63,8 @@ class Message:
     @property
     def blocks(self) -> np.ndarray:
         """int64 [r] block values."""
-        return bits_to_blocks([self.bits], self.params)[0]
+        blocks: np.ndarray = bits_to_blocks([self.bits], self.params)[0]
+        return blocks
 
     def to_int(self) -> int:
         return int(self.bits, 2)

@@ -64,7 +64,8 @@ def _simulate_rows(n: int, shards: int, keys: int, constrained: bool, samples: i
     enumerated = contributions(shards, keys, constrained)
     if enumerated is not None:
         table, probs = enumerated
-        return rng.multinomial(n, probs, size=samples) @ table
+        counts: np.ndarray = rng.multinomial(n, probs, size=samples) @ table
+        return counts
     out = np.zeros((samples, shards), dtype=np.int64)
     chunk = max(1, 2_000_000 // max(1, n * keys))
     for start in range(0, samples, chunk):
@@ -108,7 +109,7 @@ def sigma_tail(rows: list[RowNull], num_blocks: int, observed: float, samples: i
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, SIGMA_SAMPLES, size=(len(rows), samples), dtype=np.int32)  # [rows, samples]
     total = np.zeros(samples)
-    for row, pick in zip(rows, picks):
+    for row, pick in zip(rows, picks, strict=True):
         total += row.sigma[pick]
     sims = total / num_blocks
     exceed = int(np.count_nonzero(sims >= observed - 1e-12))
@@ -119,15 +120,16 @@ def binomial_log_pmf(trials: int, q: float) -> np.ndarray:
     """log P(X = j), j = 0..trials, X ~ Binomial(trials, q)."""
     log_fact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, trials + 1, dtype=np.float64)))])
     j = np.arange(trials + 1, dtype=np.float64)
-    return log_fact[trials] - log_fact[: trials + 1] - log_fact[::-1] + j * np.log(q) + (trials - j) * np.log1p(-q)
+    logpmf: np.ndarray = (
+        log_fact[trials] - log_fact[: trials + 1] - log_fact[::-1] + j * np.log(q) + (trials - j) * np.log1p(-q)
+    )
+    return logpmf
 
 
 def binomial_log_cdf(values: np.ndarray, trials: int, q: float, upper: bool = False) -> np.ndarray:
     """log P(X <= v) (or log P(X >= v) with upper=True) for each v, X ~ Binomial(trials, q)."""
     logpmf = binomial_log_pmf(trials, q)
-    if upper:
-        cum = np.logaddexp.accumulate(logpmf[::-1])[::-1]  # log P(X >= j)
-    else:
-        cum = np.logaddexp.accumulate(logpmf)  # log P(X <= j)
+    # upper: log P(X >= j), accumulated from the top; otherwise log P(X <= j)
+    cum = np.logaddexp.accumulate(logpmf[::-1])[::-1] if upper else np.logaddexp.accumulate(logpmf)
     idx = np.clip(np.asarray(values, dtype=np.int64), 0, trials)
     return cum[idx]

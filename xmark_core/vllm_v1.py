@@ -144,6 +144,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         if rows.size == 0:
             return logits
         context = np.zeros((batch, 2), dtype=np.int64)  # [B, 2] (x[t-2], x[t-1])
+        # arg-type: an active row always holds its output list (set together with the flag in _set)
         context[rows] = [last_two(self._prompt[i], self._output[i]) for i in rows]  # type: ignore[arg-type]
         active = self._active[:batch] & (context >= 0).all(axis=1)  # placeholders: skip this step
         keys = self._key[:batch]

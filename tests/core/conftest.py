@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ def key(params: WatermarkParams) -> WatermarkKey:
 
 @pytest.fixture(scope="session")
 def make_key() -> Callable[..., WatermarkKey]:
-    def _make(secret: str = SECRET, **fields: object) -> WatermarkKey:
-        return WatermarkKey.from_secret(secret, WatermarkParams(**fields))  # type: ignore[arg-type]
+    def _make(secret: str = SECRET, **fields: Any) -> WatermarkKey:
+        return WatermarkKey.from_secret(secret, WatermarkParams(**fields))
 
     return _make
 

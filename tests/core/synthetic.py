@@ -87,4 +87,4 @@ def random_messages(params: WatermarkParams, count: int, seed: int) -> list[Mess
 def bit_accuracy(decoded: str, truth: str) -> float:
     """Fraction of positions where the decoded bit equals the true bit ('?' counts as wrong)."""
     assert len(decoded) == len(truth)
-    return sum(a == b for a, b in zip(decoded, truth)) / len(truth)
+    return sum(a == b for a, b in zip(decoded, truth, strict=True)) / len(truth)

@@ -18,6 +18,7 @@ from xmark_core import (
     decode,
     null_inclusion_probability,
 )
+from xmark_core.params import Scheme
 
 from .synthetic import SECRET, generate, random_messages
 
@@ -110,8 +111,8 @@ def test_hits_match_a_direct_sum(bits: int, d: int) -> None:
 
 
 @pytest.mark.parametrize(("scheme", "k"), [("xmark", 2), ("mpac", 1)])
-def test_scores_p_values_and_hamming(scheme: str, k: int) -> None:
-    key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, scheme=scheme, num_keys=k))  # type: ignore[arg-type]
+def test_scores_p_values_and_hamming(scheme: Scheme, k: int) -> None:
+    key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, scheme=scheme, num_keys=k))
     messages = random_messages(key.params, 2000, seed=89)
     cands = CandidateSet([m.bits for m in messages], list(range(2000)), key.params)
     tokens = generate(key, messages[:3], 150, seed=90).tokens
@@ -128,7 +129,7 @@ def test_scores_p_values_and_hamming(scheme: str, k: int) -> None:
             h = hits[c.id]
             tail = stats.binom.sf(h - 1, r.trials, q0) if scheme == "mpac" else stats.binom.cdf(h, r.trials, q0)
             assert c.p_value == pytest.approx(min(1.0, 2000 * tail), rel=1e-6, abs=1e-300)
-            assert c.hamming == sum(x != y for x, y in zip(c.bits, r.bits))
+            assert c.hamming == sum(x != y for x, y in zip(c.bits, r.bits, strict=True))
         order = np.argsort(-hits if scheme == "mpac" else hits, kind="stable")
         assert hits[order[0]] == hits[a.candidates[0].id]
 
@@ -239,7 +240,7 @@ def test_dense_registry_names_no_wrong_user_by_default() -> None:
     users = rng.choice(len(messages), 48, replace=False)
     tokens = generate(key, [messages[u] for u in users], 150, seed=154).tokens[:, 2:]
     named = wrong = 0
-    for user, row in zip(users, tokens):
+    for user, row in zip(users, tokens, strict=True):
         best = attribute(decode(row, key), candidates).best
         if best is not None:
             named += 1

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from xmark_core import CandidateSet, WatermarkKey, WatermarkParams, attribute, decode, detect
+from xmark_core.params import Scheme
 
 from .synthetic import OTHER_SECRET, SECRET, generate, random_messages
 
@@ -75,8 +76,8 @@ def test_skipping_the_sigma_test_changes_nothing_else(key: WatermarkKey) -> None
 
 
 @pytest.mark.parametrize(("scheme", "k"), [("mpac", 1), ("loso", 1), ("xmark", 4)])
-def test_other_schemes_are_calibrated(scheme: str, k: int) -> None:
-    key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, scheme=scheme, num_keys=k))  # type: ignore[arg-type]
+def test_other_schemes_are_calibrated(scheme: Scheme, k: int) -> None:
+    key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, scheme=scheme, num_keys=k))
     rng = np.random.default_rng(71 + k)
     n = 800
     p = np.array([detect(decode(rng.integers(0, VOCAB, LENGTH + 2), key)).p_value for _ in range(n)])

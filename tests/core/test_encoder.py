@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from xmark_core import TorchWatermarker, WatermarkKey, WatermarkParams, apply_watermark, shard
+from xmark_core.params import Scheme
 
 from .synthetic import SECRET
 
 
-def _key(**fields: object) -> WatermarkKey:
-    return WatermarkKey.from_secret(SECRET, WatermarkParams(**fields))  # type: ignore[arg-type]
+def _key(**fields: Any) -> WatermarkKey:
+    return WatermarkKey.from_secret(SECRET, WatermarkParams(**fields))
 
 
 def _inputs(params: WatermarkParams, batch: int, vocab: int, seed: int, dtype: torch.dtype = torch.float32):
@@ -36,13 +39,10 @@ def _reference_mask(key: WatermarkKey, context: torch.Tensor, blocks: torch.Tens
     params = key.params
     tokens = np.arange(vocab, dtype=np.int64)
     rows = []
-    for (c2, c1), value_row, on in zip(context.tolist(), blocks.numpy(), active.tolist()):
+    for (c2, c1), value_row, on in zip(context.tolist(), blocks.numpy(), active.tolist(), strict=True):
         shards = shard(key.words, np.full(vocab, c2), np.full(vocab, c1), tokens, params.block_bits)  # [V, k]
         value = value_row[(c2 + c1) % params.num_blocks]
-        if params.scheme == "mpac":
-            boosted = shards[:, 0] == value
-        else:
-            boosted = (shards != value).all(axis=1)
+        boosted = shards[:, 0] == value if params.scheme == "mpac" else (shards != value).all(axis=1)
         rows.append(boosted & on)
     return torch.from_numpy(np.stack(rows))
 
@@ -68,8 +68,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
         (4, 1, "mpac"),
     ],
 )
-def test_boosted_fraction_matches_closed_form(d: int, k: int, scheme: str) -> None:
-    params = WatermarkParams(bits=8 * d, block_bits=d, num_keys=k, scheme=scheme)  # type: ignore[arg-type]
+def test_boosted_fraction_matches_closed_form(d: int, k: int, scheme: Scheme) -> None:
+    params = WatermarkParams(bits=8 * d, block_bits=d, num_keys=k, scheme=scheme)
     key = WatermarkKey.from_secret(SECRET, params)
     batch, vocab = 48, 8192
     logits, context, blocks, _ = _inputs(params, batch, vocab, seed=d * 100 + k)

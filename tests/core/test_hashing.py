@@ -99,11 +99,11 @@ def test_shard_does_not_modify_its_inputs() -> None:
     shard(words, prev2, prev1, token, 2)
     token_codes(words, token)
     context_multipliers(words, prev2, prev1)
-    for before, after in zip(copies, (words, prev2, prev1, token)):
+    for before, after in zip(copies, (words, prev2, prev1, token), strict=True):
         np.testing.assert_array_equal(before, after)
     tensors = [torch.from_numpy(a.copy()) for a in copies]
     shard(*tensors[:4], 2)
-    for before, after in zip(copies, tensors):
+    for before, after in zip(copies, tensors, strict=True):
         np.testing.assert_array_equal(before, after.numpy())
 
 

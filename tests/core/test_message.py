@@ -34,7 +34,7 @@ def test_bits_to_blocks_matches_message_blocks() -> None:
     ms = [Message.from_int(rng.getrandbits(24), params) for _ in range(100)]
     table = bits_to_blocks([m.bits for m in ms], params)
     assert table.shape == (100, 8)
-    for row, m in zip(table, ms):
+    for row, m in zip(table, ms, strict=True):
         np.testing.assert_array_equal(row, m.blocks)
     assert bits_to_blocks([], params).shape == (0, 8)
     with pytest.raises(ValueError):
@@ -48,7 +48,7 @@ def test_bits_to_blocks_matches_message_blocks() -> None:
     ["0" * 15, "0" * 17, "", "0" * 15 + "2", "0101 0101010101", "01" * 7 + "1a", "x" + "0" * 15, "0" * 8 + "O" * 8],
 )
 def test_bad_bit_strings_are_value_errors(bits: str) -> None:
-    with pytest.raises(ValueError, match="16 bits|'0' and '1'"):
+    with pytest.raises(ValueError, match=r"16 bits|'0' and '1'"):
         Message.from_bits(bits, WatermarkParams())
 
 
@@ -65,12 +65,12 @@ def test_bad_ints_and_blocks() -> None:
             Message.from_int(value, params)
     for value in (1.0, "3", True, None):
         with pytest.raises(TypeError):
-            Message.from_int(value, params)  # type: ignore[arg-type]
+            Message.from_int(value, params)  # type: ignore[arg-type]  # a wrong type on purpose
     for blocks in ([0] * 7, [0] * 9, [[0] * 8], [0] * 7 + [4], [0] * 7 + [-1]):
         with pytest.raises(ValueError):
             Message.from_blocks(blocks, params)
     with pytest.raises(TypeError):
-        Message(1234, params)  # type: ignore[arg-type]
+        Message(1234, params)  # type: ignore[arg-type]  # a wrong type on purpose
 
 
 def test_non_integer_block_values_are_rejected() -> None:

@@ -66,7 +66,7 @@ def test_valid_params_and_derived_sizes(fields: dict) -> None:
     assert p.num_shards == 2**p.block_bits
     assert WatermarkParams.from_dict(p.to_dict()) == p
     with pytest.raises(AttributeError):
-        p.bits = 4  # type: ignore[misc]
+        p.bits = 4  # type: ignore[misc]  # assigning to a frozen field on purpose
 
 
 def test_default_params_are_the_papers() -> None:
@@ -89,7 +89,7 @@ def test_sixteen_bytes_are_enough_and_non_text_secret_is_a_type_error() -> None:
     WatermarkKey.from_secret("é" * 8, WatermarkParams())  # 16 UTF-8 bytes
     WatermarkKey.from_secret(bytearray(b"x" * 16), WatermarkParams())
     with pytest.raises(TypeError, match="secret must be str or bytes") as info:
-        WatermarkKey.from_secret([SECRET], WatermarkParams())  # type: ignore[arg-type]
+        WatermarkKey.from_secret([SECRET], WatermarkParams())  # type: ignore[arg-type]  # a wrong type on purpose
     assert SECRET not in str(info.value)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from xmark_core import WatermarkKey, WatermarkParams, decode, detect
+from xmark_core.params import Scheme
 
 from .synthetic import SECRET, bit_accuracy, generate, random_messages
 
@@ -18,7 +19,7 @@ def _accuracy(key: WatermarkKey, tokens: np.ndarray, messages, length: int, cons
         np.mean(
             [
                 bit_accuracy(decode(row[: 2 + length], key, constrained=constrained).bits, m.bits)
-                for row, m in zip(tokens, messages)
+                for row, m in zip(tokens[: len(messages)], messages, strict=True)  # rows past them: unwatermarked
             ]
         )
     )
@@ -51,7 +52,7 @@ def test_bit_accuracy_rises_with_length(xmark_run) -> None:
 def test_rows_in_one_batch_carry_their_own_messages(xmark_run) -> None:
     key, messages, gen = xmark_run
     decoded = [decode(row, key) for row in gen.tokens[:USERS]]
-    exact = sum(r.message == m for r, m in zip(decoded, messages))
+    exact = sum(r.message == m for r, m in zip(decoded, messages, strict=True))
     assert exact >= USERS - 1
     for r in decoded:
         d = detect(r)
@@ -70,8 +71,8 @@ def test_xmark_minus_tmm_decoding_round_trips(xmark_run) -> None:
 
 
 @pytest.mark.parametrize(("scheme", "k"), [("loso", 1), ("mpac", 1)])
-def test_other_schemes_round_trip(scheme: str, k: int) -> None:
-    key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, num_keys=k, scheme=scheme))  # type: ignore[arg-type]
+def test_other_schemes_round_trip(scheme: Scheme, k: int) -> None:
+    key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, num_keys=k, scheme=scheme))
     messages = random_messages(key.params, USERS, seed=31 + k)
     gen = generate(key, messages, 600, seed=32 + k)
     assert _accuracy(key, gen.tokens, messages, 600) > 0.98

@@ -103,6 +103,7 @@ class V2Runner:
             device=torch.device("cpu"),
             max_num_reqs=MAX_SLOTS,
             vocab_size=VOCAB,
+            # arg-type: DeviceBuffer stands in for the runner's staged / UVA-backed buffer classes
             all_token_ids=DeviceBuffer(self.all_token_ids),  # type: ignore[arg-type]
             prompt_len=DeviceBuffer(self.prompt_len),  # type: ignore[arg-type]
             prefill_len=DeviceBuffer(self.prompt_len.clone()),  # type: ignore[arg-type]
@@ -380,7 +381,7 @@ def test_vllm_admission_turns_malformed_xargs_into_validation_errors(keyring: Wo
 
 def test_speculative_decoding_is_refused_by_both_adapters(keyring: WorkerKeyring) -> None:
     config = VllmConfig()
-    config.speculative_config = SimpleNamespace(num_speculative_tokens=2)  # type: ignore[assignment]
+    config.speculative_config = SimpleNamespace(num_speculative_tokens=2)  # type: ignore[assignment]  # a stand-in config
     with pytest.raises(WorkerConfigError, match="speculative decoding"):
         v1_processor(config)
     with pytest.raises(WorkerConfigError, match="speculative decoding"):

@@ -90,7 +90,7 @@ def two_keys() -> WorkerKeyring:
 
 @pytest.mark.parametrize("extra_args", [None, {}, {"session_id": "abc", "other": 1}])
 def test_requests_without_xmark_arguments_are_not_watermarked(two_keys: WorkerKeyring, extra_args: object) -> None:
-    assert parse_request(extra_args, two_keys) is None  # type: ignore[arg-type]
+    assert parse_request(extra_args, two_keys) is None  # type: ignore[arg-type]  # None and plain dicts on purpose
 
 
 def test_a_well_formed_request_names_its_key_slot_and_message_blocks(two_keys: WorkerKeyring) -> None:
