@@ -90,8 +90,9 @@ def warm_null_cache(
 ) -> int:
     """Pre-compute the per-row null distributions for rows of min_row_tokens..max_row_tokens tokens.
 
-    ``detect`` simulates each row size once (about 0.1 s of one core) and caches it; a service can
-    call this at start-up, off the request path, so that the first traces are as fast as the rest.
+    ``detect`` simulates each row size by seeded sampling the first time it meets it, then caches
+    it; a service can call this at start-up, off the request path, so that the first traces do not
+    pay for the simulations.
     Returns the number of row sizes prepared.
     """
     upper = params.scheme == "mpac"

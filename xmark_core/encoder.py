@@ -120,9 +120,9 @@ class TorchWatermarker:
 
     Adapters (transformers, vLLM) hold one of these and call :meth:`apply` once per decoding step.
     With ``compile=True`` the op runs as one fused kernel built by ``torch.compile`` (C++ on CPU
-    tensors, Triton on CUDA tensors; bit-identical to the eager op; on the CPU about 10x faster,
-    after a one-off compilation of ~20 s on the first call); if compilation is unavailable it
-    falls back to the eager op.
+    tensors, Triton on CUDA tensors; bit-identical to the eager op, in one pass over the [B, V]
+    logits instead of several); it is compiled once, on the first call (:meth:`warm_up` does that
+    at start-up), and if compilation is unavailable the op falls back to the eager one.
     """
 
     def __init__(self, key: WatermarkKey, *, compile: bool = False) -> None:

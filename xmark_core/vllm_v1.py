@@ -50,9 +50,9 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         keyring = self._keyring = start_worker(vllm_config, XMarkLogitsProcessor)
         self._device = device
         self._pin = is_pin_memory and device.type != "cpu"
-        # The op runs as one fused kernel (torch.compile: C++ on CPU workers, Triton on CUDA),
-        # built here at start-up rather than on the first request. On an H100 it takes 3.2-3.9x
-        # less time per step than the eager op (benchmarks/encode_gpu.py).
+        # The op runs as one fused kernel (torch.compile: C++ on CPU workers, Triton on CUDA): one
+        # pass over the logits instead of the eager op's several. It is compiled here, at start-up,
+        # so that no request waits for the compilation; benchmarks/encode_gpu.py measures both ops.
         self._watermarkers = build_watermarkers(keyring, vllm_config, device, fused=device.type in ("cpu", "cuda"))
         rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
         r = keyring.params.num_blocks
