@@ -6,6 +6,7 @@ Also the start-up simulation of the null distributions the analysis's test needs
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -97,25 +98,19 @@ class TracingService:
         if not versions:
             raise ServiceUnavailableError("No usable watermark key version is configured")
         snapshot = await self._registry.snapshot(self._session)
+        analyze = functools.partial(
+            analyze_text,
+            request.text,
+            tokenizer,
+            versions,
+            snapshot,
+            alpha=settings.trace_alpha,
+            include_tokens=request.include_tokens,
+        )
         if len(request.text) <= INLINE_ANALYSIS_CHARS:
-            outcome = analyze_text(
-                request.text,
-                tokenizer,
-                versions,
-                snapshot,
-                alpha=settings.trace_alpha,
-                include_tokens=request.include_tokens,
-            )
+            outcome = analyze()
         else:
-            outcome = await asyncio.to_thread(
-                analyze_text,
-                request.text,
-                tokenizer,
-                versions,
-                snapshot,
-                alpha=settings.trace_alpha,
-                include_tokens=request.include_tokens,
-            )
+            outcome = await asyncio.to_thread(analyze)
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
         row = {
