@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-reduced eval-smoke
+.PHONY: run lint format test test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-reduced eval-smoke
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -64,6 +64,11 @@ format: venv
 
 test: venv model check-postgres
 	$(BIN)/pytest tests
+
+# Seconds, not minutes: the tests that need no model checkpoint, vLLM, GPU or long statistical
+# simulation (the tiers are markers, see pyproject.toml); the app runs on a fake backend.
+test-fast: venv check-postgres
+	$(BIN)/pytest tests -q -m "not model and not vllm and not gpu and not slow"
 
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json

@@ -10,6 +10,13 @@
 * ``client``        — httpx.AsyncClient over ASGITransport on that app.
 * ``db_session``    — an AsyncSession on the same connection, to inspect or seed rows.
 * ``make_user(role)`` -> (principal dict, API key); ``admin_key`` -> an admin's API key.
+
+Tiers (markers registered in pyproject.toml): modules mark what they need (``model``, ``vllm``,
+``slow``) with ``pytestmark``; ``pytest_collection_modifyitems`` below adds ``postgres`` to every
+test that uses the migrated test database and ``gpu`` to every test that skips without CUDA.
+When no selected test carries ``model`` (``make test-fast``, or a run of a few modules that need
+no model), the ``app`` fixture serves ``tests.fakes.FakeBackend`` instead of loading the model;
+any run that selects a ``model`` test (``make test``) starts every app with the real model.
 """
 
 from __future__ import annotations
@@ -41,6 +48,55 @@ TEST_API_KEY_PEPPER = "test-api-key-pepper-8d41f2b7e9c05a63"
 _KEEP_ENV = {"XMARK_TEST_DATABASE_URL", "XMARK_MODEL_PATH", "XMARK_MODEL_NAME"}
 
 MakeUser = Callable[..., Awaitable[tuple[dict[str, Any], str]]]
+
+# fixtures that reach the PostgreSQL test server: a test that uses one (directly or through
+# app, client, db_session, ...) is marked ``postgres``
+POSTGRES_FIXTURES = frozenset({"migrated_database", "e2e_database_url"})
+# modules (path) and tests (path::name, every parametrisation) that are marked here rather than
+# where they are defined
+MARKED_HERE: dict[str, tuple[str, ...]] = {
+    "tests/vllm/test_vllm_adapters.py": ("vllm",),
+    # statistical simulations, seconds each on two cores: Monte Carlo calibration over hundreds of
+    # random texts decoded one by one, synthetic-LM generations of 600 tokens, registries of
+    # 10,000 allocated IDs, a million hash triples in numpy and torch, a torch.compile
+    **dict.fromkeys(
+        (
+            "tests/core/test_attribution.py::test_dense_registry_names_no_wrong_user_by_default",
+            "tests/core/test_attribution.py::test_short_text_with_wrong_blocks_still_ranks_the_true_user_first_allocated_b16",
+            "tests/core/test_detect.py::test_false_positive_rate_at_one_percent",
+            "tests/core/test_detect.py::test_null_p_values_are_super_uniform",
+            "tests/core/test_detect.py::test_sigma_p_value_is_calibrated_too",
+            "tests/core/test_detect.py::test_other_schemes_are_calibrated",
+            "tests/core/test_detect.py::test_repetitive_null_text_stays_calibrated",
+            "tests/core/test_encoder.py::test_fused_kernel_is_bit_identical_to_the_eager_op",
+            "tests/core/test_hashing.py::test_numpy_and_torch_cpu_are_bit_identical_on_a_million_triples",
+            "tests/core/test_message.py::test_allocated_ids_are_farther_apart_than_random_ids",
+            "tests/core/test_roundtrip.py::test_other_schemes_round_trip",
+            "tests/core/test_roundtrip.py::test_rows_in_one_batch_carry_their_own_messages",
+            "tests/core/test_roundtrip.py::test_xmark_minus_tmm_decoding_round_trips",
+        ),
+        ("slow",),
+    ),
+}
+_FAKE_BACKEND = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.relative_to(REPO_ROOT).as_posix()
+        function = f"{module}::{getattr(item, 'originalname', item.name)}"
+        for name in (*MARKED_HERE.get(module, ()), *MARKED_HERE.get(function, ())):
+            item.add_marker(name)
+        if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
+        if any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # called once -m, -k and --deselect have run: ``session.items`` is what will run
+    session.config.stash[_FAKE_BACKEND] = not any(item.get_closest_marker("model") for item in session.items)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -103,12 +159,28 @@ async def migrated_database(settings: Settings) -> str:
 
 
 @pytest.fixture(scope="session")
-async def app(settings: Settings, migrated_database: str) -> AsyncIterator[Any]:
+async def app(request: pytest.FixtureRequest, settings: Settings, migrated_database: str) -> AsyncIterator[Any]:
+    """The app, started through its lifespan; with the fake backend when no selected test needs the model."""
+    import service.resources
     from service.app import create_app
 
-    application = create_app(settings)
-    async with application.router.lifespan_context(application):
-        yield application
+    fake = request.config.stash.get(_FAKE_BACKEND, False)
+    built: list[Any] = []
+
+    def build_fake_backend(settings: Settings, metrics: Any) -> Any:
+        from tests.fakes import FakeBackend
+
+        built.append(FakeBackend(settings.model_name))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        if fake:
+            mp.setattr(service.resources, "build_backend", build_fake_backend)
+        application = create_app(settings)
+        async with application.router.lifespan_context(application):
+            # never a model where the fake was meant: the lifespan must have built its backend here
+            assert built or not fake, "the lifespan no longer calls service.resources.build_backend"
+            yield application
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from service.cli.offline_trace import offline_trace
 
+pytestmark = pytest.mark.model
+
 MODEL = "smollm2-135m-instruct"
 MIN_TOKENS = 150
 MAX_TOKENS_PER_REQUEST = 200

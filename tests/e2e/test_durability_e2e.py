@@ -8,8 +8,11 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+
+pytestmark = pytest.mark.model
 
 MODEL = "smollm2-135m-instruct"
 

@@ -22,6 +22,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+pytestmark = [pytest.mark.vllm, pytest.mark.model]
+
 MODEL = "smollm2-135m-instruct"
 ALPHA = 1e-3
 MAX_TOKENS = 256

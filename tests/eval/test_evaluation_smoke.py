@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.model
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_TIMEOUT_S = 1800
 

@@ -30,6 +30,7 @@ def _stamp(app: Any, bits: str) -> WatermarkStamp:
     return WatermarkStamp(key, Message.from_bits(bits, key.params))
 
 
+@pytest.mark.model
 def test_detokenizer_never_splits_a_character(backend: LocalBackend) -> None:
     tokenizer = backend.tokenizer
     text = "Grüße, 世界! Привет 🌍🚀 done."
@@ -64,6 +65,7 @@ def test_vllm_backend_is_a_configuration_error(settings: Any) -> None:
         build_backend(settings.model_copy(update={"backend": "vllm"}), None)  # type: ignore[arg-type]
 
 
+@pytest.mark.model
 async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(app: Any, backend: LocalBackend) -> None:
     """Different users in one generate call: every row decodes to its own caller's message."""
     params = app.state.resources.keyring.params
@@ -88,6 +90,7 @@ async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(ap
         assert agreement >= params.bits - 4, (bits, decoded.bits)
 
 
+@pytest.mark.model
 async def test_cancelled_stream_stops_early(app: Any, backend: LocalBackend) -> None:
     request = GenerationRequest((ChatTurn("user", "Write a very long poem."),), max_tokens=300, temperature=0.8)
     stream = await backend.stream(request, _stamp(app, "0101010101010101"))
@@ -101,6 +104,7 @@ async def test_cancelled_stream_stops_early(app: Any, backend: LocalBackend) -> 
     assert last.completion_tokens < 300
 
 
+@pytest.mark.model
 async def test_context_overflow_is_a_clean_error(app: Any, backend: LocalBackend) -> None:
     from service.errors import InvalidRequestError
 

@@ -17,6 +17,8 @@ from service.schemas.chat import ChatCompletionRequest
 from service.schemas.common import Principal
 from service.services.generation import GenerationService
 
+pytestmark = pytest.mark.model
+
 MODEL = "smollm2-135m-instruct"
 
 

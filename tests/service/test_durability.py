@@ -29,6 +29,8 @@ from service.routers.chat import CompletionResponse
 from service.schemas.chat import ChatCompletionRequest
 from service.services.users import UserService
 
+pytestmark = pytest.mark.model
+
 MODEL = "smollm2-135m-instruct"
 
 

@@ -73,6 +73,7 @@ async def scratch_postgres(settings: Any) -> AsyncIterator[str]:
         await admin.dispose()
 
 
+@pytest.mark.postgres
 async def test_postgres_up_down_up(scratch_postgres: str) -> None:
     await _round_trip(scratch_postgres)
 

@@ -27,6 +27,7 @@ def built_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.model  # builds the checkpoint (download and conversion)
 def test_fetch_builds_a_verified_safetensors_checkpoint(built_checkpoint: Path) -> None:
     names = {p.name for p in built_checkpoint.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", MANIFEST_NAME} <= names
@@ -42,6 +43,7 @@ def test_fetch_builds_a_verified_safetensors_checkpoint(built_checkpoint: Path) 
     assert [p.name for p in built_checkpoint.parent.iterdir()] == [built_checkpoint.name]
 
 
+@pytest.mark.model  # builds the checkpoint (download and conversion)
 def test_checkpoint_loads_with_its_chat_template(built_checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,6 +57,7 @@ def test_checkpoint_loads_with_its_chat_template(built_checkpoint: Path) -> None
     assert model.config.vocab_size == len(tokenizer)
 
 
+@pytest.mark.model  # builds the checkpoint (download and conversion)
 def test_second_fetch_does_no_work(built_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stamps = {p.name: p.stat().st_mtime_ns for p in built_checkpoint.iterdir()}
 
@@ -68,6 +71,7 @@ def test_second_fetch_does_no_work(built_checkpoint: Path, monkeypatch: pytest.M
     assert {p.name: p.stat().st_mtime_ns for p in built_checkpoint.iterdir()} == stamps
 
 
+@pytest.mark.model  # builds the checkpoint (download and conversion)
 def test_corruption_is_detected_and_repaired(built_checkpoint: Path) -> None:
     config = built_checkpoint / "tokenizer_config.json"
     original = config.read_bytes()
@@ -99,6 +103,7 @@ def test_missing_manifest_or_file_fails_verification(tmp_path: Path) -> None:
     assert verify_checkpoint(tmp_path).reason == "unreadable manifest"
 
 
+@pytest.mark.model  # builds the checkpoint (download and conversion)
 def test_foreign_checkpoint_is_only_checked_to_load(
     built_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,8 @@ from service.db import upgrade_database
 from service.security import generate_api_key
 from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, checkpoint_path
 
+pytestmark = [pytest.mark.model, pytest.mark.postgres]
+
 MODEL = "smollm2-135m-instruct"
 WORKERS = 2
 

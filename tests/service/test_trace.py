@@ -14,6 +14,8 @@ from service.models import Trace
 from service.services.registry_cache import RegistryCache
 from xmark_core import Message
 
+pytestmark = pytest.mark.model
+
 MODEL = "smollm2-135m-instruct"
 ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
 

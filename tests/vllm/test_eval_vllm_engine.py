@@ -28,6 +28,8 @@ from benchmarks.evaluation.population import evaluation_key, user_messages
 from benchmarks.evaluation.vllm_engine import EvalLogitsProcessor, request_args
 from xmark_core.hf import XMarkLogitsProcessor
 
+pytestmark = pytest.mark.vllm
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152
 SEED = 5
@@ -136,6 +138,7 @@ def _model_path() -> Path:
     return Path(explicit) if explicit else REPO_ROOT / "var" / "models" / "smollm2-135m-instruct"
 
 
+@pytest.mark.model
 def test_real_engine_gives_exact_lengths_and_the_raw_model_nll() -> None:
     """A real CPU engine: every row has max_new_tokens non-special tokens; its NLLs are the model's own."""
     from benchmarks.evaluation.generation import chat_prompt, load_model

@@ -22,6 +22,8 @@ from service.backends.vllm import VllmBackend, upstream_body
 from service.errors import InvalidRequestError, UpstreamTimeoutError, UpstreamUnavailableError
 from xmark_core import Message, WatermarkKey, WatermarkParams
 
+pytestmark = pytest.mark.model
+
 PARAMS = WatermarkParams()
 KEY = WatermarkKey.from_secret("gateway-test-secret-4c1d9e8a7b", PARAMS)
 STAMP = WatermarkStamp(KEY, Message.from_bits("0110110000011011", PARAMS), "v1")
