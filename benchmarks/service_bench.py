@@ -48,7 +48,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,11 +70,9 @@ try:
 except ImportError:  # pragma: no cover - not on this platform
     uvloop = None  # type: ignore[assignment]
 from pydantic import SecretStr
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import NullPool
 
+from benchmarks.launch import free_port
+from benchmarks.pg_admin import create_database, drop_database
 from service.app import create_app
 from service.backends import Backend
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
@@ -123,7 +120,7 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
 
     def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
     return {
         "p50": round(statistics.median(ordered), 3),
@@ -132,27 +129,9 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def _admin(url: str, statement: str) -> None:
-    engine = create_async_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as connection:
-            await connection.execute(text(statement))
-    finally:
-        await engine.dispose()
-
-
 async def _fresh_database(database_url: str) -> None:
-    url = make_url(database_url)
-    maintenance = url.set(database="postgres").render_as_string(hide_password=False)
-    await _admin(maintenance, f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)')
-    await _admin(maintenance, f'CREATE DATABASE "{url.database}"')
+    await create_database(database_url, replace=True)
     await asyncio.to_thread(upgrade_database, database_url)
-
-
-async def _drop_database(database_url: str) -> None:
-    url = make_url(database_url)
-    maintenance = url.set(database="postgres").render_as_string(hide_password=False)
-    await _admin(maintenance, f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)')
 
 
 async def _seed(settings: Settings, pepper: str, users: int, traced: int) -> Seeded:
@@ -180,12 +159,6 @@ async def _seed(settings: Settings, pepper: str, users: int, traced: int) -> See
     finally:
         await engine.dispose()
     return Seeded(chat.api_key, chat.message_id, auditor.api_key, chosen, registration_s)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _gateway_settings(settings: Settings, secret_env: str, pepper: str) -> dict[str, str]:
@@ -221,7 +194,7 @@ async def _start_and_wait(
     settings: Settings, secret_env: str, pepper: str, log_path: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``xmark serve`` on a free port, once every worker has done its start-up work."""
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     prepared = _log_count(log_path, NULLS_READY)
     process = _start_server(settings, secret_env, pepper, port, log_path)
@@ -250,6 +223,10 @@ async def _wait_for_log(log_path: Path, message: str, count: int, timeout: float
         await asyncio.sleep(0.25)
 
 
+def _log_tail(log_path: Path, chars: int = 2000) -> str:
+    return log_path.read_text(errors="replace")[-chars:] if log_path.exists() else ""
+
+
 async def _wait_ready(
     base_url: str, process: subprocess.Popen[bytes] | None, log_path: Path, timeout: float = 300.0
 ) -> None:
@@ -257,7 +234,7 @@ async def _wait_ready(
     async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
-                error = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+                error = await asyncio.to_thread(_log_tail, log_path)
                 raise RuntimeError(f"the gateway exited during start-up: {error}")
             try:
                 if (await client.get("/readyz")).status_code == 200:
@@ -504,7 +481,7 @@ async def _trace_load(
             index = offset
             while time.perf_counter() < deadline:
                 started = time.perf_counter()
-                status, report = await post(texts[index % len(texts)])
+                _status, report = await post(texts[index % len(texts)])
                 latencies.append((time.perf_counter() - started) * 1000)
                 detail = per_text[index % len(texts)]
                 detail["traces"] += 1
@@ -565,7 +542,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         process: subprocess.Popen[bytes] | None = None
         try:
             seeded = await _seed(settings, pepper, args.users, args.traced_users)
-            port = _free_port()
+            port = free_port()
             async with _gateway_in_process(settings, port, log_path) as app:
                 backend = app.state.resources.backend
                 handle = app.state.resources.keyring.active()
@@ -605,7 +582,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if process is not None:
                 _stop(process)
             if not args.keep_database:
-                await _drop_database(settings.database_url)
+                await drop_database(settings.database_url)
             log_lines = len(log_path.read_text(errors="replace").splitlines()) if log_path.exists() else 0
     return {
         "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],

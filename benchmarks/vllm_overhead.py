@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,9 +32,9 @@ from typing import Any
 
 import httpx
 
-MODEL_NAME = "smollm2-135m-instruct"
+from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
+
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "var" / "models" / MODEL_NAME
-PROCESSOR = "xmark_core.vllm_v1:XMarkLogitsProcessor"
 TARGET_RATIO = 0.97
 MESSAGE_BITS = "0110110000011011"
 
@@ -51,12 +50,6 @@ class Round:
         return self.tokens / self.seconds
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_server(
     model_path: Path, port: int, concurrency: int, log: Path, key_version: str, secret: str
 ) -> subprocess.Popen[bytes]:
@@ -68,26 +61,7 @@ def start_server(
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
     env.pop("XMARK_SECRETS_FILE", None)
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_path),
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        str(concurrency),
-        "--enforce-eager",
-        "--logits-processors",
-        PROCESSOR,
-    ]
+    command = vllm_serve_command(model_path, port, max_num_seqs=concurrency)
     with log.open("wb") as handle:
         return subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 

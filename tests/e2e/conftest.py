@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,11 +18,12 @@ import httpx
 import pytest
 import uvicorn
 from pydantic import SecretStr
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from benchmarks.launch import free_port
+from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings
 from service.db import upgrade_database
 from service.security import generate_api_key
@@ -39,35 +39,17 @@ class LiveServer:
     app: Any
 
 
-async def _admin_execute(url: str, statement: str) -> None:
-    engine = create_async_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-    try:
-        async with engine.connect() as connection:
-            await connection.execute(text(statement))
-    finally:
-        await engine.dispose()
-
-
 @pytest.fixture(scope="session")
 async def e2e_database_url(settings: Settings) -> AsyncIterator[str]:
     """A fresh database beside the test database, built by the migrations, dropped afterwards."""
-    url = make_url(settings.database_url)
-    name = f"{url.database}_e2e_{os.getpid()}"
-    maintenance = url.set(database="postgres").render_as_string(hide_password=False)
-    await _admin_execute(maintenance, f'DROP DATABASE IF EXISTS "{name}"')
-    await _admin_execute(maintenance, f'CREATE DATABASE "{name}"')
-    database_url = url.set(database=name).render_as_string(hide_password=False)
+    name = f"{make_url(settings.database_url).database}_e2e_{os.getpid()}"
+    database_url = sibling_url(settings.database_url, name)
+    await create_database(database_url, replace=True)
     try:
         await asyncio.to_thread(upgrade_database, database_url)
         yield database_url
     finally:
-        await _admin_execute(maintenance, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        await drop_database(database_url)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +59,7 @@ def live_server(
     from service.app import create_app
 
     admin_key = generate_api_key().plaintext
-    port = _free_port()
+    port = free_port()
     server_settings = settings.model_copy(
         update={
             "database_url": e2e_database_url,

@@ -10,9 +10,9 @@ this file loads (and the tests skip) in an interpreter without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
 from service.config import Settings
 from service.security import generate_api_key
 
 REPO_ROOT = Path(__file__).absolute().parents[2]
-MODEL_NAME = "smollm2-135m-instruct"
 WORKER_START_TIMEOUT_S = 900.0
 GATEWAY_START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _base_environment() -> dict[str, str]:
@@ -94,10 +88,8 @@ class ManagedProcess:
         process = self.process
         if process is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signum)
-        except ProcessLookupError:
-            pass
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -154,26 +146,7 @@ def vllm_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory)
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         }
     )
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(e2e_config.model_path),
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "8",
-        "--enforce-eager",
-        "--logits-processors",
-        "xmark_core.vllm_v1:XMarkLogitsProcessor",
-    ]
+    command = vllm_serve_command(e2e_config.model_path, port, max_num_seqs=8)
     worker = ManagedProcess(
         "vllm worker", command, env, tmp_path_factory.mktemp("vllm") / "worker.log", f"http://127.0.0.1:{port}/health"
     )

@@ -18,20 +18,17 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import checkpoint_path
+
 pytestmark = pytest.mark.model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_TIMEOUT_S = 1800
 
 
-def _model_path() -> Path:
-    explicit = os.environ.get("XMARK_MODEL_PATH")
-    return Path(explicit) if explicit else REPO_ROOT / "var" / "models" / "smollm2-135m-instruct"
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    model = _model_path()
+    model = checkpoint_path()
     if not (model / "config.json").is_file():
         pytest.fail(f"no model checkpoint at {model}: run `xmark fetch-model` first")
     base = tmp_path_factory.mktemp("eval-smoke")

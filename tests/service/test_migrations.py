@@ -13,10 +13,11 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.db import alembic_config, downgrade_database, upgrade_database
 from service.models import Base
 
@@ -60,17 +61,12 @@ async def test_sqlite_up_down_up(tmp_path: Path) -> None:
 @pytest.fixture
 async def scratch_postgres(settings: Any) -> AsyncIterator[str]:
     """A throw-away PostgreSQL database on the test server."""
-    url = make_url(settings.database_url)
-    name = f"xmark_mig_{uuid.uuid4().hex[:10]}"
-    admin = create_async_engine(url.set(database="postgres"), poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    url = sibling_url(settings.database_url, f"xmark_mig_{uuid.uuid4().hex[:10]}")
     try:
-        async with admin.connect() as connection:
-            await connection.execute(text(f'CREATE DATABASE "{name}"'))
-        yield url.set(database=name).render_as_string(hide_password=False)
+        await create_database(url)
+        yield url
     finally:
-        async with admin.connect() as connection:
-            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        await admin.dispose()
+        await drop_database(url)
 
 
 @pytest.mark.postgres

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,10 +19,11 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from benchmarks.launch import free_port
+from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings
 from service.db import upgrade_database
 from service.security import generate_api_key
@@ -38,25 +38,13 @@ WORKERS = 2
 @pytest.fixture
 async def database(settings: Settings) -> AsyncIterator[str]:
     """A database created, migrated and dropped here (the server's rows are committed for real)."""
-    server = make_url(settings.database_url)
-    name = f"xmark_workers_{uuid.uuid4().hex[:8]}"
-    admin = create_async_engine(server, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-    async with admin.connect() as connection:
-        await connection.execute(text(f'CREATE DATABASE "{name}"'))
-    url = server.set(database=name).render_as_string(hide_password=False)
+    url = sibling_url(settings.database_url, f"xmark_workers_{uuid.uuid4().hex[:8]}")
+    await create_database(url)
     try:
         await asyncio.to_thread(upgrade_database, url)
         yield url
     finally:
-        async with admin.connect() as connection:
-            await connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        await admin.dispose()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        await drop_database(url)
 
 
 def _log_lines(log: Path) -> list[dict[str, Any]]:
@@ -70,7 +58,8 @@ def _log_lines(log: Path) -> list[dict[str, Any]]:
 async def _wait_for(log: Path, message: str, count: int, server: subprocess.Popen[bytes], timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while sum(1 for line in _log_lines(log) if line["message"] == message) < count:
-        assert server.poll() is None, log.read_text()[-3000:]
+        # the log is a small local file, read here only once the server has died
+        assert server.poll() is None, log.read_text()[-3000:]  # noqa: ASYNC240
         assert time.monotonic() < deadline, f"no {count} x {message!r} in time"
         await asyncio.sleep(0.25)
 
@@ -122,11 +111,13 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
             "TMPDIR": str(temp),  # where the server keeps the workers' metrics
         }
     )
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
     with log.open("wb") as out:
-        server = subprocess.Popen(
+        # the server outlives this call: it is started once, asked to stop with a signal and waited
+        # for at the end, as production runs it (Popen returns once the process is started)
+        server = subprocess.Popen(  # noqa: ASYNC220
             [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
             env=env,
             stdout=out,

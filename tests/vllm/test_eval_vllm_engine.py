@@ -8,8 +8,6 @@ return exactly max_new_tokens tokens with the raw model NLL of each.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 
@@ -26,11 +24,11 @@ from benchmarks.evaluation.config import GenSpec
 from benchmarks.evaluation.generation import MixedRowsProcessor, RowJob
 from benchmarks.evaluation.population import evaluation_key, user_messages
 from benchmarks.evaluation.vllm_engine import EvalLogitsProcessor, request_args
+from tests.conftest import checkpoint_path
 from xmark_core.hf import XMarkLogitsProcessor
 
 pytestmark = pytest.mark.vllm
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152
 SEED = 5
 SUPPRESS = [0, 1, 2, 7, 16]
@@ -133,18 +131,13 @@ def test_requests_without_or_with_a_malformed_setting_are_refused() -> None:
         EvalLogitsProcessor.validate_params(SamplingParams(max_tokens=4, extra_args=args))
 
 
-def _model_path() -> Path:
-    explicit = os.environ.get("XMARK_MODEL_PATH")
-    return Path(explicit) if explicit else REPO_ROOT / "var" / "models" / "smollm2-135m-instruct"
-
-
 @pytest.mark.model
 def test_real_engine_gives_exact_lengths_and_the_raw_model_nll() -> None:
     """A real CPU engine: every row has max_new_tokens non-special tokens; its NLLs are the model's own."""
     from benchmarks.evaluation.generation import chat_prompt, load_model
     from benchmarks.evaluation.vllm_engine import VllmGenerator
 
-    model_path = _model_path()
+    model_path = checkpoint_path()
     if not (model_path / "config.json").is_file():
         pytest.fail(f"no model checkpoint at {model_path}: run `xmark fetch-model` first")
     model, tokenizer = load_model(model_path)

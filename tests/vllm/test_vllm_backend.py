@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +18,7 @@ import pytest
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.backends.vllm import VllmBackend, upstream_body
 from service.errors import InvalidRequestError, UpstreamTimeoutError, UpstreamUnavailableError
+from tests.conftest import checkpoint_path
 from xmark_core import Message, WatermarkKey, WatermarkParams
 
 pytestmark = pytest.mark.model
@@ -30,12 +29,6 @@ STAMP = WatermarkStamp(KEY, Message.from_bits("0110110000011011", PARAMS), "v1")
 REQUEST = GenerationRequest(messages=(ChatTurn("user", "Tell me about cats."),), max_tokens=3, seed=5)
 MODEL = "smollm2-135m-instruct"
 PROMPT_IDS = [1, 9690, 198, 2683, 359]
-
-
-def checkpoint() -> Path:
-    explicit = os.environ.get("XMARK_MODEL_PATH")
-    root = Path(__file__).resolve().parents[2]
-    return Path(explicit) if explicit else root / "var" / "models" / MODEL
 
 
 def sse(*events: dict[str, Any] | str) -> list[bytes]:
@@ -124,7 +117,7 @@ class Upstreams:
 
 
 async def started(upstreams: Upstreams, **options: Any) -> VllmBackend:
-    path = checkpoint()
+    path = checkpoint_path()
     if not (path / "tokenizer.json").is_file():
         pytest.skip("the SmolLM2 checkpoint is not built (make model)")
     backend = VllmBackend(upstreams.urls(), MODEL, path, transport=upstreams.transport(), **options)
