@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,9 +96,10 @@ def bench_op(key: WatermarkKey, device: torch.device) -> list[dict[str, Any]]:
         for batch in BATCHES:
             logits, context, blocks, active = _inputs(batch, vocab, torch.float32, device, seed=batch)
             number = 50
-            sample_ms = _cuda_ms(lambda: _sample(logits), number)
-            eager_ms = _cuda_ms(lambda: eager.apply(logits, context, blocks, active, inplace=True), number)
-            fused_ms = _cuda_ms(lambda: fused.apply(logits, context, blocks, active, inplace=True), number)
+            # each timed call is bound to this iteration's tensors
+            sample_ms = _cuda_ms(partial(_sample, logits), number)
+            eager_ms = _cuda_ms(partial(eager.apply, logits, context, blocks, active, inplace=True), number)
+            fused_ms = _cuda_ms(partial(fused.apply, logits, context, blocks, active, inplace=True), number)
             rows.append(
                 {
                     "vocab": vocab,

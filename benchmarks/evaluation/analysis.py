@@ -152,7 +152,7 @@ class Analysis:
         base = self.unwatermarked(self.config.main_temperature)
         out: list[tuple[float, float]] = []
         if base is not None:
-            keys = [self.key(params)] + self.null_keys(params)
+            keys = [self.key(params), *self.null_keys(params)]
             for user in self.corpus.complete_users(base):
                 texts = self.corpus.ids(base, user, length)
                 for key in keys:
@@ -244,7 +244,8 @@ class Analysis:
         return cells
 
     def detection(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """False-positive test per method, b in fpr_bits, T: AUC, TPR at 1% / 0.1% FPR, empirical FPR at alpha, sigma rule."""
+        """False-positive test per method, b in fpr_bits, T: AUC, TPR at 1% / 0.1% FPR, empirical FPR
+        at alpha, sigma rule."""
         cfg = self.config
         rows: list[dict[str, Any]] = []
         curves: list[dict[str, Any]] = []
@@ -297,7 +298,8 @@ class Analysis:
         return rows, curves
 
     def attribution(self) -> list[dict[str, Any]]:
-        """Right user ranked first / named (p < alpha) among registry_size users; false attribution on unwatermarked text."""
+        """Right user ranked first / named (p < alpha) among registry_size users; false attribution on
+        unwatermarked text."""
         cfg = self.config
         rows: list[dict[str, Any]] = []
         for bits in cfg.attribution_bits:
@@ -361,7 +363,7 @@ class Analysis:
         hits = []
         for user in self.corpus.complete_users(base):
             texts = self.corpus.ids(base, user, length)
-            for key in [self.key(params)] + self.null_keys(params):
+            for key in [self.key(params), *self.null_keys(params)]:
                 found = attribute(self._decode(texts, params, constrained, key), candidates, alpha=self.config.alpha)
                 hits.append(float(found.best is not None))
         return mean(hits), len(hits)

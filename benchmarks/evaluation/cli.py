@@ -210,9 +210,11 @@ def _describe(config: EvalConfig, done: int, total: int) -> str:
     else:
         scale = ""
     return scale + (
-        f"{config.users} users × 2 prompts, T ∈ {{{', '.join(map(str, config.t_grid))}}}, b ∈ {{{', '.join(map(str, config.bits_grid))}}}, "
+        f"{config.users} users × 2 prompts, T ∈ {{{', '.join(map(str, config.t_grid))}}}, "
+        f"b ∈ {{{', '.join(map(str, config.bits_grid))}}}, "
         f"k ∈ {{{', '.join(map(str, config.keys_grid))}}} (ablation at b={config.ablation_bits}), "
-        f"δ ∈ {{{', '.join(f'{d:g}' for d in config.delta_grid)}}}, temperatures {{{', '.join(f'{t:g}' for t in config.temperatures)}}}, "
+        f"δ ∈ {{{', '.join(f'{d:g}' for d in config.delta_grid)}}}, "
+        f"temperatures {{{', '.join(f'{t:g}' for t in config.temperatures)}}}, "
         f"d = 2, seed {config.seed}; {len(specs)} generation settings, {total} completions ({state}). "
         f"Attribution registry: {config.registry_size:,} users; null keys: {config.null_keys}; α = {config.alpha:g}."
     )
@@ -244,11 +246,12 @@ def _protocol_notes(config: EvalConfig, engine: str | None) -> list[str]:
         "Each user has a uniformly random b-bit message and sends 2 prompts from the committed prompt set "
         "(benchmarks/evaluation/prompts.jsonl); each completion has exactly T/2 tokens (EOS and all special tokens "
         "suppressed, min = max) and the decoder reads the user's T tokens together, as in the paper.",
-        f"Each (setting, user, prompt) completion is generated once at the largest T/2 = {config.max_new_tokens} tokens; "
-        "smaller T are evaluated on prefixes of the same completions, so the columns of one row are nested, not independent.",
-        "Sampling: multinomial over the full vocabulary (no top-k / top-p) at the stated temperature; the watermark bias "
-        "is added to the logits before the temperature division (the order of both engines' own processors). Rows of "
-        "several settings share an engine call, each row carrying its own setting and message (transformers: "
+        "Each (setting, user, prompt) completion is generated once at the largest "
+        f"T/2 = {config.max_new_tokens} tokens; smaller T are evaluated on prefixes of the same completions, "
+        "so the columns of one row are nested, not independent.",
+        "Sampling: multinomial over the full vocabulary (no top-k / top-p) at the stated temperature; the watermark "
+        "bias is added to the logits before the temperature division (the order of both engines' own processors). "
+        "Rows of several settings share an engine call, each row carrying its own setting and message (transformers: "
         "xmark_core.hf.XMarkLogitsProcessor; vLLM: benchmarks/evaluation/vllm_engine.py, the same xmark_core op). "
         "Perplexity NLLs are the raw model log-probabilities of the sampled tokens, recorded during generation.",
         "Methods on one keyed shard function (xmark_core): MPAC (green list = the block value's shard, γ = 1/4), "

@@ -12,7 +12,7 @@ def bit_accuracy(decoded: str, truth: str) -> float:
     """Share of bits decoded right; an erased bit ('?') counts as wrong."""
     if len(decoded) != len(truth):
         raise ValueError("decoded and true messages differ in length")
-    return sum(a == b for a, b in zip(decoded, truth)) / len(truth)
+    return sum(a == b for a, b in zip(decoded, truth, strict=True)) / len(truth)
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -44,7 +44,7 @@ def tpr_at_fpr(positives: Sequence[float], negatives: Sequence[float], fpr: floa
     neg = np.sort(np.asarray(negatives, dtype=np.float64))
     if not len(positives) or neg.size < math.ceil(1.0 / fpr - 1e-9):
         return None
-    allowed = int(math.floor(fpr * neg.size + 1e-9))  # negatives allowed above the threshold
+    allowed = math.floor(fpr * neg.size + 1e-9)  # negatives allowed above the threshold
     threshold = neg[neg.size - 1 - allowed]
     return float(np.mean(np.asarray(positives, dtype=np.float64) > threshold))
 

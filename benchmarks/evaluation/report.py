@@ -96,7 +96,13 @@ def t_table(
             if method == "Unwatermarked":
                 row = _find(quality, method=method, temperature=temperature, T=t)
             else:
-                match: dict[str, Any] = dict(method=method, bits=bits, delta=delta, temperature=temperature, T=t)
+                match: dict[str, Any] = {
+                    "method": method,
+                    "bits": bits,
+                    "delta": delta,
+                    "temperature": temperature,
+                    "T": t,
+                }
                 if num_keys is not None:
                     match["num_keys"] = num_keys
                 row = _find(quality, **match)
@@ -149,7 +155,7 @@ def render(results: dict[str, Any]) -> str:
             "that are not resolved."
         )
     add("")
-    lines += t_table(q, ("Unwatermarked",) + MAIN_METHODS, t_grid, bits=b0, delta=d0, temperature=temp0)
+    lines += t_table(q, ("Unwatermarked", *MAIN_METHODS), t_grid, bits=b0, delta=d0, temperature=temp0)
     if b0 == 8 and d0 == 2.0:
         lines += paper_rows(PAPER_TABLE1, t_grid)
         add("")
@@ -185,7 +191,7 @@ def render(results: dict[str, Any]) -> str:
             cells.append(
                 f"{_pct(row.get('exact') if row else None, 1)} / {_pct(row.get('exact_retok') if row else None, 1)}"
             )
-        body.append([method] + cells)
+        body.append([method, *cells])
     lines += _table(["Method"] + [f"T={t}" for t in t_grid], body)
     add("")
     for temp in cfg["temperatures"]:
@@ -193,7 +199,7 @@ def render(results: dict[str, Any]) -> str:
             continue
         add(f"### Table 1 at temperature {temp:g}")
         add("")
-        lines += t_table(q, ("Unwatermarked",) + MAIN_METHODS, t_grid, bits=b0, delta=d0, temperature=temp)
+        lines += t_table(q, ("Unwatermarked", *MAIN_METHODS), t_grid, bits=b0, delta=d0, temperature=temp)
         add("")
     bits_grid = list(cfg["bits_grid"])
     if len(bits_grid) > 1:
@@ -257,7 +263,7 @@ def render(results: dict[str, Any]) -> str:
 
 def _ablation(q: list[Row], cfg: dict[str, Any]) -> list[str]:
     b, d0, temp0 = cfg["ablation_bits"], cfg["main_delta"], cfg["main_temperature"]
-    keys = [k for k in cfg["keys_grid"]]
+    keys = list(cfg["keys_grid"])
     ts = [t for t in cfg["t_grid"] if t in (150, 250)] or list(cfg["t_grid"])[:2]
     methods = ["LoSo"] + [f"XMark (k={k})" for k in keys if k > 1] + [f"XMark- (k={k})" for k in keys if k > 1]
     out = [f"## Ablation — number of keys k and cTMM vs TMM (b={b}, δ={d0:g}, temperature {temp0:g})", ""]
@@ -300,8 +306,8 @@ def _attribution(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
         f"## Attribution among {rows[0]['registry_size']:,} registered users (α = {cfg['alpha']:g})",
         "",
         "Right user ranked first / named (`attribute` names the best candidate only when p < α and its "
-        "posterior confidence is at least 0.99, the library defaults) / a wrong user named; the same from the re-tokenized "
-        "text; false attribution = share of unwatermarked user texts (under the run's key and "
+        "posterior confidence is at least 0.99, the library defaults) / a wrong user named; the same from the "
+        "re-tokenized text; false attribution = share of unwatermarked user texts (under the run's key and "
         f"{cfg['null_keys']} independent keys) for which any user is named.",
         "",
     ]
@@ -404,7 +410,7 @@ def _robustness(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
             for attack, level in columns:
                 r = _find(rows, method=method, T=t, attack=attack, level=level)
                 cells.append(f"{_pct(r['ba'] if r else None, 1)} / {_pct(r['detected'] if r else None, 0)}")
-            body.append([method, str(t)] + cells)
+            body.append([method, str(t), *cells])
     out += _table(header, body)
     out.append("")
     return out

@@ -114,9 +114,8 @@ def generate_all(
             index += 1
         if budget_s is not None and time.monotonic() - start > budget_s:
             stats.stopped_early = True
-            log(
-                f"generation budget of {budget_s:.0f} s spent; stopping with {total - index + len(batch)} completions left"
-            )
+            left = total - index + len(batch)
+            log(f"generation budget of {budget_s:.0f} s spent; stopping with {left} completions left")
             break
         t0 = time.monotonic()
         results = generator.generate(batch, config.max_new_tokens, config.seed)

@@ -207,21 +207,23 @@ async def test_client_disconnect_midway_records_what_was_sent(
     received: list[str] = []
     request_id = None
     headers = {"Authorization": f"Bearer {run.api_key}"}
-    with httpx.Client(base_url=live_server.base_url, timeout=120) as http:
-        with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
-            assert response.status_code == 200
-            content_chunks = 0
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                chunk = httpx.Response(200, content=line[len("data: ") :]).json()
-                request_id = chunk["id"]
-                content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-                if content:
-                    received.append(content)
-                    content_chunks += 1
-                if content_chunks >= read_chunks:
-                    break  # leave: closing the response drops the connection
+    async with (
+        httpx.AsyncClient(base_url=live_server.base_url, timeout=120) as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        content_chunks = 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            chunk = httpx.Response(200, content=line[len("data: ") :]).json()
+            request_id = chunk["id"]
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                received.append(content)
+                content_chunks += 1
+            if content_chunks >= read_chunks:
+                break  # leave: closing the response drops the connection
     assert request_id is not None
 
     row = None

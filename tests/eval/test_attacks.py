@@ -13,7 +13,7 @@ def test_copy_paste_replaces_one_contiguous_span_from_the_source() -> None:
     for fraction in (0.1, 0.3, 0.5):
         mixed = copy_paste(own, source, fraction, random.Random(3))
         assert len(mixed) == len(own)
-        replaced = [i for i, (a, b) in enumerate(zip(mixed, own)) if a != b]
+        replaced = [i for i, (a, b) in enumerate(zip(mixed, own, strict=True)) if a != b]
         assert len(replaced) == round(fraction * len(own))
         assert replaced == list(range(replaced[0], replaced[0] + len(replaced)))  # contiguous
         assert all(mixed[i] == source[i] for i in replaced)  # same positions of the source

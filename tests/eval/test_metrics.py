@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -48,7 +49,7 @@ def test_roc_curve_runs_from_origin_to_one() -> None:
     fpr, tpr = roc_curve([3.0, 1.0], [2.0, 0.0])
     assert (fpr[0], tpr[0]) == (0.0, 0.0)
     assert (fpr[-1], tpr[-1]) == (1.0, 1.0)
-    assert all(a <= b for a, b in zip(fpr, fpr[1:])) and all(a <= b for a, b in zip(tpr, tpr[1:]))
+    assert all(a <= b for a, b in itertools.pairwise(fpr)) and all(a <= b for a, b in itertools.pairwise(tpr))
 
 
 def test_detection_score_is_minus_log10_p() -> None:

@@ -103,7 +103,7 @@ def test_secrets_file_is_read(tmp_path: Path) -> None:
     assert secrets.watermark_source == "file"
 
     path.write_text("v1:changeme\n")
-    with pytest.raises(ConfigurationError, match="placeholder|shorter") as info:
+    with pytest.raises(ConfigurationError, match=r"placeholder|shorter") as info:
         load_secrets(settings)
     assert "changeme" not in str(info.value)
     missing = _settings(database_url=PG, secrets_file=tmp_path / "absent", api_key_pepper=SecretStr(GOOD_PEPPER))

@@ -210,12 +210,14 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
 async def test_a_stream_is_committed_when_it_ends(
     app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]]
 ) -> None:
-    user_id, key = committed_users["user"]
+    _user_id, key = committed_users["user"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client:
-        async with client.stream("POST", "/v1/chat/completions", json=body, headers=bearer(key)) as response:
-            assert response.status_code == 200
-            raw = (await response.aread()).decode()
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as client,
+        client.stream("POST", "/v1/chat/completions", json=body, headers=bearer(key)) as response,
+    ):
+        assert response.status_code == 200
+        raw = (await response.aread()).decode()
     request_id = json.loads(raw.split("\n\n")[0][len("data: ") :])["id"]
     rows = (
         select(func.count())
