@@ -11,9 +11,12 @@
 * ``db_session``    — an AsyncSession on the same connection, to inspect or seed rows.
 * ``make_user(role)`` -> (principal dict, API key); ``admin_key`` -> an admin's API key.
 
-Tiers (markers registered in pyproject.toml): modules mark what they need (``model``, ``vllm``,
-``slow``) with ``pytestmark``; ``pytest_collection_modifyitems`` below adds ``postgres`` to every
-test that uses the migrated test database and ``gpu`` to every test that skips without CUDA.
+Tiers (markers registered in pyproject.toml): modules and tests mark what they need (``model``,
+``vllm``, ``postgres``) where they are defined; ``pytest_collection_modifyitems`` below adds
+``postgres`` to every test that uses the migrated test database, ``gpu`` to every test that skips
+without CUDA, and the markers listed in ``MARKED_HERE`` (the vLLM adapter tests, the statistical
+simulations of tests/core marked ``slow``).
+
 When no selected test carries ``model`` (``make test-fast``, or a run of a few modules that need
 no model), the ``app`` fixture serves ``tests.fakes.FakeBackend`` instead of loading the model;
 any run that selects a ``model`` test (``make test``) starts every app with the real model.
