@@ -6,11 +6,15 @@ import json
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import envelope
+
+if TYPE_CHECKING:
+    from service.resources import Resources
 
 access_logger = logging.getLogger("xmark.access")
 
@@ -67,8 +71,9 @@ class RequestContextMiddleware:
             # the latency the client sees: work after the response (its generation record) is not in it
             elapsed = (completed if completed is not None else time.perf_counter()) - started
             route = _route_template(scope)
-            metrics = getattr(scope["app"].state, "metrics", None)
-            if metrics is not None:
+            resources: Resources | None = getattr(scope["app"].state, "resources", None)  # None before start-up
+            if resources is not None:
+                metrics = resources.metrics
                 metrics.requests.labels(route=route, method=scope["method"], status=str(status)).inc()
                 metrics.latency.labels(route=route).observe(elapsed)
             principal = scope["state"].get("principal")
