@@ -14,8 +14,8 @@
 Tiers (markers registered in pyproject.toml): modules and tests mark what they need (``model``,
 ``vllm``, ``postgres``) where they are defined; ``pytest_collection_modifyitems`` below adds
 ``postgres`` to every test that uses the migrated test database, ``gpu`` to every test that skips
-without CUDA, and the markers listed in ``MARKED_HERE`` (the vLLM adapter tests, the statistical
-simulations of tests/core marked ``slow``).
+without CUDA. Statistical simulations that take seconds each are marked ``slow`` where they are
+defined; ``make test-fast`` leaves them out.
 
 When no selected test carries ``model`` (``make test-fast``, or a run of a few modules that need
 no model), the ``app`` fixture serves ``tests.fakes.FakeBackend`` instead of loading the model;
@@ -57,40 +57,12 @@ MakeUser = Callable[..., Awaitable[tuple[dict[str, Any], str]]]
 POSTGRES_FIXTURES = frozenset({"migrated_database", "e2e_database_url"})
 # modules (path) and tests (path::name, every parametrisation) that are marked here rather than
 # where they are defined
-MARKED_HERE: dict[str, tuple[str, ...]] = {
-    "tests/vllm/test_vllm_adapters.py": ("vllm",),
-    # statistical simulations, seconds each on two cores: Monte Carlo calibration over hundreds of
-    # random texts decoded one by one, synthetic-LM generations of 600 tokens, registries of
-    # 10,000 allocated IDs, a million hash triples in numpy and torch, a torch.compile
-    **dict.fromkeys(
-        (
-            "tests/core/test_attribution.py::test_dense_registry_names_no_wrong_user_by_default",
-            "tests/core/test_attribution.py::test_short_text_with_wrong_blocks_still_ranks_the_true_user_first_allocated_b16",
-            "tests/core/test_detect.py::test_false_positive_rate_at_one_percent",
-            "tests/core/test_detect.py::test_null_p_values_are_super_uniform",
-            "tests/core/test_detect.py::test_sigma_p_value_is_calibrated_too",
-            "tests/core/test_detect.py::test_other_schemes_are_calibrated",
-            "tests/core/test_detect.py::test_repetitive_null_text_stays_calibrated",
-            "tests/core/test_encoder.py::test_fused_kernel_is_bit_identical_to_the_eager_op",
-            "tests/core/test_hashing.py::test_numpy_and_torch_cpu_are_bit_identical_on_a_million_triples",
-            "tests/core/test_message.py::test_allocated_ids_are_farther_apart_than_random_ids",
-            "tests/core/test_roundtrip.py::test_other_schemes_round_trip",
-            "tests/core/test_roundtrip.py::test_rows_in_one_batch_carry_their_own_messages",
-            "tests/core/test_roundtrip.py::test_xmark_minus_tmm_decoding_round_trips",
-        ),
-        ("slow",),
-    ),
-}
 _FAKE_BACKEND = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.path.relative_to(REPO_ROOT).as_posix()
-        function = f"{module}::{getattr(item, 'originalname', item.name)}"
-        for name in (*MARKED_HERE.get(module, ()), *MARKED_HERE.get(function, ())):
-            item.add_marker(name)
         if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
         if any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")):

@@ -75,6 +75,7 @@ def test_short_text_with_wrong_blocks_still_ranks_the_true_user_first_b32() -> N
     assert np.mean(cases) >= 0.9
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_short_text_with_wrong_blocks_still_ranks_the_true_user_first_allocated_b16() -> None:
     """b = 16 with IDs from allocate_message (far apart): one or two wrong blocks do not reach another user."""
     params = WatermarkParams(bits=16)
@@ -222,6 +223,7 @@ def test_naming_requires_p_value_margin_and_confidence() -> None:
     assert seen_unnamed_for_confidence, "short texts in a dense registry should include uncertain cases"
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_dense_registry_names_no_wrong_user_by_default() -> None:
     """10,000 allocated 16-bit IDs (neighbours ~2 bits apart), 150-token texts: the confidence rule
     keeps wrong users from being named, while most authors are still named."""

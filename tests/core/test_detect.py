@@ -32,6 +32,7 @@ def null_detections(key: WatermarkKey):
     return out
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_false_positive_rate_at_one_percent(null_detections) -> None:
     p = np.array([d.p_value for d in null_detections])
     fpr = float((p < 0.01).mean())
@@ -39,6 +40,7 @@ def test_false_positive_rate_at_one_percent(null_detections) -> None:
     assert np.mean([d.is_watermarked for d in null_detections]) == fpr  # verdict at alpha=0.01
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_null_p_values_are_super_uniform(null_detections) -> None:
     p = np.array([d.p_value for d in null_detections])
     assert p.min() >= 1e-5 and p.max() <= 1.0
@@ -49,6 +51,7 @@ def test_null_p_values_are_super_uniform(null_detections) -> None:
     assert (p < 0.05).mean() >= 0.03 and (p < 0.2).mean() >= 0.15
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_sigma_p_value_is_calibrated_too(null_detections) -> None:
     sp = np.array([d.sigma_p_value for d in null_detections])
     for alpha in (0.01, 0.05, 0.2):
@@ -76,6 +79,7 @@ def test_skipping_the_sigma_test_changes_nothing_else(key: WatermarkKey) -> None
 
 
 @pytest.mark.parametrize(("scheme", "k"), [("mpac", 1), ("loso", 1), ("xmark", 4)])
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_other_schemes_are_calibrated(scheme: Scheme, k: int) -> None:
     key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, scheme=scheme, num_keys=k))
     rng = np.random.default_rng(71 + k)
@@ -86,6 +90,7 @@ def test_other_schemes_are_calibrated(scheme: Scheme, k: int) -> None:
     assert (p < 0.2).mean() >= 0.1
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_repetitive_null_text_stays_calibrated(key: WatermarkKey) -> None:
     """Low-entropy text (Zipf over 300 ids) repeats triples; deduplication keeps the null exact."""
     rng = np.random.default_rng(72)

@@ -220,6 +220,7 @@ def test_bad_shapes_and_dtypes_are_rejected(override: dict, exc: type, pattern: 
         _bad_call(_key(), **override)
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_fused_kernel_is_bit_identical_to_the_eager_op() -> None:
     """TorchWatermarker(compile=True) (one torch.compile'd pass) gives exactly the eager op's logits,
     for several batch sizes (one dynamic-shape kernel), padded widths, float32 and bfloat16."""

@@ -49,6 +49,7 @@ def test_key_words_do_not_depend_on_the_number_of_keys() -> None:
         np.testing.assert_array_equal(_words(k), eight[:k])
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_numpy_and_torch_cpu_are_bit_identical_on_a_million_triples() -> None:
     prev2, prev1, token = _triples(1_000_000, seed=1)
     assert prev2.min() == 0 and prev2.max() == MAX_ID and token.min() == 0 and token.max() == MAX_ID

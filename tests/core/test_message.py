@@ -113,6 +113,7 @@ def test_allocation_on_a_dense_large_registry_never_reuses() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_allocated_ids_are_farther_apart_than_random_ids(seed: int) -> None:
     params = WatermarkParams(bits=16)
     count = 64

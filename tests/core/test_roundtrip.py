@@ -49,6 +49,7 @@ def test_bit_accuracy_rises_with_length(xmark_run) -> None:
     assert acc[600] > 0.99
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_rows_in_one_batch_carry_their_own_messages(xmark_run) -> None:
     key, messages, gen = xmark_run
     decoded = [decode(row, key) for row in gen.tokens[:USERS]]
@@ -61,6 +62,7 @@ def test_rows_in_one_batch_carry_their_own_messages(xmark_run) -> None:
     assert detect(decode(gen.tokens[USERS], key)).p_value > 1e-3
 
 
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_xmark_minus_tmm_decoding_round_trips(xmark_run) -> None:
     key, messages, gen = xmark_run
     assert _accuracy(key, gen.tokens, messages, 600, constrained=False) > 0.98
@@ -71,6 +73,7 @@ def test_xmark_minus_tmm_decoding_round_trips(xmark_run) -> None:
 
 
 @pytest.mark.parametrize(("scheme", "k"), [("loso", 1), ("mpac", 1)])
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_other_schemes_round_trip(scheme: Scheme, k: int) -> None:
     key = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, num_keys=k, scheme=scheme))
     messages = random_messages(key.params, USERS, seed=31 + k)

@@ -50,6 +50,8 @@ from xmark_core.vllm_common import WorkerConfigError, WorkerKeyring
 from xmark_core.vllm_v1 import XMarkLogitsProcessor as V1Processor
 from xmark_core.vllm_v2 import XMarkLogitsProcessor as V2Processor
 
+pytestmark = pytest.mark.vllm
+
 V1_FQCN = "xmark_core.vllm_v1:XMarkLogitsProcessor"
 V2_FQCN = "xmark_core.vllm_v2:XMarkLogitsProcessor"
 VOCAB = 49152  # SmolLM2's vocabulary
