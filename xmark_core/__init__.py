@@ -1,4 +1,5 @@
-"""XMark: multi-bit watermarking of LLM text (encoder, cTMM decoder, calibrated tests, attribution).
+"""XMark: multi-bit watermarking of LLM text (encoder, cTMM and likelihood decoders, calibrated tests,
+attribution).
 
 The decoder side needs numpy only. The torch encoder op (``apply_watermark``,
 ``TorchWatermarker``) is imported on first use, and the transformers adapter lives in
@@ -24,6 +25,13 @@ from .errors import (
 )
 from .hashing import block_index, context_multipliers, shard, token_codes
 from .keys import WatermarkKey
+from .likelihood import (
+    LikelihoodAttribution,
+    LikelihoodResult,
+    ModelScores,
+    attribute_likelihood,
+    score_text,
+)
 from .message import Message, MessageAllocator, allocate_message, bits_to_blocks
 from .params import SCHEMES, WatermarkParams
 
@@ -40,10 +48,13 @@ __all__ = [
     "DecodeInputError",
     "DecodeResult",
     "Detection",
+    "LikelihoodAttribution",
+    "LikelihoodResult",
     "Message",
     "MessageAllocator",
     "MessageError",
     "MessageSpaceExhausted",
+    "ModelScores",
     "ParamsError",
     "RequestArgumentError",
     "SecretConfigError",
@@ -55,12 +66,14 @@ __all__ = [
     "allocate_message",
     "apply_watermark",
     "attribute",
+    "attribute_likelihood",
     "bits_to_blocks",
     "block_index",
     "context_multipliers",
     "decode",
     "detect",
     "null_inclusion_probability",
+    "score_text",
     "shard",
     "token_codes",
     "warm_null_cache",

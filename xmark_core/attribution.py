@@ -65,8 +65,9 @@ class CandidateSet:
         return "".join(format(int(v), f"0{d}b") for v in self.blocks[index])
 
     def hits(self, matrix: np.ndarray) -> np.ndarray:
-        """int64 [C]: H_m = sum_i matrix[i, m_i] for every candidate m."""
-        total = np.zeros(len(self.ids), dtype=np.int64)
+        """[C]: sum_i matrix[i, m_i] for every candidate m (``matrix`` [r, D]: int64 counts give
+        H_m, float64 block scores give the likelihood decoder's L(m))."""
+        total = np.zeros(len(self.ids), dtype=np.result_type(matrix.dtype, np.int64))
         for q, codes in enumerate(self._pair_codes):
             table = (matrix[2 * q][:, None] + matrix[2 * q + 1][None, :]).ravel()  # [D*D]
             total += table[codes]

@@ -29,6 +29,10 @@ LM_SCALE = 4.0
 class Generation:
     tokens: np.ndarray  # int64 [B, 2 + T]: two random context tokens, then T sampled tokens
     entropy: np.ndarray  # float64 [B, T] entropy (nats) of the unwatermarked next-token distribution
+    # with top_k > 0: the unwatermarked distribution at temperature 1 of every sampled position
+    top_ids: np.ndarray | None = None  # int64 [B, T, K]
+    top_logprobs: np.ndarray | None = None  # float64 [B, T, K]
+    token_logprobs: np.ndarray | None = None  # float64 [B, T] of the sampled token
 
 
 def generate(
@@ -39,8 +43,13 @@ def generate(
     vocab: int = LM_VOCAB,
     scale: float = LM_SCALE,
     seed: int = 0,
+    temperature: float = 1.0,
+    top_k: int = 0,
 ) -> Generation:
-    """Sample ``steps`` tokens per row from the synthetic LM, watermarking row i with messages[i]."""
+    """Sample ``steps`` tokens per row from the synthetic LM, watermarking row i with messages[i].
+
+    Sampling divides the watermarked logits by ``temperature``; ``top_k`` > 0 also records the
+    unwatermarked distribution (temperature 1) that the likelihood decoder scores with."""
     import torch
 
     from xmark_core import TorchWatermarker
@@ -56,6 +65,9 @@ def generate(
     out = torch.empty((batch, steps + 2), dtype=torch.int64)
     out[:, :2] = torch.randint(0, vocab, (batch, 2), generator=gen)  # [B, 2]
     entropy = torch.empty((batch, steps), dtype=torch.float64)
+    top_ids = torch.empty((batch, steps, max(top_k, 1)), dtype=torch.int64)
+    top_lp = torch.empty((batch, steps, max(top_k, 1)), dtype=torch.float64)
+    own_lp = torch.empty((batch, steps), dtype=torch.float64)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: one thread is faster, and far faster on a busy machine
     try:
@@ -64,11 +76,24 @@ def generate(
             logp = torch.log_softmax(logits, dim=-1)
             entropy[:, t] = -(logp.exp() * logp).sum(-1)
             marked = watermarker.apply(logits, out[:, t : t + 2], blocks, active)
-            nxt = torch.multinomial(torch.softmax(marked, dim=-1), 1, generator=gen)  # [B, 1]
+            nxt = torch.multinomial(torch.softmax(marked / temperature, dim=-1), 1, generator=gen)  # [B, 1]
             out[:, t + 2] = nxt[:, 0]
+            if top_k > 0:
+                best = logp.topk(top_k, dim=-1)  # values, indices: [B, K]
+                top_ids[:, t] = best.indices
+                top_lp[:, t] = best.values.double()
+                own_lp[:, t] = logp.gather(1, nxt)[:, 0].double()
     finally:
         torch.set_num_threads(threads)
-    return Generation(tokens=out.numpy(), entropy=entropy.numpy())
+    if top_k == 0:
+        return Generation(tokens=out.numpy(), entropy=entropy.numpy())
+    return Generation(
+        tokens=out.numpy(),
+        entropy=entropy.numpy(),
+        top_ids=top_ids.numpy(),
+        top_logprobs=top_lp.numpy(),
+        token_logprobs=own_lp.numpy(),
+    )
 
 
 def random_messages(params: WatermarkParams, count: int, seed: int) -> list[Message]:

@@ -1,0 +1,366 @@
+"""The likelihood decoder: score a suspect text with the model's own next-token distribution.
+
+The counting decoder gives every scored token the same weight. A token the model was sure of
+(a word's second half, a closing bracket) says nothing about the watermark, because the bias
+could not have changed it; a token chosen among many says a lot. Given the model's next-token
+distribution at every position (its top-K log-probabilities and the text's own token), this
+decoder weighs each token by how much the watermark could have moved it.
+
+For a scored position t with context (x[t-2], x[t-1]), block i_t = (x[t-2] + x[t-1]) mod r and a
+candidate block value v, let E_v be the boosted list (the evergreen list of the XMark scheme; the
+green shard for MPAC), B_t(v) = 1[x_t in E_v], p the model's distribution at temperature tau,
+a = delta / tau, and P^-(v) = p's mass on E_v *without x_t itself*. Whether x_t is in E_v, given
+that x_t was generated, has the likelihood ratio
+
+    LR_t(v) = e^a (1 + (e^a - 1) P^-(v)) / (1 + (e^a - 1) (P^-(v) + p(x_t)))     (in [1, e^a])
+
+between "the text carries v here" and "it does not": 1 when the model was certain of x_t, e^a
+when x_t had little probability. The evidence of the position for v is the log-likelihood ratio
+of B_t(v) under the watermark against the null below:
+
+    llr_t(v) = B_t(v) log LR_t(v) - log(gamma LR_t(v) + 1 - gamma)
+
+where gamma = P(B_t(v) = 1) on text that does not carry this key's watermark: the keyed hash
+puts every (context, token) into E_v with probability gamma = (1 - 1/D)^k (XMark, LoSo with
+k = 1) or 1/D (MPAC), independently of every other token's membership. Because LR_t(v) uses only
+the *other* tokens' memberships and p(x_t), it is independent of B_t(v) under that null, for any
+text: sampled from this model, from another one, or written by a person. That is what makes the
+p-value below valid without assuming the text came from the scoring model, and why the temperature
+tau (and the top-K approximation of P^-) changes only the power, never the calibration.
+
+Block scores S[i, v] = sum of llr_t(v) over the positions of block i; a registered message m
+scores L(m) = sum_i S[i, m_i], its log-likelihood ratio; the posterior over the registry is the
+softmax of L. The naming test for the best candidate m* uses U = sum_t u_t B_t(m*_{i_t}) with
+integer weights u_t = ceil(log LR_t / h) (the LLR's weights on a grid of step h): under the null
+the B_t are independent Bernoulli(gamma), so U's distribution is computed exactly (a convolution)
+and p = P(U >= U_observed) is exact for that statistic. It is corrected for the registry size and
+the key versions tried (Bonferroni). Repeated (x[t-2], x[t-1], x[t]) triples are scored once, and
+the first two tokens are context only, as in the counting decoder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks
+from .decoder import MAX_TOKEN_ID, _first_occurrences
+from .detect import DEFAULT_ALPHA
+from .errors import DecodeInputError, ParamsError
+from .hashing import block_index, context_multipliers, shard, shard_of, token_codes
+from .keys import WatermarkKey
+from .params import WatermarkParams
+
+DEFAULT_TOP_K = 20
+DEFAULT_TEMPERATURE = 0.7
+# grid steps per nat of the integer weights of the exact naming test
+WEIGHT_STEPS_PER_NAT = 32
+# the exact test's distribution has at most this many cells; longer texts use a coarser grid
+MAX_TEST_CELLS = 1 << 20
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """The model's next-token distribution at every position of a text, at temperature 1.
+
+    Row t describes the distribution that predicted token t from the tokens before it (row 0,
+    with nothing before it, is ignored).
+    token_logprobs: float64 [n] log p(x_t | x_<t) of the text's own token;
+    top_ids: int64 [n, K] the K likeliest tokens; top_logprobs: float64 [n, K] their log-probs;
+    vocab_size: the model's vocabulary size (the tokens beyond the top K share the rest).
+    """
+
+    token_logprobs: FloatArray
+    top_ids: IntArray
+    top_logprobs: FloatArray
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        n = self.token_logprobs.shape[0]
+        if self.top_ids.ndim != 2 or self.top_ids.shape != self.top_logprobs.shape or self.top_ids.shape[0] != n:
+            raise DecodeInputError(
+                f"model scores disagree in shape: token_logprobs {self.token_logprobs.shape}, "
+                f"top_ids {self.top_ids.shape}, top_logprobs {self.top_logprobs.shape}"
+            )
+        if self.vocab_size <= self.top_ids.shape[1]:
+            raise DecodeInputError("vocab_size must be larger than the number of top tokens")
+
+
+def boosted_share(params: WatermarkParams) -> float:
+    """gamma: the probability that a token is in a given block value's boosted list, by the hash alone."""
+    shards = params.num_shards
+    if params.scheme == "mpac":
+        return 1.0 / shards
+    return (1.0 - 1.0 / shards) ** params.num_keys
+
+
+def _boosted(shards: IntArray, params: WatermarkParams) -> BoolArray:
+    """bool [..., D]: whether a token with these k shards ([..., k]) is boosted for each block value."""
+    values = np.arange(params.num_shards, dtype=np.int64)  # [D]
+    # MPAC: key 0's shard equals the value; XMark and LoSo: no key's shard is the value
+    mpac = params.scheme == "mpac"
+    out: BoolArray = shards[..., :1] == values if mpac else (shards[..., :, None] != values).all(axis=-2)
+    return out  # [..., D]
+
+
+@dataclass(frozen=True)
+class LikelihoodResult:
+    """What the likelihood decoder read from one text under one key.
+
+    scores: float64 [r, D] S[i, v]; row_counts: int64 [r] scored tokens per block;
+    positions: int64 [m] the text positions scored; rows: int64 [m] their blocks;
+    boosted: bool [m, D] B_t(v); weights: float64 [m, D] log LR_t(v); offsets: float64 [m, D]
+    log(gamma LR + 1 - gamma); so llr = boosted * weights - offsets.
+    """
+
+    params: WatermarkParams
+    temperature: float
+    text_length: int
+    scores: FloatArray
+    row_counts: IntArray
+    positions: IntArray
+    rows: IntArray
+    boosted: BoolArray
+    weights: FloatArray = field(repr=False)
+    offsets: FloatArray = field(repr=False)
+
+    @property
+    def scored_tokens(self) -> int:
+        return int(self.positions.size)
+
+    @property
+    def blocks(self) -> IntArray:
+        """int64 [r]: the likeliest value of each block (-1 where no token was scored)."""
+        values: IntArray = self.scores.argmax(axis=1)
+        values[self.row_counts == 0] = -1
+        return values
+
+    @property
+    def bits(self) -> str:
+        d = self.params.block_bits
+        return "".join("?" * d if v < 0 else format(int(v), f"0{d}b") for v in self.blocks)
+
+    @property
+    def block_confidence(self) -> FloatArray:
+        """float64 [r]: posterior of each block's likeliest value (uniform prior over the D values)."""
+        shifted = self.scores - self.scores.max(axis=1, keepdims=True)
+        posterior = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+        out: FloatArray = posterior.max(axis=1)
+        out[self.row_counts == 0] = 0.0
+        return out
+
+    def token_llr(self, blocks: Sequence[int] | IntArray) -> FloatArray:
+        """float64 [text_length]: each position's evidence (nats) for a message with these block
+        values; NaN where the position was not scored."""
+        values = np.asarray(blocks, dtype=np.int64)[self.rows]  # [m]
+        picked = np.arange(self.rows.size)
+        llr = self.boosted[picked, values] * self.weights[picked, values] - self.offsets[picked, values]
+        out = np.full(self.text_length, np.nan)
+        out[self.positions] = llr
+        return out
+
+
+def score_text(
+    token_ids: Sequence[int] | IntArray,
+    scores: ModelScores,
+    key: WatermarkKey,
+    *,
+    temperature: float = DEFAULT_TEMPERATURE,
+    skip_ids: Iterable[int] = (),
+    dedup: bool = True,
+) -> LikelihoodResult:
+    """Score one text (its token ids, as the model read them) under ``key``."""
+    if not (temperature > 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise DecodeInputError("token ids must be one 1-D sequence of integers")
+    ids = ids.astype(np.int64, copy=False)
+    n = ids.size
+    if n < 3:
+        raise DecodeInputError("need a text of 3 or more tokens (the first two are context)")
+    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+        raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+    if scores.token_logprobs.shape[0] != n:
+        raise DecodeInputError(f"model scores cover {scores.token_logprobs.shape[0]} positions, the text has {n}")
+    params = key.params
+    r, shards_n = params.num_blocks, params.num_shards
+    prev2, prev1, token = ids[:-2], ids[1:-1], ids[2:]  # position t = index + 2
+    keep = np.isfinite(scores.token_logprobs[2:])
+    skip = np.fromiter(skip_ids, dtype=np.int64)
+    if skip.size:
+        keep &= ~np.isin(token, skip)
+    if dedup:
+        order, first = _first_occurrences(prev2, prev1, token, int(ids.max()))
+        unique = np.zeros(token.size, dtype=bool)
+        unique[order[first]] = True
+        keep &= unique
+    index = np.flatnonzero(keep)  # [m]
+    positions = index + 2
+    p2, p1, tok = prev2[index], prev1[index], token[index]
+    rows = block_index(p2, p1, r)  # [m]
+    words = key.words
+    boosted = _boosted(shard(words, p2, p1, tok, params.block_bits), params)  # [m, D]
+
+    # the model at temperature tau: top-K, the text's token, and the rest spread evenly
+    top_ids = scores.top_ids[positions]  # [m, K]
+    top_lp = scores.top_logprobs[positions] / temperature  # [m, K]
+    own_lp = scores.token_logprobs[positions] / temperature  # [m]
+    in_top = top_ids == tok[:, None]  # [m, K]
+    own_in_top = in_top.any(axis=1)  # [m]
+    raw_top = np.exp(scores.top_logprobs[positions])  # [m, K] at temperature 1
+    raw_own = np.exp(scores.token_logprobs[positions])
+    rest_raw = np.clip(1.0 - raw_top.sum(axis=1) - np.where(own_in_top, 0.0, raw_own), 0.0, 1.0)  # [m]
+    rest_count = scores.vocab_size - top_ids.shape[1] - (~own_in_top)  # [m]
+    with np.errstate(divide="ignore"):
+        rest_lp = np.log(rest_count) + (np.log(rest_raw) - np.log(rest_count)) / temperature  # [m]
+    shift = np.maximum(top_lp.max(axis=1), own_lp)  # [m]
+    top_p = np.exp(top_lp - shift[:, None])  # [m, K] unnormalised
+    own_p = np.exp(own_lp - shift)
+    rest_p = np.exp(rest_lp - shift)
+    total = top_p.sum(axis=1) + np.where(own_in_top, 0.0, own_p) + rest_p  # [m]
+    top_p /= total[:, None]
+    own_p = own_p / total
+    rest_p = rest_p / total
+
+    gamma = boosted_share(params)
+    multipliers = context_multipliers(words, p2, p1)  # [m, k]
+    top_shards = shard_of(multipliers[:, None, :], token_codes(words, top_ids), params.block_bits)  # [m, K, k]
+    top_boosted = _boosted(top_shards, params)  # [m, K, D]
+    others = np.where(in_top, 0.0, top_p)  # [m, K]: x_t's own mass left out
+    mass_without = np.einsum("mk,mkd->md", others, top_boosted) + (gamma * rest_p)[:, None]  # [m, D]
+    a = params.delta / temperature
+    boost = math.expm1(a)
+    weights = a + np.log1p(boost * mass_without) - np.log1p(boost * (mass_without + own_p[:, None]))  # [m, D]
+    weights = np.clip(weights, 0.0, a)
+    offsets = np.log(gamma * np.exp(weights) + (1.0 - gamma))  # [m, D]
+    llr = boosted * weights - offsets  # [m, D]
+    block_scores = np.zeros((r, shards_n))
+    np.add.at(block_scores, rows, llr)
+    return LikelihoodResult(
+        params=params,
+        temperature=float(temperature),
+        text_length=int(n),
+        scores=block_scores,
+        row_counts=np.bincount(rows, minlength=r).astype(np.int64),
+        positions=positions.astype(np.int64),
+        rows=rows.astype(np.int64),
+        boosted=boosted,
+        weights=weights,
+        offsets=offsets,
+    )
+
+
+def weighted_bernoulli_tail(weights: Sequence[int] | IntArray, observed: int, probability: float) -> float:
+    """P(sum_t w_t B_t >= observed) for independent B_t ~ Bernoulli(probability), integer w_t >= 0.
+
+    Exact (a convolution over the attainable sums, O(len(w) * sum(w)) in float64).
+    """
+    w = np.asarray(weights, dtype=np.int64)
+    if w.size and w.min() < 0:
+        raise ValueError("weights must be >= 0")
+    if observed <= 0:
+        return 1.0
+    total = int(w.sum())
+    if observed > total:
+        return 0.0
+    dist = np.zeros(total + 1)
+    dist[0] = 1.0
+    reach = 0
+    q = 1.0 - probability
+    for step in w[w > 0]:
+        s = int(step)
+        moved = dist[: reach + 1] * probability
+        dist[: reach + 1] *= q
+        dist[s : s + reach + 1] += moved
+        reach += s
+    return float(min(1.0, dist[observed:].sum()))
+
+
+@dataclass(frozen=True)
+class LikelihoodAttribution:
+    """Who the likelihood decoder names. ``score`` of a candidate is its L(m) (nats); ``p_value``
+    of the best is its exact test, corrected for the registry size and ``tries``; ``confidence`` is
+    its posterior over the registry; ``margin`` the gap in L to the runner-up."""
+
+    candidates: list[CandidateScore]
+    best: CandidateScore | None
+    p_value: float
+    confidence: float
+    margin: float
+    statistic: int
+    bound: str = "exact weighted-Bernoulli tail under the keyed-hash null, Bonferroni over the registry"
+
+
+def naming_test(result: LikelihoodResult, blocks: Sequence[int] | IntArray) -> tuple[float, int]:
+    """The exact p-value (one candidate, uncorrected) that the text carries the message with these
+    block values, and the observed statistic U on its integer grid."""
+    values = np.asarray(blocks, dtype=np.int64)[result.rows]  # [m]
+    picked = np.arange(result.rows.size)
+    weights = result.weights[picked, values]  # [m]
+    hits = result.boosted[picked, values]  # [m]
+    a = result.params.delta / result.temperature
+    steps = float(WEIGHT_STEPS_PER_NAT)
+    cells = max(1.0, weights.size * a * steps)
+    if cells > MAX_TEST_CELLS:  # coarser grid: the test stays exact for its (rounded) statistic
+        steps = max(1.0, steps * MAX_TEST_CELLS / cells)
+    units = np.ceil(weights * steps).astype(np.int64)  # [m]
+    observed = int(units[hits].sum())
+    return weighted_bernoulli_tail(units, observed, boosted_share(result.params)), observed
+
+
+def attribute_likelihood(
+    result: LikelihoodResult,
+    candidates: CandidateSet,
+    *,
+    top: int = 5,
+    alpha: float = DEFAULT_ALPHA,
+    min_confidence: float = DEFAULT_MIN_CONFIDENCE,
+    tries: int = 1,
+) -> LikelihoodAttribution:
+    """Score every registered message; name the best only if its corrected p-value is below
+    ``alpha`` and its posterior at least ``min_confidence`` (``tries``: key versions tried)."""
+    if not 0.0 <= min_confidence <= 1.0:
+        raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
+    if top < 1 or tries < 1:
+        raise ValueError("top and tries must be >= 1")
+    params = result.params
+    if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
+        raise ParamsError("candidate messages do not match the decoder's message length")
+    count = len(candidates)
+    if count == 0 or result.scored_tokens == 0:
+        return LikelihoodAttribution([], None, 1.0, 0.0, 0.0, 0)
+    totals = candidates.hits(result.scores)  # float64 [C]: L(m)
+    k = min(top, count)
+    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
+    order = order[np.argsort(-totals[order], kind="stable")]
+    shifted = totals - totals[order[0]]
+    confidence = float(1.0 / np.exp(shifted).sum())
+    if count > 1:
+        runner_up = float(totals[order[1]]) if k > 1 else float(np.partition(totals, count - 2)[count - 2])
+        margin = float(totals[order[0]]) - runner_up
+    else:
+        margin = float(totals[order[0]])
+    decoded = result.blocks
+    out = []
+    p_best, statistic = 1.0, 0
+    for rank, idx in enumerate(order):
+        cand_blocks = candidates.blocks[idx].astype(np.int64)
+        p_raw, observed = naming_test(result, cand_blocks)
+        p_value = min(1.0, p_raw * count * tries)
+        if rank == 0:
+            p_best, statistic = p_value, observed
+        hamming = _hamming_blocks(cand_blocks, decoded, params)
+        out.append(
+            CandidateScore(candidates.ids[idx], candidates.bits_of(int(idx)), float(totals[idx]), p_value, hamming)
+        )
+    named = p_best < alpha and margin > 0 and confidence >= min_confidence
+    return LikelihoodAttribution(out, out[0] if named else None, p_best, confidence, margin, statistic)
