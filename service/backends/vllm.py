@@ -15,7 +15,10 @@ streams the worker's SSE deltas through as they arrive.
   -> 504 ``upstream_timeout``. A request is retried on another worker only while nothing has
   been generated for it (connection refused or reset before the first token); once tokens
   have streamed it is never retried.
-* ``/trace`` uses the tokenizer loaded from the same local checkpoint the workers serve.
+* ``/trace`` uses the tokenizer loaded from the same local checkpoint the workers serve, and
+  ``score`` asks a worker for the text's prompt log-probs (``POST /v1/completions`` with the
+  token ids as the prompt and ``prompt_logprobs``; no ``vllm_xargs``, so the XMark processor
+  leaves the request alone, and vLLM computes prompt log-probs from the raw logits anyway).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 
 from service.backends.base import (
     ChoiceDelta,
@@ -54,12 +59,17 @@ from xmark_core.vllm_common import XARG_KEY_VERSION, XARG_MESSAGE  # the names t
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from xmark_core import ModelScores
+
 logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 HEALTH_PATH = "/health"
 HEALTH_TIMEOUT_S = 2.0
 MAX_UPSTREAM_ERROR_CHARS = 500
+# vLLM's "This model's maximum context length is N tokens. However, ..."
+_CONTEXT_LENGTH = re.compile(r"maximum context length is (\d+) tokens")
 
 _FINISH_REASONS: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
@@ -170,6 +180,52 @@ def _status_error(status: int, payload: Any) -> GatewayError:
     if status == 413:
         return InvalidRequestError("The request is too large for the model worker", code="payload_too_large")
     return UpstreamUnavailableError(f"The model worker answered HTTP {status}")
+
+
+def score_body(token_ids: Sequence[int], top_k: int, model: str) -> dict[str, Any]:
+    """The scoring request: the text's token ids as the prompt, its top-k prompt log-probs, one
+    greedy token (vLLM generates at least one), and no ``vllm_xargs`` (so no watermark)."""
+    return {"model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}
+
+
+def scores_from_completion(payload: Any, token_ids: Sequence[int], top_k: int, vocab_size: int) -> ModelScores:
+    """ModelScores from vLLM's completion response.
+
+    ``choices[0].prompt_logprobs`` has one entry per prompt token: None for the first, then a dict
+    token id (a string in JSON) -> {"logprob", "rank", "decoded_token"} holding the top-k tokens
+    and the prompt's own token (one more entry when that token is outside the top k).
+    """
+    from xmark_core import ModelScores
+
+    n = len(token_ids)
+    own = np.full(n, np.nan)
+    top_ids = np.zeros((n, top_k), dtype=np.int64)
+    top_logprobs = np.full((n, top_k), -np.inf)
+    try:
+        rows = payload["choices"][0]["prompt_logprobs"]
+        if len(rows) != n:
+            raise ValueError("one entry per prompt token expected")
+        for t in range(1, n):
+            entries = {int(token): float(entry["logprob"]) for token, entry in rows[t].items()}
+            own[t] = entries[int(token_ids[t])]
+            best = sorted(entries.items(), key=lambda item: -item[1])[:top_k]
+            if len(best) < top_k:
+                raise ValueError("fewer than top_k tokens")
+            top_ids[t] = [token for token, _ in best]
+            top_logprobs[t] = [logprob for _, logprob in best]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        raise UpstreamUnavailableError("The model worker answered with malformed log-probabilities") from None
+    return ModelScores(token_logprobs=own, top_ids=top_ids, top_logprobs=top_logprobs, vocab_size=vocab_size)
+
+
+def _score_rejected(upstream_message: str, tokens: int) -> InvalidRequestError:
+    """A worker's 400 to a scoring request: only the text can be at fault (the rest is ours)."""
+    if "context length" in upstream_message:
+        limit = _CONTEXT_LENGTH.search(upstream_message)
+        most = f"at most {limit.group(1)}" if limit else "fewer"
+        message = f"The text has {tokens} tokens; the model reads {most}"
+        return InvalidRequestError(message, param="text", code="context_length_exceeded")
+    return InvalidRequestError(f"The model worker could not score the text: {upstream_message}", param="text")
 
 
 class VllmStream:
@@ -326,6 +382,7 @@ class VllmBackend:
             ]
         )
         self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._vocab_size = 0  # the model's logits width, from the checkpoint's config
         self._state = _Lifecycle()
         self.load_error: str | None = None
 
@@ -364,8 +421,18 @@ class VllmBackend:
 
             return AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
 
+        def vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
+            """config.json's vocab_size (the logits width, which may exceed the tokenizer's length)."""
+            with contextlib.suppress(OSError, ValueError):
+                size = json.loads((self._tokenizer_path / "config.json").read_text()).get("vocab_size")
+                if isinstance(size, int) and size >= len(tokenizer):
+                    return size
+            return len(tokenizer)
+
         try:
-            self._tokenizer = await asyncio.to_thread(load)
+            tokenizer = await asyncio.to_thread(load)
+            self._vocab_size = vocab_size(tokenizer)
+            self._tokenizer = tokenizer
         except Exception as exc:
             self.load_error = type(exc).__name__
             logger.error("tokenizer failed to load", extra={"error_type": type(exc).__name__})
@@ -432,14 +499,10 @@ class VllmBackend:
             finally:
                 await response.aclose()
                 worker.in_flight -= 1
-            logger.warning(
-                "vLLM worker refused a request",
-                extra={"worker": worker.origin, "status": response.status_code},
-            )
-            if response.status_code == 503:
-                self._pool.mark(worker, False)
+            error = self._refusal(worker, response.status_code, payload)
+            if error is None:
                 return None
-            raise _status_error(response.status_code, payload)
+            raise error
         stream = VllmStream(self._pool, worker, response, n, timeout_s=self._timeout_s)
         try:
             await stream.prime()
@@ -449,5 +512,58 @@ class VllmBackend:
             raise
         return stream
 
+    def _refusal(self, worker: Worker, status: int, payload: Any) -> GatewayError | None:
+        """A worker's non-200 answer: the error to raise, or None (503: out of rotation, try another)."""
+        logger.warning("vLLM worker refused a request", extra={"worker": worker.origin, "status": status})
+        if status == 503:
+            self._pool.mark(worker, False)
+            return None
+        return _status_error(status, payload)
+
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
         return await collect(await self.stream(request, stamp), request.n)
+
+    async def score(self, token_ids: Sequence[int], top_k: int) -> ModelScores:
+        """The text's prompt log-probs from a worker (see ``scores_from_completion``)."""
+        if not self.ready:
+            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
+        body = score_body([int(t) for t in token_ids], top_k, self.model_id)
+        tried: set[str] = set()
+        while True:
+            worker = self._pool.pick(tried)
+            if worker is None:
+                raise UpstreamUnavailableError("No model worker is available; retry shortly")
+            tried.add(worker.url)
+            try:
+                payload = await self._post(worker, COMPLETIONS_PATH, body)
+            except InvalidRequestError as exc:  # the body is ours but for the text: its length
+                raise _score_rejected(exc.message, len(body["prompt"])) from None
+            if payload is not None:
+                return scores_from_completion(payload, body["prompt"], top_k, self._vocab_size)
+
+    async def _post(self, worker: Worker, path: str, body: dict[str, Any]) -> Any | None:
+        """POST ``body`` to ``worker`` and return its JSON answer; None: try another worker."""
+        worker.in_flight += 1
+        worker.served += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                response = await worker.client.post(path, json=body)
+        except (TimeoutError, httpx.TimeoutException):
+            raise UpstreamTimeoutError("The model worker did not answer in time") from None
+        except httpx.TransportError:
+            self._pool.mark(worker, False)
+            return None
+        finally:
+            worker.in_flight -= 1
+        try:
+            payload: Any = response.json()
+        except ValueError:
+            if response.status_code == 200:
+                raise UpstreamUnavailableError("The model worker answered with malformed JSON") from None
+            payload = None
+        if response.status_code != 200:
+            error = self._refusal(worker, response.status_code, payload)
+            if error is None:
+                return None
+            raise error
+        return payload

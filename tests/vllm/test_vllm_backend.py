@@ -2,7 +2,9 @@
 
 The real worker is exercised by tests/e2e_vllm; these tests cover what a live engine cannot be
 made to do on demand: a worker that refuses connections, times out, drops the stream after some
-tokens, answers 503 to health checks, or runs beside a second worker.
+tokens, answers 503 to health checks, or runs beside a second worker. Scoring (``score``, the
+prompt log-probs ``/trace`` reads) gets the same treatment; tests/e2e_vllm checks its numbers
+against the checkpoint run in-process.
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.backends.vllm import VllmBackend, upstream_body
-from service.errors import InvalidRequestError, UpstreamTimeoutError, UpstreamUnavailableError
+from service.errors import (
+    InvalidRequestError,
+    ServiceUnavailableError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
+)
 from tests.conftest import checkpoint_path
 from xmark_core import Message, WatermarkKey, WatermarkParams
 
@@ -64,6 +72,52 @@ def completion_events(pieces: list[list[str]], finish: str = "length") -> list[b
     return sse(*events)
 
 
+TEXT_IDS = [1, 9690, 198, 2683, 359, 42]
+TOP_K = 4
+OUTSIDE_LOGPROB = -11.5  # the text's own token where it is not among the top k
+
+
+def own_rank(t: int) -> int | None:
+    """Where the fake model ranks the text's own token at position t (None: outside the top k)."""
+    return None if t == 3 else t % 3 + 1
+
+
+def top_tokens(t: int) -> list[int]:
+    """The fake model's top-k tokens at position t, likeliest first (the text's token in its rank)."""
+    tokens = [5000 + 100 * t + j for j in range(TOP_K)]
+    rank = own_rank(t)
+    if rank is not None:
+        tokens[rank - 1] = TEXT_IDS[t]
+    return tokens
+
+
+def top_logprob(j: int) -> float:
+    return -0.25 - 0.5 * j
+
+
+def prompt_logprobs_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's non-streamed completion for a scoring request: ``choices[0].prompt_logprobs`` holds
+    None for the first prompt token, then for each position a dict token id (a string in JSON) ->
+    {"logprob", "rank", "decoded_token"}: the prompt's own token first (with its rank, also when it
+    is outside the top k), then the top k. Listed here likeliest last, so the parser must sort."""
+    ids, k = body["prompt"], body["prompt_logprobs"]
+    assert ids == TEXT_IDS and k == TOP_K
+    rows: list[dict[str, Any] | None] = [None]
+    for t in range(1, len(ids)):
+        entries = {}
+        if own_rank(t) is None:
+            entries[ids[t]] = {"logprob": OUTSIDE_LOGPROB, "rank": 4321, "decoded_token": "x"}
+        for j, token in enumerate(top_tokens(t)):
+            entries[token] = {"logprob": top_logprob(j), "rank": j + 1, "decoded_token": f"t{token}"}
+        rows.append({str(token): entry for token, entry in reversed(entries.items())})
+    return {
+        "object": "text_completion",
+        "model": body["model"],
+        "choices": [{"index": 0, "text": " the", "finish_reason": "length", "prompt_logprobs": rows, "logprobs": None}],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
+    }
+
+
 class FakeWorker:
     """A scripted vLLM server: records what it receives, answers what the test says."""
 
@@ -72,12 +126,18 @@ class FakeWorker:
         self.requests: list[dict[str, Any]] = []
         self.health_status = 200
         self.on_chat: Callable[[dict[str, Any]], Any] = lambda body: completion_events([["Cats", " are", " great"]])
+        self.on_completion: Callable[[dict[str, Any]], Any] = prompt_logprobs_answer
+        self.paths: list[str] = []
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             return httpx.Response(self.health_status)
         body = json.loads(request.content)
         self.requests.append(body)
+        self.paths.append(request.url.path)
+        if request.url.path == "/v1/completions":  # scoring: one JSON answer
+            answer = self.on_completion(body)
+            return answer if isinstance(answer, httpx.Response) else httpx.Response(200, json=answer)
         answer = self.on_chat(body)
         if isinstance(answer, httpx.Response):
             return answer
@@ -384,5 +444,114 @@ async def test_tokenizer_is_the_checkpoints_own() -> None:
         tokenizer = backend.tokenizer
         assert tokenizer is not None
         assert tokenizer.encode("Tell me about cats.", add_special_tokens=False) == [31530, 549, 563, 7680, 30]
+    finally:
+        await backend.close()
+
+
+# -- scoring (the prompt log-probs /trace reads) ----------------------------------------------
+
+
+async def test_score_parses_prompt_logprobs_into_model_scores() -> None:
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams)
+    try:
+        scores = await backend.score(TEXT_IDS, TOP_K)
+        worker = upstreams.workers["w1"]
+        assert worker.paths == ["/v1/completions"]
+        # the token ids as the prompt, and no vllm_xargs: the worker's processor leaves it unwatermarked
+        assert worker.requests == [
+            {"model": MODEL, "prompt": TEXT_IDS, "max_tokens": 1, "temperature": 0, "prompt_logprobs": TOP_K}
+        ]
+        n = len(TEXT_IDS)
+        assert scores.token_logprobs.shape == (n,) and scores.token_logprobs.dtype == np.float64
+        assert scores.top_ids.shape == (n, TOP_K) and scores.top_ids.dtype == np.int64
+        assert scores.top_logprobs.shape == (n, TOP_K) and scores.top_logprobs.dtype == np.float64
+        assert scores.vocab_size == 49152  # the checkpoint's config (SmolLM2)
+        # row 0: nothing before the first token
+        assert np.isnan(scores.token_logprobs[0])
+        assert scores.top_ids[0].tolist() == [0] * TOP_K
+        assert np.all(scores.top_logprobs[0] == -np.inf)
+        expected_top = [top_logprob(j) for j in range(TOP_K)]
+        for t in range(1, n):
+            assert scores.top_ids[t].tolist() == top_tokens(t)  # likeliest first, exactly K
+            assert scores.top_logprobs[t].tolist() == expected_top
+            rank = own_rank(t)
+            expected_own = OUTSIDE_LOGPROB if rank is None else top_logprob(rank - 1)
+            assert scores.token_logprobs[t] == expected_own
+        # the token outside the top k has its own log-prob but takes no top-k column
+        assert TEXT_IDS[3] not in scores.top_ids[3]
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_score_is_retried_on_another_worker_when_one_is_down() -> None:
+    upstreams = Upstreams("w1", "w2")
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        upstreams.refused.add("w1")  # dies after the start-up check
+        scores = await backend.score(TEXT_IDS, TOP_K)
+        assert scores.token_logprobs[3] == OUTSIDE_LOGPROB
+        assert [len(w.requests) for w in upstreams.workers.values()] == [0, 1]
+        assert [w.healthy for w in backend.pool.workers] == [False, True]
+        assert [w.in_flight for w in backend.pool.workers] == [0, 0]
+        upstreams.refused.add("w2")
+        with pytest.raises(UpstreamUnavailableError):
+            await backend.score(TEXT_IDS, TOP_K)
+    finally:
+        await backend.close()
+
+
+async def test_score_of_a_text_longer_than_the_context_is_a_400_on_the_text() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_completion = lambda body: httpx.Response(
+        400,
+        json={
+            "error": {
+                "message": "This model's maximum context length is 1024 tokens. However, your prompt contains "
+                "6 input tokens, which exceeds this limit even without any output tokens. "
+                "Please reduce the length of the input prompt. (parameter=input_tokens, value=6)",
+                "type": "BadRequestError",
+                "param": "input_tokens",
+                "code": 400,
+            }
+        },
+    )
+    backend = await started(upstreams)
+    try:
+        with pytest.raises(InvalidRequestError) as caught:
+            await backend.score(TEXT_IDS, TOP_K)
+        error = caught.value
+        assert error.status_code == 400 and error.param == "text" and error.code == "context_length_exceeded"
+        assert error.message == "The text has 6 tokens; the model reads at most 1024"
+        assert backend.pool.workers[0].in_flight == 0 and backend.pool.workers[0].healthy
+    finally:
+        await backend.close()
+
+
+async def test_score_timeout_is_a_504_and_a_malformed_answer_a_503() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.timing_out.add("w1")
+    backend = await started(upstreams)
+    try:
+        with pytest.raises(UpstreamTimeoutError):
+            await backend.score(TEXT_IDS, TOP_K)
+        upstreams.timing_out.clear()
+        upstreams.workers["w1"].on_completion = lambda body: {"choices": [{"index": 0, "text": ""}]}
+        with pytest.raises(UpstreamUnavailableError, match="malformed"):
+            await backend.score(TEXT_IDS, TOP_K)
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_score_before_the_backend_is_ready_is_a_503() -> None:
+    upstreams = Upstreams("w1")
+    backend = VllmBackend(upstreams.urls(), MODEL, checkpoint_path(), transport=upstreams.transport())
+    try:
+        with pytest.raises(ServiceUnavailableError) as caught:
+            await backend.score(TEXT_IDS, TOP_K)
+        assert caught.value.status_code == 503
+        assert upstreams.workers["w1"].requests == []
     finally:
         await backend.close()
