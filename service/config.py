@@ -86,6 +86,12 @@ class Settings(BaseSettings):
     # /trace: the null distributions of rows of up to this many tokens are simulated in the
     # background at start-up; larger rows on first use.
     trace_warm_row_tokens: int = 64
+    # /trace's likelihood decoder: the sampling temperature it assumes (changes its power, never its
+    # calibration), how many of the model's likeliest tokens per position it reads, and the longest
+    # text (tokens) it scores; longer texts are read by counting alone.
+    trace_temperature: float = 0.7
+    trace_top_k: int = 20
+    trace_likelihood_max_tokens: int = 2048
     keyring_refresh_seconds: float = 30.0
     # `xmark serve`: gateway processes sharing the port (each with its own event loop, caches
     # and, on the local backend, its own copy of the model); see docs/service.md.
@@ -119,6 +125,27 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, value: float) -> float:
         if not value > 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("trace_temperature")
+    @classmethod
+    def _temperature_range(cls, value: float) -> float:
+        if not 0.05 <= value <= 2.0:
+            raise ValueError("must be between 0.05 and 2")
+        return value
+
+    @field_validator("trace_top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if not 1 <= value <= 100:
+            raise ValueError("must be between 1 and 100")
+        return value
+
+    @field_validator("trace_likelihood_max_tokens")
+    @classmethod
+    def _max_tokens_range(cls, value: int) -> int:
+        if not 3 <= value <= 100_000:
+            raise ValueError("must be between 3 and 100000")
         return value
 
     @field_validator("record_linger_ms")

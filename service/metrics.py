@@ -60,6 +60,12 @@ class Metrics:
             ["verdict", "attributed"],
             registry=self.registry,
         )
+        self.trace_decoders = Counter(
+            "xmark_trace_decoders",
+            "Trace requests by the decoder that decided (counting or likelihood).",
+            ["decoder"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition: this registry, or every process's in multiprocess mode."""

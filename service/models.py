@@ -21,7 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from service.vocabulary import KeyVersionStatus, Role, UserStatus
+from service.vocabulary import KeyVersionStatus, Role, TraceDecoder, UserStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -147,3 +147,5 @@ class Trace(Base):
         ForeignKey("key_versions.id", ondelete="RESTRICT"), nullable=True
     )
     attributed_user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), nullable=True)
+    # which decoder decided (TraceDecoder.COUNTING or .LIKELIHOOD)
+    decoder: Mapped[str] = mapped_column(String(16), server_default=TraceDecoder.COUNTING.value)

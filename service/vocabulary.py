@@ -38,3 +38,12 @@ class FinishReason(StrEnum):
 class TraceVerdict(StrEnum):
     WATERMARKED = "watermarked"
     NOT_WATERMARKED = "not_watermarked"
+
+
+class TraceDecoder(StrEnum):
+    """How /trace reads a text. ``auto``: counting first, the likelihood decoder when counting names
+    nobody and the model can score the text; the report says which one decided."""
+
+    AUTO = "auto"
+    COUNTING = "counting"
+    LIKELIHOOD = "likelihood"

@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import itertools
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from service.backends.base import (
 )
 from service.errors import InvalidRequestError, ServiceUnavailableError
 from service.vocabulary import FinishReason
+from xmark_core import ModelScores
 
 # the fake's vocabulary: its "tokens" are these words
 VOCABULARY = (
@@ -160,3 +161,7 @@ class FakeBackend:
 
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
         return await collect(await self.stream(request, stamp), request.n)
+
+    async def score(self, token_ids: Sequence[int], top_k: int) -> ModelScores:
+        """No model, no scores: /trace's likelihood decoder is unavailable (and its tokenizer is None)."""
+        raise ServiceUnavailableError("The fake backend has no model to score with")

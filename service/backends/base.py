@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -11,7 +11,7 @@ from service.vocabulary import FinishReason
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from xmark_core import Message, WatermarkKey
+    from xmark_core import Message, ModelScores, WatermarkKey
 
 Role = Literal["system", "user", "assistant"]
 
@@ -130,6 +130,14 @@ class Backend(Protocol):
 
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
         """Run ``request`` to completion."""
+        ...
+
+    async def score(self, token_ids: Sequence[int], top_k: int) -> ModelScores:
+        """The served model's next-token distribution at every position of a text (``/trace``'s
+        likelihood decoder): for each position t >= 1, the log-probability (temperature 1, no
+        watermark) of token t given the tokens before it and the ``top_k`` likeliest tokens with
+        theirs. Raises ``ServiceUnavailableError`` while the model is not ready and
+        ``InvalidRequestError`` (param ``text``) for a text longer than the model's context."""
         ...
 
 

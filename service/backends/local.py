@@ -3,19 +3,26 @@
 One dedicated worker thread owns the model: it loads it (``ready`` flips afterwards), then takes
 jobs from a queue, groups compatible ones into one batched ``generate`` call and streams the text
 of every row back to the event loop. The event loop never runs model code. Every row carries the
-XMark watermark of its own caller's message; nobody's output is left unmarked.
+XMark watermark of its own caller's message; nobody's output is left unmarked. ``/trace``'s
+scoring jobs (one forward pass over a suspect text) go through the same queue; those waiting
+together share one batched forward pass, ahead of the next generation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
 import threading
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from service.backends.base import (
     ChoiceDelta,
@@ -31,9 +38,22 @@ from service.vocabulary import FinishReason
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from xmark_core import ModelScores
+
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_ROWS = 8
+# scoring jobs that share one forward pass: at most this many tokens in all (padding included)
+MAX_SCORE_BATCH_TOKENS = 8192
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    """A text to score (``Backend.score``); the worker thread sets ``result``."""
+
+    token_ids: list[int]
+    top_k: int
+    result: concurrent.futures.Future[ModelScores] = field(default_factory=concurrent.futures.Future)
 
 
 def default_threads() -> int:
@@ -91,7 +111,7 @@ class LocalBackend:
         self._threads = threads if threads is not None else default_threads()
         self._model_path = model_path
         self._max_batch_rows = max_batch_rows
-        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._inbox: queue.Queue[Job | ScoreJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._model: PreTrainedModel | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
@@ -216,15 +236,38 @@ class LocalBackend:
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
         return await collect(await self.stream(request, stamp), request.n)
 
+    async def score(self, token_ids: Sequence[int], top_k: int) -> ModelScores:
+        if not self.ready:
+            if self.load_error is not None:
+                raise ServiceUnavailableError("The model backend is unavailable", code="backend_failed")
+            raise ServiceUnavailableError("The model is still loading; retry shortly")
+        if len(token_ids) > self._context_length:
+            raise InvalidRequestError(
+                f"The text has {len(token_ids)} tokens; the model reads at most {self._context_length}",
+                param="text",
+                code="context_length_exceeded",
+            )
+        job = ScoreJob([int(t) for t in token_ids], top_k)
+        self._inbox.put(job)
+        try:
+            return await asyncio.wrap_future(job.result)
+        except asyncio.CancelledError:
+            job.result.cancel()  # not started yet: the worker skips it
+            raise
+
     # -- worker thread -----------------------------------------------------------------------
 
-    def _next_batch(self, backlog: deque[Job]) -> list[Job] | None:
-        """Take the oldest job and every waiting job that may share its ``generate`` call."""
-        if not backlog:
+    def _next_batch(self, backlog: deque[Job], scoring: list[ScoreJob]) -> list[Job] | list[ScoreJob] | None:
+        """Every waiting scoring job, or else the oldest job and every waiting job that may share
+        its ``generate`` call."""
+        if not backlog and not scoring:
             first = self._inbox.get()
             if first is None:
                 return None
-            backlog.append(first)
+            if isinstance(first, ScoreJob):
+                scoring.append(first)
+            else:
+                backlog.append(first)
         while True:  # gather everything already waiting, without blocking
             try:
                 item = self._inbox.get_nowait()
@@ -233,7 +276,15 @@ class LocalBackend:
             if item is None:
                 self._inbox.put(None)  # keep the shutdown signal for the next round
                 break
-            backlog.append(item)
+            if isinstance(item, ScoreJob):
+                scoring.append(item)
+            else:
+                backlog.append(item)
+        if scoring:
+            taken: list[ScoreJob] = []
+            while scoring and (not taken or self._score_tokens([*taken, scoring[0]]) <= MAX_SCORE_BATCH_TOKENS):
+                taken.append(scoring.pop(0))
+            return taken
         first = backlog.popleft()
         batch, rows, key = [first], first.rows, first.batch_key()
         if key is not None:
@@ -244,15 +295,24 @@ class LocalBackend:
                     rows += job.rows
         return batch
 
+    @staticmethod
+    def _score_tokens(jobs: Sequence[ScoreJob]) -> int:
+        return len(jobs) * max(len(job.token_ids) for job in jobs)
+
     def _serve(self) -> None:
         backlog: deque[Job] = deque()
+        scoring: list[ScoreJob] = []
         while True:
-            batch = self._next_batch(backlog)
+            batch = self._next_batch(backlog, scoring)
             if batch is None or self._closing.is_set():
-                for job in [*(batch or []), *backlog]:
-                    job.deliver(StreamFailure("The model backend is shutting down"))
+                for job in [*(batch or []), *backlog, *scoring]:
+                    self._refuse(job)
                 self._drain_on_shutdown()
                 return
+            if batch and isinstance(batch[0], ScoreJob):
+                self._run_scoring([job for job in batch if isinstance(job, ScoreJob)])
+                continue
+            batch = [job for job in batch if isinstance(job, Job)]
             live = [job for job in batch if not job.cancelled.is_set()]
             for job in batch:
                 if job.cancelled.is_set():
@@ -270,6 +330,14 @@ class LocalBackend:
             finally:
                 self._running = []
 
+    @staticmethod
+    def _refuse(job: Job | ScoreJob) -> None:
+        if isinstance(job, ScoreJob):
+            if job.result.set_running_or_notify_cancel():
+                job.result.set_exception(ServiceUnavailableError("The model backend is shutting down"))
+        else:
+            job.deliver(StreamFailure("The model backend is shutting down"))
+
     def _drain_on_shutdown(self) -> None:
         while True:
             try:
@@ -277,7 +345,57 @@ class LocalBackend:
             except queue.Empty:
                 return
             if item is not None:
-                item.deliver(StreamFailure("The model backend is shutting down"))
+                self._refuse(item)
+
+    def _run_scoring(self, jobs: list[ScoreJob]) -> None:
+        live = [job for job in jobs if job.result.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            results = self._score_batch(live)
+        except Exception as exc:
+            logger.exception("scoring failed", extra={"error_type": type(exc).__name__})
+            for job in live:
+                job.result.set_exception(UpstreamUnavailableError("Scoring failed in the model backend"))
+            return
+        for job, scores in zip(live, results, strict=True):
+            job.result.set_result(scores)
+
+    def _score_batch(self, jobs: list[ScoreJob]) -> list[ModelScores]:
+        """One forward pass over every text (right-padded); each text's log-probs at temperature 1."""
+        import torch
+
+        from xmark_core import ModelScores
+
+        model, tokenizer = self._model, self._tokenizer
+        assert model is not None and tokenizer is not None
+        pad_id = int(tokenizer.pad_token_id)
+        width = max(len(job.token_ids) for job in jobs)
+        # input_ids / attention_mask: [texts, width] int64, right-padded
+        input_ids = torch.tensor([job.token_ids + [pad_id] * (width - len(job.token_ids)) for job in jobs])
+        attention_mask = torch.tensor([[1] * len(job.token_ids) + [0] * (width - len(job.token_ids)) for job in jobs])
+        with torch.inference_mode():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [texts, width, V]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [texts, width, V]
+            vocab = int(logprobs.shape[-1])
+            out = []
+            for row, job in enumerate(jobs):
+                n = len(job.token_ids)
+                k = min(job.top_k, vocab - 1)
+                # row t of the scores is the distribution after tokens < t: logits position t - 1
+                predicted = logprobs[row, : n - 1]  # [n - 1, V]
+                best = predicted.topk(k, dim=-1)  # [n - 1, K] sorted, descending
+                following = torch.tensor(job.token_ids[1:], dtype=torch.long)  # [n - 1]
+                own = predicted.gather(1, following[:, None])[:, 0]  # [n - 1]
+                out.append(
+                    ModelScores(
+                        token_logprobs=np.concatenate([[np.nan], own.double().numpy()]),
+                        top_ids=np.concatenate([np.zeros((1, k), np.int64), best.indices.numpy()]),
+                        top_logprobs=np.concatenate([np.full((1, k), -np.inf), best.values.double().numpy()]),
+                        vocab_size=vocab,
+                    )
+                )
+        return out
 
     def _generate_batch(self, jobs: list[Job]) -> None:
         import torch

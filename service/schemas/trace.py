@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.vocabulary import TraceDecoder
+
 
 class TraceRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -11,6 +13,8 @@ class TraceRequest(BaseModel):
     text: str = Field(min_length=1)
     model: str | None = Field(default=None, max_length=200)
     include_tokens: bool = False
+    # auto: counting first, the likelihood decoder when counting names nobody (see docs/api.md)
+    decoder: TraceDecoder = TraceDecoder.AUTO
 
 
 class BlockReport(BaseModel):
@@ -22,6 +26,8 @@ class BlockReport(BaseModel):
     margin: int
     confidence: float
     erased: bool
+    # the likelihood decoder's score of each block value (nats), when it read the text
+    scores: list[float] | None = None
 
 
 class AttributionReport(BaseModel):
@@ -40,15 +46,22 @@ class CandidateReport(BaseModel):
 
 
 class TokenReport(BaseModel):
-    """One token of the text: its text, id, block index (None = not scored) and shard per key."""
+    """One token of the text: its text, id, block index (None = not scored) and shard per key;
+    ``llr``: with the likelihood decoder, its evidence (nats) for the named or best candidate."""
 
     text: str
     id: int
     block: int | None
     shards: list[int] | None
+    llr: float | None = None
 
 
 class TraceReport(BaseModel):
+    decoder: TraceDecoder = TraceDecoder.COUNTING  # the decoder that decided
+    test: str = ""  # the test behind p_value
+    temperature: float | None = None  # the likelihood decoder's assumed sampling temperature
+    confidence: float = 0.0  # posterior of the best candidate among the registry
+    margin: float | None = None  # score of the best candidate minus the runner-up's
     watermarked: bool
     p_value: float
     statistic: float

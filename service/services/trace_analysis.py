@@ -2,9 +2,16 @@
 user it encodes. Pure computation (no I/O); the tracing service and the offline CLI call it.
 
 The text is tokenized with the served model's tokenizer (no chat template; special tokens are
-skipped by the decoder). Every usable key version is tried and the one that explains the text
-best (smallest p-value) is reported. Attribution scores the decoded counts against every
-registered message ID, deleted users' tombstones included.
+skipped by the decoders). Every usable key version is tried and the one that explains the text
+best (smallest p-value) is reported. Attribution scores the text against every registered message
+ID, deleted users' tombstones included.
+
+Two decoders: counting (``analyze_counting``: the cTMM, no model needed) and likelihood
+(``analyze_likelihood``: each token weighted by the served model's own next-token distribution,
+which the service fetches from the backend). ``tests`` is the number of decoders a request may
+run on the same text (2 under ``decoder=auto`` when the likelihood decoder is available): every
+p-value is multiplied by it and by the number of key versions tried, so the verdict stays valid at
+``alpha`` whichever decoder decides.
 """
 
 from __future__ import annotations
@@ -24,12 +31,33 @@ from service.schemas.trace import (
     TraceReport,
 )
 from service.services.registry_cache import RegistrySnapshot
-from xmark_core import Attribution, DecodeResult, Detection, attribute, decode, detect
+from service.vocabulary import TraceDecoder
+from xmark_core import (
+    Attribution,
+    DecodeResult,
+    Detection,
+    LikelihoodAttribution,
+    LikelihoodResult,
+    ModelScores,
+    attribute,
+    attribute_likelihood,
+    decode,
+    detect,
+    score_text,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOP_CANDIDATES = 5
+COUNTING_TEST = (
+    "counting: exact binomial tail of the decoded counts, corrected for the registry size, "
+    "the key versions and the decoders tried"
+)
+LIKELIHOOD_TEST = (
+    "likelihood: exact weighted-Bernoulli tail under the keyed-hash null, corrected for the "
+    "registry size, the key versions and the decoders tried"
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +65,10 @@ class TraceOutcome:
     report: TraceReport
     key_version_id: int | None
     attributed_user_id: int | None
+
+    @property
+    def named(self) -> bool:
+        return self.attributed_user_id is not None
 
 
 @dataclass(frozen=True)
@@ -71,6 +103,7 @@ def _empty_report(bits: int, block_bits: int) -> TraceReport:
         for i in range(bits // block_bits)
     ]
     return TraceReport(
+        test=COUNTING_TEST,
         watermarked=False,
         p_value=1.0,
         statistic=0.0,
@@ -97,21 +130,39 @@ def _piece(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
     return text
 
 
-def _token_reports(tokenizer: PreTrainedTokenizerBase, ids: list[int], result: DecodeResult) -> list[TokenReport]:
+def _token_reports(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], result: DecodeResult, llr: np.ndarray | None = None
+) -> list[TokenReport]:
     assert result.token_blocks is not None and result.token_shards is not None
-    pieces = [_piece(tokenizer, token) for token in ids]
     reports = []
     for position, token in enumerate(ids):
         block = int(result.token_blocks[position])
+        evidence = None if llr is None or np.isnan(llr[position]) else float(llr[position])
         reports.append(
             TokenReport(
-                text=pieces[position],
+                text=_piece(tokenizer, token),
                 id=token,
                 block=None if block < 0 else block,
                 shards=None if block < 0 else [int(s) for s in result.token_shards[position]],
+                llr=evidence,
             )
         )
     return reports
+
+
+def _block_reports(result: DecodeResult, scores: np.ndarray | None = None) -> list[BlockReport]:
+    return [
+        BlockReport(
+            index=i,
+            counts=[int(c) for c in result.matrix[i]],
+            value=None if result.erased[i] else int(result.blocks[i]),
+            margin=int(result.margin[i]),
+            confidence=float(result.confidence[i]),
+            erased=bool(result.erased[i]),
+            scores=None if scores is None else [float(s) for s in scores[i]],
+        )
+        for i in range(result.matrix.shape[0])
+    ]
 
 
 def analyze_text(
@@ -123,17 +174,33 @@ def analyze_text(
     alpha: float,
     include_tokens: bool = False,
 ) -> TraceOutcome:
-    """The full trace report of ``text`` (pure computation: no I/O)."""
+    """The counting decoder's trace report of ``text`` (pure computation: no I/O)."""
+    return analyze_counting(
+        tokenize(tokenizer, text), tokenizer, versions, snapshot, alpha=alpha, include_tokens=include_tokens
+    )
+
+
+def analyze_counting(
+    ids: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    versions: Sequence[KeyVersionHandle],
+    snapshot: RegistrySnapshot,
+    *,
+    alpha: float,
+    include_tokens: bool = False,
+    tests: int = 1,
+) -> TraceOutcome:
+    """The counting decoder's report of the text with token ids ``ids``."""
     params = versions[0].key.params
-    ids = tokenize(tokenizer, text)
     if len(ids) < 3:  # the first two tokens are context only: nothing to score
         report = _empty_report(params.bits, params.block_bits)
         if include_tokens:
             report.tokens = [TokenReport(text=_piece(tokenizer, t), id=t, block=None, shards=None) for t in ids]
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
-    # Trying several key versions is several tests: Bonferroni-correct the level and the p-values.
-    tries = len(versions)
+    # Trying several key versions (and decoders) is several tests: Bonferroni-correct the level and
+    # the p-values.
+    tries = len(versions) * tests
     alpha_each = alpha / tries
     best: _Reading | None = None
     for handle in versions:
@@ -156,23 +223,17 @@ def analyze_text(
 
     attributed = attribution.best
     report = TraceReport(
+        decoder=TraceDecoder.COUNTING,
+        test=COUNTING_TEST,
+        confidence=attribution.confidence,
+        margin=attribution.margin if attribution.candidates else None,
         watermarked=detection.is_watermarked,
         p_value=min(1.0, detection.p_value * tries),
         statistic=detection.statistic,
         scored_tokens=result.scored_tokens,
         key_version=best.handle.name,
         decoded_message=result.bits,
-        blocks=[
-            BlockReport(
-                index=i,
-                counts=[int(c) for c in result.matrix[i]],
-                value=None if result.erased[i] else int(result.blocks[i]),
-                margin=int(result.margin[i]),
-                confidence=float(result.confidence[i]),
-                erased=bool(result.erased[i]),
-            )
-            for i in range(result.matrix.shape[0])
-        ],
+        blocks=_block_reports(result),
         attribution=None
         if attributed is None
         else AttributionReport(
@@ -193,8 +254,89 @@ def analyze_text(
         ],
         tokens=_token_reports(tokenizer, ids, result) if include_tokens else None,
     )
-    return TraceOutcome(
-        report,
-        best.handle.id,
-        None if attributed is None else _user_id(attributed.id),
+    return TraceOutcome(report, best.handle.id, None if attributed is None else _user_id(attributed.id))
+
+
+@dataclass(frozen=True)
+class _LikelihoodReading:
+    handle: KeyVersionHandle
+    result: LikelihoodResult
+    attribution: LikelihoodAttribution
+
+
+def analyze_likelihood(
+    ids: list[int],
+    scores: ModelScores,
+    tokenizer: PreTrainedTokenizerBase,
+    versions: Sequence[KeyVersionHandle],
+    snapshot: RegistrySnapshot,
+    *,
+    alpha: float,
+    temperature: float,
+    counting: TraceOutcome | None = None,
+    include_tokens: bool = False,
+    tests: int = 1,
+) -> TraceOutcome:
+    """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
+
+    ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
+    verdict counts too (both were tested at ``alpha / tests``).
+    """
+    special = tokenizer.all_special_ids
+    tries = len(versions) * tests
+    best: _LikelihoodReading | None = None
+    for handle in versions:
+        result = score_text(ids, scores, handle.key, temperature=temperature, skip_ids=special)
+        attribution = attribute_likelihood(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries)
+        if best is None or attribution.p_value < best.attribution.p_value:
+            best = _LikelihoodReading(handle, result, attribution)
+    assert best is not None
+    handle, result, attribution = best.handle, best.result, best.attribution
+    users = snapshot.users
+
+    def name_of(user_id: object) -> str:
+        user = users.get(_user_id(user_id))
+        return user.name if user is not None else ""
+
+    counted = decode(ids, handle.key, skip_ids=special, per_token=include_tokens)  # the counts, for the view
+    top = attribution.candidates[0] if attribution.candidates else None
+    llr = None
+    if include_tokens and top is not None:
+        d = result.params.block_bits
+        llr = result.token_llr([int(top.bits[i : i + d], 2) for i in range(0, len(top.bits), d)])
+    watermarked = attribution.p_value < alpha
+    p_value = attribution.p_value
+    if counting is not None:  # decoder=auto: either verdict stands (each was tested at alpha / tests)
+        watermarked = watermarked or counting.report.watermarked
+        p_value = min(p_value, counting.report.p_value)
+    named = attribution.best
+    report = TraceReport(
+        decoder=TraceDecoder.LIKELIHOOD,
+        test=LIKELIHOOD_TEST,
+        temperature=result.temperature,
+        confidence=attribution.confidence,
+        margin=attribution.margin if attribution.candidates else None,
+        watermarked=watermarked,
+        p_value=p_value,
+        statistic=top.score if top is not None else 0.0,
+        scored_tokens=result.scored_tokens,
+        key_version=handle.name,
+        decoded_message=result.bits,
+        blocks=_block_reports(counted, result.scores),
+        attribution=None
+        if named is None
+        else AttributionReport(
+            user_id=_user_id(named.id),
+            name=name_of(named.id),
+            confidence=attribution.confidence,
+            p_value=named.p_value,
+        ),
+        candidates=[
+            CandidateReport(
+                user_id=_user_id(c.id), name=name_of(c.id), score=c.score, p_value=c.p_value, hamming=c.hamming
+            )
+            for c in attribution.candidates
+        ],
+        tokens=_token_reports(tokenizer, ids, counted, llr) if include_tokens else None,
     )
+    return TraceOutcome(report, handle.id, None if named is None else _user_id(named.id))

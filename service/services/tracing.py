@@ -9,30 +9,43 @@ import asyncio
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.db import RowWriter
-from service.errors import NotFoundError, PayloadTooLargeError, ServiceUnavailableError
+from service.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ServiceUnavailableError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
+)
+from service.keyring import KeyVersionHandle
 from service.models import utcnow
 from service.schemas.common import Principal
 from service.schemas.trace import (
     TraceReport,
     TraceRequest,
 )
-from service.services.registry_cache import RegistryCache
-from service.services.trace_analysis import analyze_text
-from service.vocabulary import TraceVerdict
+from service.services.registry_cache import RegistryCache, RegistrySnapshot
+from service.services.trace_analysis import TraceOutcome, analyze_counting, analyze_likelihood, tokenize
+from service.vocabulary import TraceDecoder, TraceVerdict
 from xmark_core import warm_null_cache
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from service.backends import Backend
     from service.config import Settings
     from service.keyring import Keyring
     from service.metrics import Metrics
 
 logger = logging.getLogger("xmark.trace")
+
+T = TypeVar("T")
 
 # Texts longer than this are analysed on a worker thread so the event loop stays responsive.
 INLINE_ANALYSIS_CHARS = 8_000
@@ -98,19 +111,13 @@ class TracingService:
         if not versions:
             raise ServiceUnavailableError("No usable watermark key version is configured")
         snapshot = await self._registry.snapshot(self._session)
-        analyze = functools.partial(
-            analyze_text,
-            request.text,
-            tokenizer,
-            versions,
-            snapshot,
-            alpha=settings.trace_alpha,
-            include_tokens=request.include_tokens,
-        )
-        if len(request.text) <= INLINE_ANALYSIS_CHARS:
-            outcome = analyze()
-        else:
-            outcome = await asyncio.to_thread(analyze)
+        inline = len(request.text) <= INLINE_ANALYSIS_CHARS
+
+        async def run(work: Callable[[], T]) -> T:  # long texts are analysed off the event loop
+            return work() if inline else await asyncio.to_thread(work)
+
+        ids = await run(functools.partial(tokenize, tokenizer, request.text))
+        outcome = await self._analyze(request, ids, tokenizer, versions, snapshot, run)
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
         row = {
@@ -121,6 +128,7 @@ class TracingService:
             "scored_tokens": report.scored_tokens,
             "key_version_id": outcome.key_version_id,
             "attributed_user_id": outcome.attributed_user_id,
+            "decoder": report.decoder,
             "created_at": utcnow(),
         }
         # committed before the report is sent; concurrent traces share the round trip (RowWriter)
@@ -128,4 +136,62 @@ class TracingService:
         self._metrics.trace_verdicts.labels(
             verdict=verdict, attributed="yes" if outcome.attributed_user_id is not None else "no"
         ).inc()
+        self._metrics.trace_decoders.labels(decoder=report.decoder).inc()
         return report
+
+    async def _analyze(
+        self,
+        request: TraceRequest,
+        ids: list[int],
+        tokenizer: PreTrainedTokenizerBase,
+        versions: Sequence[KeyVersionHandle],
+        snapshot: RegistrySnapshot,
+        run: Callable[[Callable[[], TraceOutcome]], Awaitable[TraceOutcome]],
+    ) -> TraceOutcome:
+        """Counting, likelihood, or counting then likelihood (``auto``), as the request asks."""
+        settings = self._settings
+        counting = functools.partial(
+            analyze_counting,
+            ids,
+            tokenizer,
+            versions,
+            snapshot,
+            alpha=settings.trace_alpha,
+            include_tokens=request.include_tokens,
+        )
+        likelihood = functools.partial(
+            analyze_likelihood,
+            ids,
+            tokenizer=tokenizer,
+            versions=versions,
+            snapshot=snapshot,
+            alpha=settings.trace_alpha,
+            temperature=settings.trace_temperature,
+            include_tokens=request.include_tokens,
+        )
+        limit = settings.trace_likelihood_max_tokens
+        if request.decoder == TraceDecoder.COUNTING or len(ids) < 3:
+            return await run(counting)
+        if request.decoder == TraceDecoder.LIKELIHOOD:
+            if len(ids) > limit:
+                raise InvalidRequestError(
+                    f"The text has {len(ids)} tokens; the likelihood decoder reads at most {limit} "
+                    "(use decoder counting or auto)",
+                    param="decoder",
+                    code="text_too_long_for_decoder",
+                )
+            scores = await self._backend.score(ids, settings.trace_top_k)
+            return await run(functools.partial(likelihood, scores))
+        # auto: the likelihood decoder may run too, so both are tested at alpha / 2
+        escalate = len(ids) <= limit and self._backend.ready
+        tests = 2 if escalate else 1
+        first = await run(functools.partial(counting, tests=tests))
+        if first.named or not escalate:
+            return first
+        try:
+            scores = await self._backend.score(ids, settings.trace_top_k)
+        except (ServiceUnavailableError, UpstreamUnavailableError, UpstreamTimeoutError, InvalidRequestError) as exc:
+            # no model at hand, or one that cannot read this text (e.g. a worker's shorter context)
+            logger.warning("trace scoring unavailable; counting decided", extra={"error_type": type(exc).__name__})
+            return first
+        return await run(functools.partial(likelihood, scores, counting=first, tests=tests))

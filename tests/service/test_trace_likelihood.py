@@ -1,0 +1,144 @@
+"""/trace's likelihood decoder on the local backend: the model's scores, the decoder option, the report."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.errors import InvalidRequestError, ServiceUnavailableError
+from service.models import Trace
+from service.services.trace_analysis import tokenize
+from tests.service.test_trace import _auth, _watermarked_text
+
+pytestmark = pytest.mark.model
+
+PLAIN = (
+    "Sailing ships carried goods and people across the oceans for centuries. Their hulls were built "
+    "of oak, their sails of canvas, and their crews learned to read the wind and the stars."
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
+
+
+@pytest.fixture
+async def ready(app: Any) -> None:
+    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
+
+
+async def test_scores_are_the_models_log_probabilities(app: Any, ready: None) -> None:
+    backend = app.state.resources.backend
+    ids = tokenize(backend.tokenizer, PLAIN)
+    short = ids[:12]
+    scores, alone = await asyncio.gather(backend.score(ids, 20), backend.score(short, 20))  # one batch
+    assert scores.top_ids.shape == (len(ids), 20) and scores.token_logprobs.shape == (len(ids),)
+    assert np.isnan(scores.token_logprobs[0]) and np.isfinite(scores.token_logprobs[1:]).all()
+    assert (np.diff(scores.top_logprobs[1:], axis=1) <= 0).all()  # descending
+    with torch.inference_mode():
+        logits = backend._model(input_ids=torch.tensor([ids])).logits[0]  # [n, V]
+    expected = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(scores.token_logprobs[1:], expected.double().numpy(), atol=1e-4)
+    # a text scored beside a longer one (right padding) reads the same as its own prefix
+    np.testing.assert_allclose(alone.token_logprobs[1:], scores.token_logprobs[1:12], atol=1e-4)
+    assert (alone.top_ids[1:] == scores.top_ids[1:12]).mean() > 0.99
+    assert scores.vocab_size == len(backend.tokenizer)
+
+
+async def test_likelihood_decoder_names_the_author_and_explains_each_token(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, ready: None
+) -> None:
+    _, auditor = await make_user("auditor")
+    author, _ = await make_user("user")
+    text = await _watermarked_text(app, author["message_id"], tokens=200)
+    response = await client.post(
+        "/trace", json={"text": text, "decoder": "likelihood", "include_tokens": True}, headers=_auth(auditor)
+    )
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["decoder"] == "likelihood" and report["test"].startswith("likelihood")
+    assert report["temperature"] == app.state.resources.settings.trace_temperature
+    assert report["attribution"] is not None and report["attribution"]["user_id"] == author["user_id"]
+    assert report["watermarked"] is True and report["p_value"] < 1e-3
+    assert report["confidence"] >= 0.99 and report["margin"] > 0
+    assert all(len(block["scores"]) == 4 for block in report["blocks"])
+    evidence = [t["llr"] for t in report["tokens"] if t["llr"] is not None]
+    assert len(evidence) == report["scored_tokens"] and sum(evidence) == pytest.approx(report["statistic"], rel=1e-6)
+    row = (await db_session.execute(select(Trace).order_by(Trace.id.desc()).limit(1))).scalar_one()
+    assert row.decoder == "likelihood" and row.attributed_user_id == author["user_id"]
+
+
+async def test_auto_escalates_on_text_counting_cannot_name_and_names_nobody_on_plain_text(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
+) -> None:
+    _, auditor = await make_user("auditor")
+    for _ in range(3):
+        await make_user("user")
+    response = await client.post("/trace", json={"text": PLAIN}, headers=_auth(auditor))
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["decoder"] == "likelihood"  # counting named nobody, so the model read it too
+    assert report["attribution"] is None and report["watermarked"] is False
+    counting = (await client.post("/trace", json={"text": PLAIN, "decoder": "counting"}, headers=_auth(auditor))).json()
+    assert counting["decoder"] == "counting" and counting["temperature"] is None
+    assert counting["attribution"] is None and all(b["scores"] is None for b in counting["blocks"])
+    assert all(len(b["scores"]) == 4 for b in report["blocks"])  # the likelihood reading is in the report
+
+
+async def test_auto_keeps_the_counting_verdict_when_it_names_someone(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
+) -> None:
+    _, auditor = await make_user("auditor")
+    author, _ = await make_user("user")
+    text = await _watermarked_text(app, author["message_id"])  # 400 tokens: counting names the author
+    report = (await client.post("/trace", json={"text": text}, headers=_auth(auditor))).json()
+    assert report["decoder"] == "counting" and report["attribution"]["user_id"] == author["user_id"]
+
+
+async def test_likelihood_refuses_a_text_longer_than_its_limit_by_name(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
+) -> None:
+    _, auditor = await make_user("auditor")
+    resources = app.state.resources
+    default = resources.settings
+    resources.settings = default.model_copy(update={"trace_likelihood_max_tokens": 8})
+    try:
+        refused = await client.post("/trace", json={"text": PLAIN, "decoder": "likelihood"}, headers=_auth(auditor))
+        auto = await client.post("/trace", json={"text": PLAIN}, headers=_auth(auditor))
+    finally:
+        resources.settings = default
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "decoder"
+    assert auto.status_code == 200 and auto.json()["decoder"] == "counting"  # too long to escalate
+    bad = await client.post("/trace", json={"text": PLAIN, "decoder": "bayes"}, headers=_auth(auditor))
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "decoder"
+
+
+async def test_auto_falls_back_to_counting_when_the_model_cannot_score(
+    app: Any, client: httpx.AsyncClient, make_user: Any, monkeypatch: pytest.MonkeyPatch, ready: None
+) -> None:
+    """A worker with a shorter context (400) or one that is gone (503): counting decides, and an
+    explicit likelihood request gets the error."""
+    _, auditor = await make_user("auditor")
+    backend = app.state.resources.backend
+    for error in (
+        InvalidRequestError("The text has 9 tokens; the model reads at most 4", param="text"),
+        ServiceUnavailableError("The model backend is unavailable"),
+    ):
+
+        async def refuse(token_ids: Any, top_k: int, error: Exception = error) -> Any:
+            raise error
+
+        monkeypatch.setattr(backend, "score", refuse)
+        auto = await client.post("/trace", json={"text": PLAIN}, headers=_auth(auditor))
+        assert auto.status_code == 200 and auto.json()["decoder"] == "counting"
+        explicit = await client.post("/trace", json={"text": PLAIN, "decoder": "likelihood"}, headers=_auth(auditor))
+        assert explicit.status_code == error.status_code
