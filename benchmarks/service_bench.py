@@ -1,4 +1,5 @@
-"""Gateway benchmark: per-request gateway overhead and /trace throughput with 10,000 users.
+"""Gateway benchmark: per-request gateway overhead and /trace throughput (counting and likelihood
+decoders) with 10,000 users.
 
     python -m benchmarks.service_bench --json
 
@@ -34,6 +35,9 @@
    them, and concurrent /trace requests from this process run for a fixed time against the
    gateway started as in production (``xmark serve --workers N``). With N > 1 the same load then
    runs against one worker (``one_worker``, ``speedup_vs_one_worker``), in the same run.
+4. /trace with the likelihood decoder (``trace_likelihood``): the same traced users' texts of
+   ~150 (``short``) and ~300 (``long``) tokens, ``decoder: likelihood`` (one forward pass of the
+   model per trace in each worker), against the production gateway with all its workers.
 
 Both gateways are measured once their start-up work is done (the model loaded, the trace null
 distributions prepared). Everything runs against a dedicated PostgreSQL database that is created
@@ -457,7 +461,15 @@ async def _trace_texts(backend: Backend, key: WatermarkKey, users: list[tuple[in
 
 
 async def _trace_load(
-    base_url: str, api_key: str, texts: list[str], owners: list[int], concurrency: int, seconds: float
+    base_url: str,
+    api_key: str,
+    texts: list[str],
+    owners: list[int],
+    concurrency: int,
+    seconds: float,
+    *,
+    decoder: str = "counting",
+    target_rps: float = 200,
 ) -> dict[str, Any]:
     latencies: list[float] = []
     outcomes = {"correct": 0, "wrong": 0, "unattributed": 0, "errors": 0}
@@ -470,7 +482,7 @@ async def _trace_load(
     ) as client:
 
         async def post(text: str) -> tuple[int, dict[str, Any] | None]:
-            async with client.post("/trace", json={"text": text}) as response:
+            async with client.post("/trace", json={"text": text, "decoder": decoder}) as response:
                 return response.status, (await response.json() if response.status == 200 else None)
 
         for index in range(2 * len(texts)):  # warm-up: registry snapshot, connections
@@ -508,6 +520,7 @@ async def _trace_load(
         elapsed = time.perf_counter() - started
     done = len(latencies)
     return {
+        "decoder": decoder,
         "concurrency": concurrency,
         "duration_s": round(elapsed, 2),
         "requests": done,
@@ -515,8 +528,8 @@ async def _trace_load(
         "latency_ms": _percentiles(latencies),
         "outcomes": outcomes,
         "per_text": per_text,
-        "target_rps": 200,
-        "meets_target": done / elapsed >= 200,
+        "target_rps": target_rps,
+        "meets_target": done / elapsed >= target_rps,
     }
 
 
@@ -560,8 +573,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     args.max_tokens,
                 )
                 texts = await _trace_texts(backend, handle.key, seeded.traced_users, args.trace_tokens)
+                short_texts = await _trace_texts(backend, handle.key, seeded.traced_users, args.short_trace_tokens)
                 tokenizer = backend.tokenizer
                 text_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+                short_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) for t in short_texts]
             owners = [user_id for user_id, _ in seeded.traced_users]
             process, base_url = await _start_and_wait(settings, secret_env, pepper, log_path)
             per_request = await _overhead_per_request(
@@ -569,6 +584,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             trace = await _trace_load(base_url, seeded.auditor_key, texts, owners, args.concurrency, args.seconds)
             trace.update({"registered_users": args.users + 2, "text_tokens": text_tokens, "workers": settings.workers})
+            likelihood = {}
+            for label, chosen, lengths in (("short", short_texts, short_tokens), ("long", texts, text_tokens)):
+                load = await _trace_load(
+                    base_url,
+                    seeded.auditor_key,
+                    chosen,
+                    owners,
+                    args.likelihood_concurrency,
+                    args.seconds,
+                    decoder="likelihood",
+                    target_rps=10,
+                )
+                load["text_tokens"] = lengths
+                likelihood[label] = load
             if settings.workers > 1:  # the same load on one worker: what the extra processes bring
                 _stop(process)
                 single = settings.model_copy(update={"workers": 1})
@@ -598,6 +627,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "gateway_overhead": overhead,
         "gateway_overhead_per_request": per_request,
         "trace": trace,
+        "trace_likelihood": likelihood,
     }
 
 
@@ -621,6 +651,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=1, help="completion tokens per overhead request")
     parser.add_argument("--trace-tokens", type=int, default=300, help="tokens per traced text")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent /trace clients")
+    parser.add_argument(
+        "--short-trace-tokens", type=int, default=150, help="tokens per text of the likelihood decoder's short load"
+    )
+    parser.add_argument(
+        "--likelihood-concurrency", type=int, default=4, help="concurrent /trace clients with the likelihood decoder"
+    )
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of the /trace load")
     parser.add_argument(
         "--log-level", default="INFO", help="the gateways' log level; INFO, the default, logs every request"
