@@ -9,7 +9,8 @@ For each message length b: ``--registry`` message IDs are allocated by the produ
 gateway reads it (``analyze_counting`` / ``analyze_likelihood``, one key version). The same number
 of unwatermarked answers (the same prompts, no watermark) are read against the registry too: any
 name there is a false attribution. Prints named / wrong rates with Wilson 95 % intervals and the
-time the likelihood decoder took per text (the forward pass included).
+time the likelihood decoder took per text (the forward pass included). An answer the model ends
+early is drawn again (up to six times), so the texts have the asked length (``text_tokens`` says).
 
 A measurement on a small sample, not the evaluation (``make eval``): the interval says how much.
 """
@@ -21,6 +22,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from xmark_core import CandidateSet, Message, MessageAllocator, WatermarkKey, Wa
 
 SECRET = "trace-naming-benchmark-secret-5a1f"
 ALPHA = 1e-3
+ATTEMPTS = 6
 
 
 def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
@@ -69,7 +72,13 @@ async def _texts(
             max_tokens=tokens,
             temperature=temperature,  # no seed: seeded requests run alone, unseeded ones share batches
         )
-        return (await backend.generate(request, stamp)).choices[0].text
+        longest = ("", -1)
+        for _ in range(ATTEMPTS):  # an answer the model ended early is drawn again: full-length texts
+            choice = (await backend.generate(request, stamp)).choices[0]
+            if choice.completion_tokens >= tokens:
+                return choice.text
+            longest = max(longest, (choice.text, choice.completion_tokens), key=lambda pair: pair[1])
+        return longest[0]
 
     return list(await asyncio.gather(*(one(i, m) for i, m in enumerate(messages))))
 
@@ -91,6 +100,7 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
     marked = await _texts(backend, key, [registry[a] for a in authors], args.tokens, args.temperature)
     plain = await _texts(backend, key, [None] * args.users, args.tokens, args.temperature)
     generation_s = time.perf_counter() - started
+    print(f"b={bits}: {2 * args.users} answers generated in {generation_s:.0f} s", file=sys.stderr, flush=True)
     outcome: dict[str, dict[str, int]] = {
         name: {"named": 0, "wrong": 0, "null_named": 0} for name in ("counting", "likelihood")
     }
@@ -142,7 +152,7 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    backend = LocalBackend(args.model_path, "bench", max_batch_rows=args.batch)
+    backend = LocalBackend(args.model_path, "bench", max_batch_rows=args.batch, threads=args.threads)
     await backend.start()
     try:
         if not await backend.wait_ready(300):
@@ -174,6 +184,7 @@ def main() -> None:
     parser.add_argument("--trace-temperature", type=float, default=0.7, help="the likelihood decoder's assumption")
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="rows per batched generate call")
+    parser.add_argument("--threads", type=int, default=None, help="the model's threads (default: cores - 1)")
     args = parser.parse_args()
     result = asyncio.run(_main(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
