@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOP_CANDIDATES = 5
+_REPLACEMENT = "\ufffd"
 COUNTING_TEST = (
     "counting: exact binomial tail of the decoded counts, corrected for the registry size, "
     "the key versions and the decoders tried"
@@ -123,11 +124,30 @@ def _user_id(candidate_id: object) -> int:
     return int(candidate_id)
 
 
-def _piece(tokenizer: PreTrainedTokenizerBase, token: int) -> str:
-    """The text of one token, as the tokenizer decodes it alone."""
-    text = tokenizer.decode([token], clean_up_tokenization_spaces=False)
-    assert isinstance(text, str)  # one sequence of ids decodes to one string
-    return text
+def _pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
+    """The text of each token, such that the pieces join to the decoded text.
+
+    A byte-level token may end inside a multi-byte character (decoded alone it is U+FFFD): the
+    character then belongs to the token that completes it, and the tokens before it get "".
+    """
+
+    def text_of(chunk: list[int]) -> str:
+        text = tokenizer.decode(chunk, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
+
+    pieces: list[str] = []
+    start = done = 0  # decoding window start; tokens before ``done`` have their text
+    for end in range(1, len(ids) + 1):
+        before, after = text_of(ids[start:done]), text_of(ids[start:end])
+        if len(after) > len(before) and not after.endswith(_REPLACEMENT):
+            pieces.append(after[len(before) :])
+            start, done = done, end
+        else:
+            pieces.append("")
+    if done < len(ids):  # the text ends inside a character: the last token shows what decodes
+        pieces[-1] = text_of(ids[start:])[len(text_of(ids[start:done])) :]
+    return pieces
 
 
 def _token_reports(
@@ -135,12 +155,13 @@ def _token_reports(
 ) -> list[TokenReport]:
     assert result.token_blocks is not None and result.token_shards is not None
     reports = []
+    pieces = _pieces(tokenizer, ids)
     for position, token in enumerate(ids):
         block = int(result.token_blocks[position])
         evidence = None if llr is None or np.isnan(llr[position]) else float(llr[position])
         reports.append(
             TokenReport(
-                text=_piece(tokenizer, token),
+                text=pieces[position],
                 id=token,
                 block=None if block < 0 else block,
                 shards=None if block < 0 else [int(s) for s in result.token_shards[position]],
@@ -195,7 +216,10 @@ def analyze_counting(
     if len(ids) < 3:  # the first two tokens are context only: nothing to score
         report = _empty_report(params.bits, params.block_bits)
         if include_tokens:
-            report.tokens = [TokenReport(text=_piece(tokenizer, t), id=t, block=None, shards=None) for t in ids]
+            report.tokens = [
+                TokenReport(text=piece, id=t, block=None, shards=None)
+                for t, piece in zip(ids, _pieces(tokenizer, ids), strict=True)
+            ]
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
     # Trying several key versions (and decoders) is several tests: Bonferroni-correct the level and

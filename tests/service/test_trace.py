@@ -264,3 +264,17 @@ async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrat
         assert row_null.cache_info().misses == misses, "a prepared row size was simulated again"
         row_null(warm + 1, params.num_shards, params.num_keys, True, upper)
         assert row_null.cache_info().misses == misses + 1
+
+
+async def test_token_pieces_join_to_the_text_when_a_character_spans_tokens(app: Any, ready: None) -> None:
+    """A byte-level token can end inside a multi-byte character: decoded alone it is U+FFFD. The
+    report gives that character to the token that completes it, so the pieces join to the text."""
+    from service.services.trace_analysis import _pieces, tokenize
+
+    tokenizer = app.state.resources.backend.tokenizer
+    text = "The sail was called the lÃ¶f, 日本語 and émigré."
+    ids = tokenize(tokenizer, text)
+    alone = [tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in ids]
+    assert any("\ufffd" in piece for piece in alone)  # the case this is about occurs in this text
+    pieces = _pieces(tokenizer, ids)
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
