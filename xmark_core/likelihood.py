@@ -93,6 +93,14 @@ class ModelScores:
         if self.vocab_size <= self.top_ids.shape[1]:
             raise DecodeInputError("vocab_size must be larger than the number of top tokens")
 
+    def top(self, k: int) -> ModelScores:
+        """The same scores with only the ``k`` likeliest tokens per position (columns sorted descending)."""
+        return ModelScores(self.token_logprobs, self.top_ids[:, :k], self.top_logprobs[:, :k], self.vocab_size)
+
+    def prefix(self, n: int) -> ModelScores:
+        """The scores of the text's first ``n`` tokens (a causal model's scores of a prefix)."""
+        return ModelScores(self.token_logprobs[:n], self.top_ids[:n], self.top_logprobs[:n], self.vocab_size)
+
 
 def boosted_share(params: WatermarkParams) -> float:
     """gamma: the probability that a token is in a given block value's boosted list, by the hash alone."""

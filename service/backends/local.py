@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from service.backends.base import (
     ChoiceDelta,
     GenerationRequest,
@@ -32,6 +30,7 @@ from service.backends.base import (
     collect,
 )
 from service.backends.batch import Job, RowTracker, StreamEnd, StreamEvent, StreamFailure, deliver_to_loop
+from service.backends.scoring import score_texts
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
 from service.vocabulary import FinishReason
 
@@ -362,40 +361,12 @@ class LocalBackend:
             job.result.set_result(scores)
 
     def _score_batch(self, jobs: list[ScoreJob]) -> list[ModelScores]:
-        """One forward pass over every text (right-padded); each text's log-probs at temperature 1."""
-        import torch
-
-        from xmark_core import ModelScores
-
+        """One forward pass over every job's text (``scoring.score_texts``)."""
         model, tokenizer = self._model, self._tokenizer
         assert model is not None and tokenizer is not None
-        pad_id = int(tokenizer.pad_token_id)
-        width = max(len(job.token_ids) for job in jobs)
-        # input_ids / attention_mask: [texts, width] int64, right-padded
-        input_ids = torch.tensor([job.token_ids + [pad_id] * (width - len(job.token_ids)) for job in jobs])
-        attention_mask = torch.tensor([[1] * len(job.token_ids) + [0] * (width - len(job.token_ids)) for job in jobs])
-        with torch.inference_mode():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [texts, width, V]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [texts, width, V]
-            vocab = int(logprobs.shape[-1])
-            out = []
-            for row, job in enumerate(jobs):
-                n = len(job.token_ids)
-                k = min(job.top_k, vocab - 1)
-                # row t of the scores is the distribution after tokens < t: logits position t - 1
-                predicted = logprobs[row, : n - 1]  # [n - 1, V]
-                best = predicted.topk(k, dim=-1)  # [n - 1, K] sorted, descending
-                following = torch.tensor(job.token_ids[1:], dtype=torch.long)  # [n - 1]
-                own = predicted.gather(1, following[:, None])[:, 0]  # [n - 1]
-                out.append(
-                    ModelScores(
-                        token_logprobs=np.concatenate([[np.nan], own.double().numpy()]),
-                        top_ids=np.concatenate([np.zeros((1, k), np.int64), best.indices.numpy()]),
-                        top_logprobs=np.concatenate([np.full((1, k), -np.inf), best.values.double().numpy()]),
-                        vocab_size=vocab,
-                    )
-                )
-        return out
+        top_k = max(job.top_k for job in jobs)
+        scores = score_texts(model, int(tokenizer.pad_token_id), [job.token_ids for job in jobs], top_k)
+        return [s if job.top_k == top_k else s.top(job.top_k) for job, s in zip(jobs, scores, strict=True)]
 
     def _generate_batch(self, jobs: list[Job]) -> None:
         import torch

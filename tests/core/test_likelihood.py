@@ -124,6 +124,24 @@ def test_the_carried_message_scores_highest_and_decodes() -> None:
     assert float(np.nansum(llr)) == pytest.approx(float(result.scores[np.arange(8), message.blocks].sum()))
 
 
+def test_a_prefix_of_the_scores_reads_the_prefix_of_the_text() -> None:
+    params = WatermarkParams(bits=16)
+    key = WatermarkKey.from_secret(SECRET, params)
+    message = Message.from_bits("1100101001110001", params)
+    generation = generate(key, [message], 120, seed=5, top_k=TOP_K, temperature=0.7)
+    scores = scores_of(generation, 0)
+    tokens = generation.tokens[0]
+    whole = score_text(tokens, scores, key)
+    head = score_text(tokens[:60], scores.prefix(60), key)
+    scored = whole.positions < 60
+    np.testing.assert_array_equal(head.positions, whole.positions[scored])
+    np.testing.assert_allclose(head.weights, whole.weights[scored])
+    narrow = scores.top(5)
+    assert narrow.top_ids.shape[1] == 5
+    np.testing.assert_array_equal(narrow.top_ids, scores.top_ids[:, :5])
+    assert score_text(tokens, narrow, key).scored_tokens == whole.scored_tokens
+
+
 def test_invalid_inputs_are_refused() -> None:
     params = WatermarkParams(bits=16)
     key = WatermarkKey.from_secret(SECRET, params)
