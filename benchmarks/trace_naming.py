@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.evaluation.metrics import wilson
 from benchmarks.evaluation.prompts import load_prompts
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.backends.local import LocalBackend
@@ -39,16 +39,6 @@ from xmark_core import CandidateSet, Message, MessageAllocator, WatermarkKey, Wa
 SECRET = "trace-naming-benchmark-secret-5a1f"
 ALPHA = 1e-3
 ATTEMPTS = 6
-
-
-def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95 % by default)."""
-    if trials == 0:
-        return (0.0, 1.0)
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))
 
 
 def _rate(count: int, trials: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Scalar metrics: bit accuracy, ROC curve and AUC, TPR at a fixed FPR, means with a standard error."""
+"""Scalar metrics: bit accuracy, Wilson intervals, ROC curve and AUC, TPR at a fixed FPR, means."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ def bit_accuracy(decoded: str, truth: str) -> float:
     if len(decoded) != len(truth):
         raise ValueError("decoded and true messages differ in length")
     return sum(a == b for a, b in zip(decoded, truth, strict=True)) / len(truth)
+
+
+def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95 % by default)."""
+    if trials == 0:
+        return (0.0, 1.0)
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))
 
 
 def mean(values: Sequence[float]) -> float | None:
