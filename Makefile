@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-reduced eval-smoke
+.PHONY: run lint format test test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -80,6 +80,11 @@ bench-core: venv
 # Measured here: see "Run time" in benchmarks/evaluation/README.md.
 eval: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation --full --engine vllm --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --max-num-seqs 128
+
+# The forensic evaluation alone: /trace's naming rates on short texts (docs/results/FORENSIC.md).
+eval-forensic: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --max-num-seqs 128
 
 # The full grids with 16 users, on the vLLM CPU engine; writes docs/results.
 eval-reduced: venv-vllm model

@@ -414,3 +414,125 @@ def _robustness(rows: list[Row], cfg: dict[str, Any]) -> list[str]:
     out += _table(header, body)
     out.append("")
     return out
+
+
+def _rate_cell(rate: Row) -> str:
+    """'count/of = pct % (lo–hi)' of a rate with its Wilson interval."""
+    lo, hi = rate["ci95"]
+    return f"{rate['count']}/{rate['of']} = {100 * rate['rate']:.1f} % ({100 * lo:.1f}–{100 * hi:.1f})"
+
+
+def _setting_label(row: Row) -> str:
+    return f"b={row['bits']} k={row['num_keys']} τ={row['temperature']:g}"
+
+
+def render_forensic(results: dict[str, Any]) -> str:
+    """FORENSIC.md: naming rates per setting, T and decoder; false attribution; robustness; cost."""
+    cfg = results["config"]
+    out = [
+        "# Forensic evaluation: naming the author of a short text",
+        "",
+        f"`{results['command']}` on {results['machine']}. Model SmolLM2-135M-Instruct; "
+        f"{cfg['registry_size']:,} message IDs per message length from the gateway's allocator; one answer of "
+        f"{cfg['max_tokens']} tokens per author; δ = 2, d = 2; α = {cfg['alpha']:g}; the likelihood decoder assumes "
+        f"temperature {cfg['trace_temperature']:g} and reads the top-{cfg['top_k']} log-probabilities. Texts are "
+        "read as `/trace` reads them (decoded, re-tokenized, no prompt) by the gateway's own analysis. "
+        "Protocol: `benchmarks/evaluation/forensic.py`. Rates: count / trials = rate (Wilson 95 % interval).",
+        "",
+        "*Named*: the right user named. *Wrong*: another user named. `auto` is `/trace`'s default "
+        "(counting, then the likelihood decoder when counting names nobody, each at α / 2).",
+        "",
+        "## Attribution",
+        "",
+    ]
+    rows = results["attribution"]
+    body = []
+    for row in rows:
+        body.append(
+            [
+                _setting_label(row),
+                str(row["T"]),
+                row["decoder"],
+                _rate_cell(row["named"]),
+                _rate_cell(row["wrong"]),
+                _rate_cell(row["top1"]),
+                _num(row["median_confidence"], 4),
+            ]
+        )
+    out += _table(["setting", "T", "decoder", "named", "wrong", "ranked first", "median posterior"], body)
+    out += ["", "## False attribution on unwatermarked text", ""]
+    out += [
+        "Unwatermarked answers (same prompts, same temperature) traced under the evaluation key and under "
+        "independent keys; each (text, key) pair is one trace with one key version. A name here is a false "
+        "attribution.",
+        "",
+    ]
+    body = [
+        [
+            f"b={row['bits']} k={row['num_keys']}",
+            f"{row['texts_temperature']:g}",
+            str(row["T"]),
+            row["decoder"],
+            _rate_cell(row["named"]),
+        ]
+        for row in results["null"]
+    ]
+    out += _table(["key parameters", "text temperature", "T", "decoder", "named (false)"], body)
+    if results.get("scaling"):
+        out += ["", "## Registry size", ""]
+        out += [
+            "The same texts traced (`auto`) against larger registries: the allocator's IDs, then distinct "
+            "random IDs (at b = 16, 65,536 is every ID). *False* is the unwatermarked texts named at T = 150 "
+            "against the same registry.",
+            "",
+        ]
+        body = [
+            [
+                _setting_label(row),
+                f"{row['registry']:,}",
+                str(row["T"]),
+                _rate_cell(row["named"]),
+                _rate_cell(row["wrong"]),
+                _rate_cell(row["null_named"]) if "null_named" in row else "",
+            ]
+            for row in results["scaling"]
+        ]
+        out += _table(["setting", "registry", "T", "named", "wrong", "false (unwatermarked)"], body)
+    out += ["", f"## Robustness (T = {max(cfg['t_grid'])})", ""]
+    body = [
+        [
+            _setting_label(row),
+            f"{row['attack'].replace('_', ' ')} {100 * row['level']:.0f} %",
+            row["decoder"],
+            _rate_cell(row["named"]),
+            _rate_cell(row["wrong"]),
+        ]
+        for row in results["robustness"]
+    ]
+    out += _table(["setting", "edit", "decoder", "named", "wrong"], body)
+    out += ["", "## Text quality", "", "Perplexity of the answers under the same model (raw log-probs):", ""]
+    body = [
+        [
+            "unwatermarked" if row["bits"] is None else f"b={row['bits']} k={row['num_keys']}",
+            f"{row['temperature']:g}",
+            str(row["texts"]),
+            _num(row["ppl_mean"]),
+            _num(row["ppl_median"]),
+        ]
+        for row in results["quality"]
+    ]
+    out += _table(["setting", "temperature", "texts", "PPL mean", "PPL median"], body)
+    cost = results.get("trace_cost")
+    timing = results["timing"]
+    out += ["", "## Cost", ""]
+    if cost:
+        out.append(
+            f"A likelihood trace of a {cost['T']}-token text, one at a time ({cost['texts']} texts, "
+            f"{cost['threads']} torch threads): forward pass {cost['forward_s_p50']:.3f} s, analysis "
+            f"{cost['analysis_s_p50']:.3f} s, {cost['trace_s_p50']:.3f} s in all (medians)."
+        )
+    out.append(
+        f"Generation {timing['generation_s']} s (this invocation; None = cached), scoring "
+        f"{timing['scoring_s']} s for {timing['scored_tokens']:,} tokens, analysis {timing['analysis_s']} s."
+    )
+    return "\n".join(out) + "\n"

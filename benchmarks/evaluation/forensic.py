@@ -1,0 +1,733 @@
+"""The forensic evaluation: how often /trace names the author of a short text, and never the wrong one.
+
+    python -m benchmarks.evaluation.forensic [--report-only] [--max-num-seqs 128]
+
+Protocol (``FORENSIC``):
+
+* For each message length b, 10,000 message IDs are allocated by the gateway's own allocator
+  (``MessageAllocator``: registered IDs far apart); the authors are a seeded sample of them.
+* Each author asks one prompt of the committed set and gets one answer of 300 tokens (EOS and
+  special tokens suppressed, as in the paper's protocol), watermarked with their message ID under
+  the setting's parameters (δ = 2, d = 2), at the setting's sampling temperature. The
+  unwatermarked answers of the same prompts are the null texts and the copy-paste sources.
+* Trace view: the answer is decoded to text and tokenized again, with no prompt, as a text pasted
+  into ``/trace``. A text of T tokens is the re-tokenized answer's first T' tokens, T' being the
+  length of the re-tokenized T-token prefix. The model's top-20 log-probabilities come from one
+  forward pass over the whole re-tokenized answer (``service.backends.scoring``, the local
+  backend's own code); a causal model gives a prefix the same scores.
+* Every text is read by the gateway's own analysis (``service.services.trace_analysis``), with one
+  key version and α = 0.001: counting alone, likelihood alone (temperature 0.7 assumed, as the
+  gateway's default), and ``auto`` (the gateway's default: counting, then likelihood when counting
+  names nobody; both tested at α / 2).
+* Null: every unwatermarked text is traced under the evaluation key and under independent keys
+  that never touched a text, each (text, key) pair a separate trace with one key version.
+* Robustness at T = 300: copy-paste (30 % of the tokens replaced by the same span of the
+  unwatermarked answer to the same prompt), word deletion and token substitution (20 %).
+
+Every rate comes with its count and a Wilson 95 % interval. Writes ``docs/results/FORENSIC.md``
+and ``docs/results/forensic.json``; completions and model scores are cached under
+``var/eval/forensic-seed<seed>`` so ``--report-only`` re-analyses without the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from xmark_core import CandidateSet, Message, MessageAllocator, ModelScores, WatermarkParams
+
+from .attacks import copy_paste, delete_words, substitute_tokens
+from .config import UNWATERMARKED, GenSpec
+from .generation import RowJob
+from .metrics import wilson
+from .population import evaluation_key, null_keys
+from .prompts import Prompt, load_prompts
+from .store import GenerationStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from service.keyring import KeyVersionHandle
+    from service.services.registry_cache import RegistrySnapshot
+    from service.services.trace_analysis import TraceOutcome
+
+DECODERS = ("counting", "likelihood", "auto")
+ATTACKS = ("copy_paste", "word_deletion", "token_substitution")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One generation setting: ``bits`` 0 = unwatermarked (null texts and copy-paste sources)."""
+
+    bits: int
+    num_keys: int
+    temperature: float
+    authors: int
+    headline: bool = False
+
+    @property
+    def spec(self) -> GenSpec:
+        if self.bits == 0:
+            return GenSpec(UNWATERMARKED, temperature=self.temperature)
+        return GenSpec("xmark", self.bits, self.num_keys, 2.0, self.temperature)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class ForensicConfig:
+    settings: tuple[Setting, ...]
+    t_grid: tuple[int, ...] = (100, 150, 200, 300)
+    max_tokens: int = 300
+    registry_size: int = 10_000
+    alpha: float = 1e-3
+    trace_temperature: float = 0.7
+    top_k: int = 20
+    # (text, key) pairs per null text: the evaluation key plus this many independent keys
+    null_keys: dict[float, int] | None = None
+    attack_level: float = 0.2
+    copy_paste_level: float = 0.3
+    attack_authors: int = 100
+    # null pairs at T other than 150 (auto only): keys per text
+    other_t_keys: int = 3
+    # larger registries (beyond registry_size: random IDs), per message length
+    scaling_sizes: dict[int, tuple[int, ...]] = field(default_factory=lambda: {16: (65_536,), 32: (100_000, 1_000_000)})
+    seed: int = 0
+
+    def null_key_count(self, temperature: float) -> int:
+        return (self.null_keys or {}).get(temperature, 9)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["null_keys"] = {str(k): v for k, v in (self.null_keys or {}).items()}
+        out["scaling_sizes"] = {str(k): list(v) for k, v in self.scaling_sizes.items()}
+        return out
+
+
+FORENSIC = ForensicConfig(
+    settings=(
+        Setting(32, 4, 0.7, 300, headline=True),
+        Setting(32, 4, 1.0, 300, headline=True),
+        Setting(32, 2, 0.7, 300, headline=True),
+        Setting(32, 2, 1.0, 100),
+        Setting(16, 2, 0.7, 100),
+        Setting(16, 4, 0.7, 100),
+        Setting(0, 0, 0.7, 150),
+        Setting(0, 0, 1.0, 150),
+    ),
+    null_keys={0.7: 19, 1.0: 19},
+)
+
+SMALL = ForensicConfig(
+    settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
+    t_grid=(150, 300),
+    registry_size=1_000,
+    null_keys={0.7: 2},
+    attack_authors=4,
+    scaling_sizes={32: (20_000,)},
+)
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class Population:
+    """The registry of each message length and which registered IDs are the authors."""
+
+    def __init__(self, config: ForensicConfig, cache_dir: Path | None = None) -> None:
+        self.config = config
+        self.cache_dir = cache_dir
+        self._registries: dict[int, list[Message]] = {}
+        self._authors: dict[int, list[int]] = {}
+
+    def registry(self, bits: int) -> list[Message]:
+        """The allocator's first ``registry_size`` IDs (seeded; kept in the cache directory, since
+        allocating 10,000 IDs far apart takes minutes)."""
+        if bits not in self._registries:
+            params = WatermarkParams(bits=bits)
+            path = None if self.cache_dir is None else self.cache_dir / f"registry-b{bits}.txt"
+            if path is not None and path.is_file():
+                messages = [Message(line, params) for line in path.read_text(encoding="utf-8").split()]
+            else:
+                rng = random.Random(f"xmark-forensic/{self.config.seed}/{bits}")
+                allocator = MessageAllocator([], params, rng=rng)
+                messages = [allocator.allocate() for _ in range(self.config.registry_size)]
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text("\n".join(m.bits for m in messages) + "\n", encoding="utf-8")
+            if len(messages) != self.config.registry_size:
+                raise SystemExit(f"{path} holds {len(messages)} IDs, the protocol needs {self.config.registry_size}")
+            self._registries[bits] = messages
+        return self._registries[bits]
+
+    def authors(self, bits: int) -> list[int]:
+        """Registry indices of the authors (as many as the largest setting of this length needs)."""
+        if bits not in self._authors:
+            most = max(s.authors for s in self.config.settings if s.bits == bits)
+            rng = random.Random(f"xmark-forensic/{self.config.seed}/authors/{bits}")
+            self._authors[bits] = rng.sample(range(self.config.registry_size), most)
+        return self._authors[bits]
+
+    def candidates(self, params: WatermarkParams) -> CandidateSet:
+        messages = self.registry(params.bits)
+        return CandidateSet([m.bits for m in messages], list(range(len(messages))), params)
+
+
+def prompt_of(prompts: Sequence[Prompt], seed: int, author: int) -> Prompt:
+    """The prompt of the author numbered ``author`` (the same for every setting, null texts included)."""
+    order = list(prompts)
+    random.Random(f"xmark-forensic/{seed}/prompts").shuffle(order)
+    return order[author % len(order)]
+
+
+def jobs(config: ForensicConfig, population: Population, prompts: Sequence[Prompt]) -> list[RowJob]:
+    out = []
+    for setting in config.settings:
+        spec = setting.spec
+        key = evaluation_key(spec.params(), config.seed) if spec.watermarked else None
+        registry = population.registry(setting.bits) if spec.watermarked else None
+        authors = population.authors(setting.bits) if spec.watermarked else None
+        for author in range(setting.authors):
+            prompt = prompt_of(prompts, config.seed, author)
+            message = registry[authors[author]] if registry is not None and authors is not None else None
+            out.append(RowJob(spec.name, author, 0, prompt.id, prompt.text, setting.temperature, key, message))
+    return out
+
+
+def generate(config: ForensicConfig, pending: list[RowJob], store: GenerationStore, args: argparse.Namespace) -> float:
+    """Generate the missing completions with the vLLM engine; returns the seconds it took."""
+    from .generation import chat_prompt, load_model
+    from .vllm_engine import VllmGenerator
+
+    _, tokenizer = load_model(args.model_path)
+    longest = max(
+        len(tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+        for prompt in {j.prompt for j in pending}
+    )
+    max_len = -(-(longest + config.max_tokens + 1) // 64) * 64
+    generator = VllmGenerator(args.model_path, tokenizer, max_model_len=max_len, max_num_seqs=args.max_num_seqs)
+    batch = 4 * args.max_num_seqs
+    started = time.monotonic()
+    for first in range(0, len(pending), batch):
+        rows = pending[first : first + batch]
+        store.add(generator.generate(rows, config.max_tokens, config.seed))
+        done = first + len(rows)
+        rate = (time.monotonic() - started) / done
+        _log(f"{done}/{len(pending)} completions, ~{rate * (len(pending) - done) / 60:.1f} min left")
+    return time.monotonic() - started
+
+
+@dataclass
+class Scored:
+    """A text as /trace reads it: re-tokenized ids and the model's scores of them."""
+
+    ids: list[int]
+    scores: ModelScores
+
+
+class Scorer:
+    """Re-tokenizes texts and runs the forward pass in batches; caches everything on disk."""
+
+    def __init__(self, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, path: Path, top_k: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.top_k = top_k
+        self.cache: dict[str, Scored] = {}
+        if path.is_file():  # plain tuples on disk: (ids, token log-probs, top ids, top log-probs, vocabulary)
+            for name, (ids, own, top_ids, top_lp, vocab) in pickle.loads(path.read_bytes()).items():
+                self.cache[name] = Scored(ids, ModelScores(own, top_ids, top_lp, vocab))
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def tokenize(self, text: str) -> list[int]:
+        from service.services.trace_analysis import tokenize
+
+        return tokenize(self.tokenizer, text)
+
+    def score_all(self, texts: dict[str, str], batch: int = 8) -> None:
+        from service.backends.scoring import score_texts
+
+        todo = [(name, self.tokenize(text)) for name, text in texts.items() if name not in self.cache]
+        if not todo:
+            return
+        if self.model is None:
+            raise SystemExit("--report-only: model scores are missing from the cache; run without it")
+        todo.sort(key=lambda item: len(item[1]))
+        started = time.monotonic()
+        for first in range(0, len(todo), batch):
+            part = todo[first : first + batch]
+            t0 = time.monotonic()
+            scores = score_texts(self.model, int(self.tokenizer.pad_token_id), [ids for _, ids in part], self.top_k)
+            self.seconds += time.monotonic() - t0
+            self.tokens += sum(len(ids) for _, ids in part)
+            for (name, ids), s in zip(part, scores, strict=True):
+                self.cache[name] = Scored(ids, s)
+            if (first // batch) % 25 == 0:
+                done = first + len(part)
+                rate = (time.monotonic() - started) / done
+                _log(f"scored {done}/{len(todo)} texts, ~{rate * (len(todo) - done) / 60:.1f} min left")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        plain = {
+            name: (s.ids, s.scores.token_logprobs, s.scores.top_ids, s.scores.top_logprobs, s.scores.vocab_size)
+            for name, s in self.cache.items()
+        }
+        self.path.write_bytes(pickle.dumps(plain))
+
+
+def trace(
+    decoder: str,
+    scored: Scored,
+    tokenizer: PreTrainedTokenizerBase,
+    versions: Sequence[KeyVersionHandle],
+    snapshot: RegistrySnapshot,
+    config: ForensicConfig,
+) -> TraceOutcome:
+    """The gateway's reading of one text with one decoder (``auto`` as ``TracingService`` runs it)."""
+    from service.services.trace_analysis import analyze_counting, analyze_likelihood
+
+    ids, scores = scored.ids, scored.scores
+    alpha, temperature = config.alpha, config.trace_temperature
+    if decoder == "counting":
+        return analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha)
+    if decoder == "likelihood":
+        return analyze_likelihood(ids, scores, tokenizer, versions, snapshot, alpha=alpha, temperature=temperature)
+    first = analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha, tests=2)
+    if first.named:
+        return first
+    return analyze_likelihood(
+        ids, scores, tokenizer, versions, snapshot, alpha=alpha, temperature=temperature, counting=first, tests=2
+    )
+
+
+def _rate(count: int, trials: int) -> dict[str, Any]:
+    rate = round(count / trials, 4) if trials else None
+    return {"count": count, "of": trials, "rate": rate, "ci95": wilson(count, trials)}
+
+
+class Evaluation:
+    def __init__(self, config: ForensicConfig, population: Population, store: GenerationStore, scorer: Scorer):
+        self.config = config
+        self.population = population
+        self.store = store
+        self.scorer = scorer
+        self.tokenizer = scorer.tokenizer
+        self._snapshots: dict[tuple[WatermarkParams, int], RegistrySnapshot] = {}
+
+    # -- texts -------------------------------------------------------------------------------
+    def completion(self, setting: Setting, author: int) -> list[int]:
+        row = self.store.get(setting.name, author, 0)
+        assert row is not None, f"missing completion {setting.name}/{author}"
+        return row.token_ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
+
+    def null_setting(self, temperature: float) -> Setting | None:
+        return next((s for s in self.config.settings if s.bits == 0 and s.temperature == temperature), None)
+
+    def attacked(self, setting: Setting, author: int, attack: str) -> str:
+        own = self.completion(setting, author)
+        rng = random.Random(f"xmark-forensic/{self.config.seed}/{attack}/{setting.name}/{author}")
+        if attack == "copy_paste":
+            base = self.null_setting(setting.temperature)
+            assert base is not None
+            return self.decode(copy_paste(own, self.completion(base, author), self.config.copy_paste_level, rng))
+        if attack == "word_deletion":
+            return delete_words(self.decode(own), self.config.attack_level, rng)
+        special = max(self.tokenizer.added_tokens_decoder) + 1 if self.tokenizer.added_tokens_decoder else 0
+        return self.decode(substitute_tokens(own, self.config.attack_level, special, len(self.tokenizer), rng))
+
+    def texts(self) -> dict[str, str]:
+        """Every text the analysis scores: full answers and attacked answers, by name."""
+        out: dict[str, str] = {}
+        for setting in self.config.settings:
+            for author in range(setting.authors):
+                out[f"{setting.name}/{author}"] = self.decode(self.completion(setting, author))
+                if setting.bits and author < self.attack_count(setting):
+                    for attack in ATTACKS:
+                        if attack == "copy_paste" and self.null_setting(setting.temperature) is None:
+                            continue
+                        out[f"{setting.name}/{author}/{attack}"] = self.attacked(setting, author, attack)
+        return out
+
+    def attack_count(self, setting: Setting) -> int:
+        """Authors whose answers are edited (robustness): the first ``attack_authors`` at b = 32."""
+        return min(setting.authors, self.config.attack_authors) if setting.bits == 32 else 0
+
+    def prefix(self, setting: Setting, author: int, t: int) -> Scored:
+        """The first T generated tokens as /trace sees them (see the module docstring)."""
+        full = self.scorer.cache[f"{setting.name}/{author}"]
+        n = len(self.scorer.tokenize(self.decode(self.completion(setting, author)[:t])))
+        n = min(n, len(full.ids))
+        return Scored(full.ids[:n], full.scores.prefix(n))
+
+    # -- gateway objects ---------------------------------------------------------------------
+    def snapshot(self, params: WatermarkParams, size: int | None = None) -> RegistrySnapshot:
+        """The registry as the gateway holds it: the allocator's IDs, and beyond ``registry_size``
+        (``size``) distinct uniformly random IDs (at b = 32 the allocator's IDs are random ones
+        kept apart; at b = 16 a registry of 65,536 holds every ID)."""
+        from service.services.registry_cache import RegisteredUser, RegistrySnapshot
+
+        size = size or self.config.registry_size
+        if (params, size) not in self._snapshots:
+            bits = [m.bits for m in self.population.registry(params.bits)]
+            if size > len(bits):
+                if size > 1 << params.bits:
+                    raise ValueError(f"a {params.bits}-bit registry holds at most {1 << params.bits} IDs")
+                if size == 1 << params.bits:
+                    rest = sorted(set(range(1 << params.bits)) - {int(b, 2) for b in bits})
+                else:
+                    taken = {int(b, 2) for b in bits}
+                    rng = random.Random(f"xmark-forensic/{self.config.seed}/more/{params.bits}")
+                    rest = []
+                    while len(taken) < size:
+                        value = rng.getrandbits(params.bits)
+                        if value not in taken:
+                            taken.add(value)
+                            rest.append(value)
+                bits += [format(v, f"0{params.bits}b") for v in rest]
+            candidates = CandidateSet(bits[:size], list(range(size)), params)
+            # names of the allocated users only: the report names others ""
+            users = {i: RegisteredUser(i, f"user-{i}", "active") for i in range(self.config.registry_size)}
+            self._snapshots[(params, size)] = RegistrySnapshot(candidates, users)
+        return self._snapshots[(params, size)]
+
+    def scaling(self) -> list[dict[str, Any]]:
+        """How the registry's size changes naming (``auto``): the same authors' texts traced against
+        larger registries, and the headline null texts against them (T = 150)."""
+        cfg = self.config
+        rows = []
+        for setting in cfg.settings:
+            if not setting.bits:
+                continue
+            params = setting.spec.params()
+            versions = self.versions(evaluation_key(params, cfg.seed))
+            authors = self.population.authors(setting.bits)
+            base = self.null_setting(setting.temperature)
+            for size in cfg.scaling_sizes.get(setting.bits, ()):
+                snapshot = self.snapshot(params, size)
+                for t in (150, max(cfg.t_grid)):
+                    named = wrong = 0
+                    for author in range(setting.authors):
+                        outcome = trace(
+                            "auto", self.prefix(setting, author, t), self.tokenizer, versions, snapshot, cfg
+                        )
+                        named += outcome.attributed_user_id == authors[author]
+                        wrong += outcome.named and outcome.attributed_user_id != authors[author]
+                    row = {
+                        "setting": setting.name,
+                        "bits": setting.bits,
+                        "num_keys": setting.num_keys,
+                        "temperature": setting.temperature,
+                        "registry": size,
+                        "T": t,
+                        "decoder": "auto",
+                        "named": _rate(named, setting.authors),
+                        "wrong": _rate(wrong, setting.authors),
+                    }
+                    if t == 150 and setting.headline and base is not None:
+                        keys = [evaluation_key(params, cfg.seed), *null_keys(params, cfg.seed, cfg.other_t_keys - 1)]
+                        false = pairs = 0
+                        for author in range(base.authors):
+                            text = self.prefix(base, author, t)
+                            for key in keys:
+                                pairs += 1
+                                false += trace("auto", text, self.tokenizer, self.versions(key), snapshot, cfg).named
+                        row["null_named"] = _rate(false, pairs)
+                    rows.append(row)
+            _log(f"scaling: {setting.name} done")
+        return rows
+
+    @staticmethod
+    def versions(key: Any) -> list[KeyVersionHandle]:
+        from service.keyring import KeyVersionHandle
+        from service.vocabulary import KeyVersionStatus
+
+        return [KeyVersionHandle(id=1, name="v1", key=key, status=KeyVersionStatus.ACTIVE)]
+
+    # -- sections ----------------------------------------------------------------------------
+    def attribution(self) -> list[dict[str, Any]]:
+        cfg = self.config
+        rows = []
+        for setting in cfg.settings:
+            if not setting.bits:
+                continue
+            params = setting.spec.params()
+            versions = self.versions(evaluation_key(params, cfg.seed))
+            snapshot = self.snapshot(params)
+            authors = self.population.authors(setting.bits)[: setting.authors]
+            for t in cfg.t_grid:
+                for decoder in DECODERS:
+                    named = wrong = top1 = by_likelihood = 0
+                    lengths, confidences, seconds = [], [], []
+                    for author in range(setting.authors):
+                        text = self.prefix(setting, author, t)
+                        t0 = time.perf_counter()
+                        outcome = trace(decoder, text, self.tokenizer, versions, snapshot, cfg)
+                        seconds.append(time.perf_counter() - t0)
+                        truth = authors[author]
+                        report = outcome.report
+                        lengths.append(len(text.ids))
+                        top1 += bool(report.candidates) and report.candidates[0].user_id == truth
+                        named += outcome.attributed_user_id == truth
+                        wrong += outcome.named and outcome.attributed_user_id != truth
+                        by_likelihood += outcome.named and report.decoder == "likelihood"
+                        if report.confidence is not None:
+                            confidences.append(report.confidence)
+                    n = setting.authors
+                    rows.append(
+                        {
+                            "setting": setting.name,
+                            "bits": setting.bits,
+                            "num_keys": setting.num_keys,
+                            "temperature": setting.temperature,
+                            "T": t,
+                            "decoder": decoder,
+                            "authors": n,
+                            "text_tokens": {"min": min(lengths), "median": statistics.median(lengths)},
+                            "named": _rate(named, n),
+                            "wrong": _rate(wrong, n),
+                            "top1": _rate(top1, n),
+                            "named_by_likelihood": by_likelihood,
+                            "median_confidence": round(statistics.median(confidences), 4) if confidences else None,
+                            "analysis_ms_p50": round(1000 * statistics.median(seconds), 2),
+                        }
+                    )
+            _log(f"attribution: {setting.name} done")
+        return rows
+
+    def null(self) -> list[dict[str, Any]]:
+        """False attribution: unwatermarked texts (at each watermarked setting's temperature) traced
+        under keys of that setting's parameters that never marked them. At T = 150 every decoder
+        reads every (text, key) pair; at other T, ``auto`` reads the pairs of ``other_t_keys`` keys."""
+        cfg = self.config
+        rows = []
+        done: set[tuple[WatermarkParams, float]] = set()
+        for setting in cfg.settings:
+            base = self.null_setting(setting.temperature)
+            if not setting.bits or base is None:
+                continue
+            params = setting.spec.params()
+            if (params, base.temperature) in done:
+                continue
+            done.add((params, base.temperature))
+            texts = base.authors if setting.headline else min(base.authors, cfg.attack_authors)
+            others = null_keys(params, cfg.seed, cfg.null_key_count(base.temperature))
+            keys = [evaluation_key(params, cfg.seed), *others]
+            snapshot = self.snapshot(params)
+            for t in cfg.t_grid:
+                decoders = DECODERS if t == 150 else ("auto",)
+                used = keys if t == 150 else keys[: cfg.other_t_keys]
+                counts = dict.fromkeys(decoders, 0)
+                pairs = 0
+                for author in range(texts):
+                    text = self.prefix(base, author, t)
+                    for key in used:
+                        pairs += 1
+                        for decoder in decoders:
+                            outcome = trace(decoder, text, self.tokenizer, self.versions(key), snapshot, cfg)
+                            counts[decoder] += outcome.named
+                for decoder in decoders:
+                    rows.append(
+                        {
+                            "texts_temperature": base.temperature,
+                            "bits": params.bits,
+                            "num_keys": params.num_keys,
+                            "T": t,
+                            "decoder": decoder,
+                            "pairs": pairs,
+                            "named": _rate(counts[decoder], pairs),
+                        }
+                    )
+            _log(f"null: texts at {base.temperature:g} under b={params.bits} k={params.num_keys} done")
+        return rows
+
+    def robustness(self) -> list[dict[str, Any]]:
+        cfg = self.config
+        rows = []
+        t = max(cfg.t_grid)
+        for setting in cfg.settings:
+            if not setting.bits:
+                continue
+            params = setting.spec.params()
+            versions = self.versions(evaluation_key(params, cfg.seed))
+            snapshot = self.snapshot(params)
+            authors = self.population.authors(setting.bits)
+            count = self.attack_count(setting)
+            for attack in ATTACKS:
+                name = f"{setting.name}/0/{attack}"
+                if name not in self.scorer.cache:
+                    continue
+                level = cfg.copy_paste_level if attack == "copy_paste" else cfg.attack_level
+                for decoder in DECODERS:
+                    named = wrong = 0
+                    for author in range(count):
+                        text = self.scorer.cache[f"{setting.name}/{author}/{attack}"]
+                        outcome = trace(decoder, text, self.tokenizer, versions, snapshot, cfg)
+                        named += outcome.attributed_user_id == authors[author]
+                        wrong += outcome.named and outcome.attributed_user_id != authors[author]
+                    rows.append(
+                        {
+                            "setting": setting.name,
+                            "bits": setting.bits,
+                            "num_keys": setting.num_keys,
+                            "temperature": setting.temperature,
+                            "T": t,
+                            "attack": attack,
+                            "level": level,
+                            "decoder": decoder,
+                            "authors": count,
+                            "named": _rate(named, count),
+                            "wrong": _rate(wrong, count),
+                        }
+                    )
+        return rows
+
+    def quality(self) -> list[dict[str, Any]]:
+        """Perplexity of each setting's answers under the same model (raw log-probs from generation)."""
+        import math
+
+        rows = []
+        for setting in self.config.settings:
+            values = []
+            for author in range(setting.authors):
+                row = self.store.get(setting.name, author, 0)
+                assert row is not None
+                values.append(math.exp(statistics.fmean(row.nll[: self.config.max_tokens])))
+            rows.append(
+                {
+                    "setting": setting.name,
+                    "bits": setting.bits or None,
+                    "num_keys": setting.num_keys or None,
+                    "temperature": setting.temperature,
+                    "texts": len(values),
+                    "ppl_mean": round(statistics.fmean(values), 3),
+                    "ppl_median": round(statistics.median(values), 3),
+                }
+            )
+        return rows
+
+
+def trace_cost(evaluation: Evaluation, setting: Setting, count: int = 40, t: int = 150) -> dict[str, Any]:
+    """Seconds per likelihood trace of a T-token text, one text at a time: forward pass plus analysis."""
+    from service.backends.scoring import score_texts
+
+    scorer = evaluation.scorer
+    assert scorer.model is not None
+    params = setting.spec.params()
+    versions = evaluation.versions(evaluation_key(params, evaluation.config.seed))
+    snapshot = evaluation.snapshot(params)
+    forward, analysis = [], []
+    for author in range(min(count, setting.authors)):
+        text = evaluation.prefix(setting, author, t)
+        t0 = time.perf_counter()
+        scores = score_texts(scorer.model, int(scorer.tokenizer.pad_token_id), [text.ids], scorer.top_k)[0]
+        t1 = time.perf_counter()
+        trace("likelihood", Scored(text.ids, scores), scorer.tokenizer, versions, snapshot, evaluation.config)
+        forward.append(t1 - t0)
+        analysis.append(time.perf_counter() - t1)
+    total = [a + b for a, b in zip(forward, analysis, strict=True)]
+    return {
+        "setting": setting.name,
+        "T": t,
+        "texts": len(total),
+        "forward_s_p50": round(statistics.median(forward), 4),
+        "analysis_s_p50": round(statistics.median(analysis), 4),
+        "trace_s_p50": round(statistics.median(total), 4),
+        "threads": _threads(),
+    }
+
+
+def _threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .report import render_forensic
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation.forensic", description=__doc__)
+    parser.add_argument("--model-path", type=Path, default=Path("var/models/smollm2-135m-instruct"))
+    parser.add_argument("--output-dir", type=Path, default=Path("docs/results"))
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--small", action="store_true", help="a few authors (a check of the pipeline, not a result)")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="vLLM engine: rows decoded together")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the forward pass")
+    parser.add_argument("--report-only", action="store_true", help="no model: re-analyse the cache")
+    parser.add_argument("--generate-only", action="store_true", help="stop once the answers are generated")
+    args = parser.parse_args(argv)
+    config = SMALL if args.small else FORENSIC
+    cache_dir = args.cache_dir or Path("var/eval") / f"forensic{'-small' if args.small else ''}-seed{config.seed}"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from .generation import load_model
+
+    torch.set_num_threads(args.threads)
+    population = Population(config, cache_dir)
+    store = GenerationStore(cache_dir / "generations.jsonl")
+    pending = [j for j in jobs(config, population, load_prompts()) if (j.spec_name, j.user, j.slot) not in store]
+    generation_s = None
+    if pending and not args.report_only:
+        _log(f"generating {len(pending)} answers of {config.max_tokens} tokens")
+        generation_s = generate(config, pending, store, args)
+    elif pending:
+        raise SystemExit(f"--report-only: {len(pending)} answers are missing from {cache_dir}")
+    if args.generate_only:
+        return 0
+    model, tokenizer = load_model(args.model_path)
+    tokenizer.padding_side = "right"
+    scorer = Scorer(None if args.report_only else model, tokenizer, cache_dir / "scores.pickle", config.top_k)
+    evaluation = Evaluation(config, population, store, scorer)
+    texts = evaluation.texts()
+    _log(f"scoring {sum(name not in scorer.cache for name in texts)} texts ({len(texts)} in all)")
+    scorer.score_all(texts)
+    started = time.monotonic()
+    results: dict[str, Any] = {
+        "command": "python -m benchmarks.evaluation.forensic",
+        "config": config.to_dict(),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, no GPU",
+        "quality": evaluation.quality(),
+        "attribution": evaluation.attribution(),
+        "robustness": evaluation.robustness(),
+        "null": evaluation.null(),
+        "scaling": evaluation.scaling(),
+    }
+    if not args.report_only:
+        headline = next(s for s in config.settings if s.headline)
+        results["trace_cost"] = trace_cost(evaluation, headline)
+    results["timing"] = {
+        "generation_s": None if generation_s is None else round(generation_s, 1),
+        "scoring_s": round(scorer.seconds, 1),
+        "scored_tokens": scorer.tokens,
+        "analysis_s": round(time.monotonic() - started, 1),
+    }
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "-small" if args.small else ""
+    (out / f"forensic{suffix}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    (out / f"FORENSIC{suffix.upper()}.md").write_text(render_forensic(results), encoding="utf-8")
+    _log(f"wrote {out / f'FORENSIC{suffix.upper()}.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

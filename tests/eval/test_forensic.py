@@ -1,0 +1,139 @@
+"""The forensic evaluation's protocol pieces (no model): population, jobs, edits, the report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.evaluation.forensic import (
+    FORENSIC,
+    ForensicConfig,
+    Population,
+    Setting,
+    jobs,
+    prompt_of,
+)
+from benchmarks.evaluation.metrics import wilson
+from benchmarks.evaluation.prompts import load_prompts
+from benchmarks.evaluation.report import render_forensic
+from xmark_core import WatermarkParams
+
+SMALL = ForensicConfig(
+    settings=(Setting(32, 4, 0.7, 12, headline=True), Setting(16, 2, 0.7, 5), Setting(0, 0, 0.7, 12)),
+    t_grid=(150, 300),
+    registry_size=200,
+)
+
+
+def test_wilson_interval_matches_closed_form() -> None:
+    # 0 of n: the upper bound is z^2 / (n + z^2)
+    lo, hi = wilson(0, 300)
+    assert lo == 0.0
+    assert hi == pytest.approx(1.959964**2 / (300 + 1.959964**2), abs=1e-4)
+    # 300 of 300 names: the lower bound is above 98.7 % (what the headline cells rely on)
+    assert wilson(300, 300)[0] > 0.987
+    lo, hi = wilson(50, 100)
+    assert lo < 0.5 < hi and math.isclose(0.5 - lo, hi - 0.5, abs_tol=1e-4)
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_authors_are_distinct_registered_ids_and_the_registry_is_the_allocators() -> None:
+    population = Population(SMALL)
+    registry = population.registry(32)
+    assert len(registry) == 200 and len({m.bits for m in registry}) == 200
+    authors = population.authors(32)
+    assert len(authors) == 12 and len(set(authors)) == 12
+    assert all(0 <= a < 200 for a in authors)
+    assert Population(SMALL).authors(32) == authors  # seeded
+    candidates = population.candidates(WatermarkParams(bits=32, num_keys=4))
+    assert candidates.bits_of(authors[0]) == registry[authors[0]].bits
+
+
+def test_jobs_give_each_author_one_prompt_shared_with_the_null_text() -> None:
+    prompts = load_prompts()
+    population = Population(SMALL)
+    rows = jobs(SMALL, population, prompts)
+    assert len(rows) == 12 + 5 + 12
+    by_setting: dict[str, list] = {}
+    for row in rows:
+        by_setting.setdefault(row.spec_name, []).append(row)
+    marked = by_setting["xmark-b32-k4-d2-t0.7"]
+    null = by_setting["none-t0.7"]
+    for job, plain in zip(marked, null, strict=True):
+        assert job.user == plain.user and job.prompt == plain.prompt  # copy-paste source: same prompt
+        assert job.prompt == prompt_of(prompts, SMALL.seed, job.user).text
+        assert job.message is not None and plain.message is None and plain.key is None
+        assert job.message.bits == population.registry(32)[population.authors(32)[job.user]].bits
+        assert job.key is not None and job.key.params.num_keys == 4
+    assert len({row.prompt for row in marked}) == 12  # 124 prompts: no repeats among 12 authors
+
+
+def test_the_committed_protocol_has_the_counts_its_claims_need() -> None:
+    headline = [s for s in FORENSIC.settings if s.headline]
+    assert headline and all(s.authors >= 300 for s in headline)  # 300/300 -> 95 % lower bound > 98.7 %
+    for setting in headline:
+        null = next(s for s in FORENSIC.settings if s.bits == 0 and s.temperature == setting.temperature)
+        pairs = null.authors * (1 + FORENSIC.null_key_count(setting.temperature))
+        assert pairs >= 3000  # 0 of 3,000 -> upper bound about 0.13 %
+    assert {s.temperature for s in headline if s.bits == 32 and s.num_keys == 4} == {0.7, 1.0}
+    assert FORENSIC.registry_size == 10_000 and 150 in FORENSIC.t_grid and 100 in FORENSIC.t_grid
+
+
+def _rate(count: int, trials: int) -> dict:
+    return {"count": count, "of": trials, "rate": count / trials, "ci95": wilson(count, trials)}
+
+
+def test_report_renders_every_section_with_counts_and_intervals() -> None:
+    results = {
+        "command": "python -m benchmarks.evaluation.forensic",
+        "machine": "x86_64 CPU, 2 cores, no GPU",
+        "config": SMALL.to_dict(),
+        "attribution": [
+            {
+                "setting": "xmark-b32-k4-d2-t0.7",
+                "bits": 32,
+                "num_keys": 4,
+                "temperature": 0.7,
+                "T": 150,
+                "decoder": "auto",
+                "named": _rate(299, 300),
+                "wrong": _rate(0, 300),
+                "top1": _rate(300, 300),
+                "median_confidence": 1.0,
+            }
+        ],
+        "null": [
+            {"texts_temperature": 0.7, "bits": 32, "num_keys": 4, "T": 150, "decoder": "auto", "named": _rate(0, 3000)}
+        ],
+        "robustness": [
+            {
+                "bits": 32,
+                "num_keys": 4,
+                "temperature": 0.7,
+                "attack": "copy_paste",
+                "level": 0.3,
+                "decoder": "auto",
+                "named": _rate(98, 100),
+                "wrong": _rate(0, 100),
+            }
+        ],
+        "quality": [
+            {"bits": 32, "num_keys": 4, "temperature": 0.7, "texts": 300, "ppl_mean": 4.5, "ppl_median": 4.4},
+            {"bits": None, "num_keys": None, "temperature": 0.7, "texts": 150, "ppl_mean": 3.3, "ppl_median": 3.2},
+        ],
+        "trace_cost": {
+            "T": 150,
+            "texts": 40,
+            "threads": 2,
+            "forward_s_p50": 0.2,
+            "analysis_s_p50": 0.01,
+            "trace_s_p50": 0.21,
+        },
+        "timing": {"generation_s": None, "scoring_s": 10.0, "scored_tokens": 1000, "analysis_s": 5.0},
+    }
+    text = render_forensic(results)
+    assert "299/300 = 99.7 % (98.1–99.9)" in text
+    assert "0/3000 = 0.0 % (0.0–0.1)" in text
+    assert "copy paste 30 %" in text and "unwatermarked" in text
+    assert "forward pass 0.200 s" in text
