@@ -24,7 +24,10 @@ where gamma = P(B_t(v) = 1) on text that does not carry this key's watermark: th
 puts every (context, token) into E_v with probability gamma = (1 - 1/D)^k (XMark, LoSo with
 k = 1) or 1/D (MPAC), independently of every other token's membership. Because LR_t(v) uses only
 the *other* tokens' memberships and p(x_t), it is independent of B_t(v) under that null, for any
-text: sampled from this model, from another one, or written by a person. That is what makes the
+text: sampled from this model, from another one, or written by a person. A context that occurs
+twice with different next tokens would break that across positions (each token is "another
+token" of the other position), so such tokens enter P^- at their expected membership gamma: every
+weight is then independent of every scored membership. That is what makes the
 p-value below valid without assuming the text came from the scoring model, and why the temperature
 tau (and the top-K approximation of P^-) changes only the power, never the calibration.
 
@@ -242,7 +245,10 @@ def score_text(
     gamma = boosted_share(params)
     multipliers = context_multipliers(words, p2, p1)  # [m, k]
     top_shards = shard_of(multipliers[:, None, :], token_codes(words, top_ids), params.block_bits)  # [m, K, k]
-    top_boosted = _boosted(top_shards, params)  # [m, K, D]
+    top_boosted = _boosted(top_shards, params).astype(np.float64)  # [m, K, D]
+    # A token scored elsewhere under the same context must not inform this position's weight (its
+    # membership is that position's B): it counts at its expected membership gamma instead.
+    top_boosted[_scored_elsewhere(p2, p1, tok, top_ids)] = gamma
     others = np.where(in_top, 0.0, top_p)  # [m, K]: x_t's own mass left out
     mass_without = np.einsum("mk,mkd->md", others, top_boosted) + (gamma * rest_p)[:, None]  # [m, D]
     a = params.delta / temperature
@@ -265,6 +271,21 @@ def score_text(
         weights=weights,
         offsets=offsets,
     )
+
+
+def _scored_elsewhere(p2: IntArray, p1: IntArray, tok: IntArray, top_ids: IntArray) -> BoolArray:
+    """bool [m, K]: top token j of scored position t is the token of another scored position with
+    t's context (x[t-2], x[t-1]). Contexts seen once (nearly all) are skipped at numpy speed."""
+    out = np.zeros(top_ids.shape, dtype=bool)
+    if tok.size < 2:
+        return out
+    _, context, counts = np.unique(np.stack([p2, p1], axis=1), axis=0, return_inverse=True, return_counts=True)
+    context = context.reshape(-1)
+    for t in np.flatnonzero(counts[context] > 1):
+        same = np.flatnonzero(context == context[t])
+        elsewhere = tok[same[same != t]]
+        out[t] = np.isin(top_ids[t], elsewhere) & (top_ids[t] != tok[t])
+    return out
 
 
 def weighted_bernoulli_tail(weights: Sequence[int] | IntArray, observed: int, probability: float) -> float:

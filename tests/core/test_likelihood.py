@@ -142,6 +142,36 @@ def test_a_prefix_of_the_scores_reads_the_prefix_of_the_text() -> None:
     assert score_text(tokens, narrow, key).scored_tokens == whole.scored_tokens
 
 
+def test_a_weight_never_reads_the_membership_of_a_token_scored_under_the_same_context() -> None:
+    """Context (5, 6) is followed once by 7 and once by 8: position 4's weight must not depend on
+    whether 7 is boosted (that is position 2's B), whatever the key."""
+    params = WatermarkParams(bits=16)
+    tokens = np.array([5, 6, 7, 5, 6, 8, 9], dtype=np.int64)
+    n, k, vocab = tokens.size, 2, 1000
+    top_ids = np.zeros((n, k), np.int64)
+    top_lp = np.full((n, k), -np.inf)
+    own = np.full(n, np.log(0.5))
+    for t in range(1, n):
+        top_ids[t] = [11, 12]
+        top_lp[t] = np.log([0.3, 0.2])
+    top_ids[5] = [7, 8]  # after (5, 6): the other position's token 7 carries almost all the rest
+    top_lp[5] = np.log([0.499, 0.5])
+    own[5] = np.log(0.5)
+    scores = ModelScores(own, top_ids, top_lp, vocab)
+    seen = set()
+    for index in range(64):
+        key = WatermarkKey.from_secret(f"{SECRET}/{index}", params)
+        result = score_text(tokens, scores, key, dedup=False)
+        at = int(np.flatnonzero(result.positions == 5)[0])
+        boosted_7 = bool(result.boosted[int(np.flatnonzero(result.positions == 2)[0]), 0])
+        seen.add((boosted_7, round(float(result.weights[at, 0]), 9)))
+    # both memberships of token 7 occur among the keys, and position 5's weight for value 0 takes
+    # one value only (the other tokens' mass is 0.001, so nothing else could move it much)
+    assert {b for b, _ in seen} == {False, True}
+    weights = sorted({w for _, w in seen})
+    assert weights[-1] - weights[0] < 5e-3
+
+
 def test_invalid_inputs_are_refused() -> None:
     params = WatermarkParams(bits=16)
     key = WatermarkKey.from_secret(SECRET, params)
