@@ -99,6 +99,16 @@ def _packed(bits: Sequence[str], b: int) -> np.ndarray:
     return np.packbits(ones, axis=1)
 
 
+def _words(bits: Sequence[str], b: int) -> np.ndarray:
+    """uint64 [C, ceil(b/64)]: the packed bits in 64-bit words (a Hamming distance is then one XOR
+    and one popcount per word); validates length and alphabet."""
+    packed = _packed(bits, b)  # [C, ceil(b/8)]
+    width = -(-packed.shape[1] // 8) * 8
+    padded = np.zeros((packed.shape[0], width), dtype=np.uint8)
+    padded[:, : packed.shape[1]] = packed
+    return padded.view(np.uint64)
+
+
 def _distance_table(space: np.ndarray, taken: list[int], b: int) -> np.ndarray:
     """int16 [2**b]: Hamming distance of every point to the nearest taken ID (b + 1 if none), by
     multi-source breadth-first relaxation over the hypercube."""
@@ -139,7 +149,11 @@ class MessageAllocator:
         self._rng = rng or random.SystemRandom()
         self._candidates = candidates
         taken = list(dict.fromkeys(existing_bits))
-        self._packed = _packed(taken, params.bits)  # validates every ID
+        words = _words(taken, params.bits)  # validates every ID
+        # allocated IDs in rows [0, _count) of a buffer that doubles when full
+        self._words = np.zeros((max(16, 2 * words.shape[0]), words.shape[1]), dtype=np.uint64)
+        self._words[: words.shape[0]] = words
+        self._count = words.shape[0]
         self._taken = set(taken)
         b = params.bits
         self._dist: np.ndarray | None = None
@@ -157,7 +171,10 @@ class MessageAllocator:
             self._dist = np.minimum(self._dist, np.bitwise_count(self._space ^ np.uint32(value)).astype(np.int16))
         else:
             bits = self._pick_by_sampling()
-            self._packed = np.vstack([self._packed, _packed([bits], b)])
+            if self._count == self._words.shape[0]:
+                self._words = np.concatenate([self._words, np.zeros_like(self._words)])
+            self._words[self._count] = _words([bits], b)[0]
+            self._count += 1
         self._taken.add(bits)
         return Message(bits, self.params)
 
@@ -183,14 +200,14 @@ class MessageAllocator:
             raise MessageSpaceExhausted("could not find an unallocated message ID")
         if not self._taken:
             return pool[0]
-        pool_packed = _packed(pool, b)
+        pool_words = _words(pool, b)  # [P, w]
+        taken = self._words[: self._count]  # [n, w]
         best, best_dist = pool[0], -1
-        chunk = max(1, 4_000_000 // max(1, self._packed.size))
+        chunk = max(1, 4_000_000 // max(1, taken.size))
         for start in range(0, len(pool), chunk):
-            block = pool_packed[start : start + chunk]
-            dist = (
-                np.bitwise_count(block[:, None, :] ^ self._packed[None, :, :]).sum(axis=2, dtype=np.int64).min(axis=1)
-            )
+            block = pool_words[start : start + chunk]  # [p, w]
+            apart = np.bitwise_count(block[:, None, :] ^ taken[None, :, :])  # [p, n, w] uint8
+            dist = (apart[:, :, 0] if apart.shape[2] == 1 else apart.sum(axis=2, dtype=np.int64)).min(axis=1)
             j = int(dist.argmax())
             if dist[j] > best_dist:
                 best, best_dist = pool[start + j], int(dist[j])
