@@ -51,7 +51,7 @@ class Settings(BaseSettings):
 
     watermark_secrets: SecretStr | None = None
     secrets_file: Path | None = None
-    watermark_bits: int = 16
+    watermark_bits: int = 32
     watermark_block_bits: int = 2
     watermark_num_keys: int = 2
     watermark_delta: float = 2.0

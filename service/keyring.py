@@ -11,6 +11,11 @@ fingerprint and the status:
 On start-up :meth:`Keyring.sync` registers configured secrets that have no row (the first one
 becomes active on an empty table, later ones pending) and checks that every configured secret
 matches the fingerprint stored for its name; a mismatch stops the start-up.
+
+New rows get the configured parameters (:func:`params_from_settings`); existing rows keep the
+parameters stored with them (:func:`row_params`), message length included: versions of different
+message lengths coexist, and each user holds a message ID of every length in use
+(``services/message_ids.py``).
 """
 
 from __future__ import annotations
@@ -94,8 +99,12 @@ class Keyring:
 
     @property
     def params(self) -> WatermarkParams:
-        """Watermark parameters for new key versions (message length is shared by all)."""
+        """Watermark parameters of new key versions; existing ones keep their own (``row_params``)."""
         return self._params
+
+    def lengths(self) -> frozenset[tuple[int, int]]:
+        """The message lengths (bits, block_bits) of the usable versions."""
+        return frozenset((h.key.params.bits, h.key.params.block_bits) for h in self._handles)
 
     def is_configured(self, name: str) -> bool:
         return name in self._secrets
@@ -192,13 +201,7 @@ class Keyring:
         return row
 
     def _verify(self, row: KeyVersion) -> None:
-        params = row_params(row)
-        if params.bits != self._params.bits or params.block_bits != self._params.block_bits:
-            raise KeyringError(
-                f"key version {row.name!r} uses {params.bits}-bit messages in blocks of "
-                f"{params.block_bits}, but the gateway is configured for {self._params.bits} bits in "
-                f"blocks of {self._params.block_bits}; message IDs must keep one length"
-            )
+        params = row_params(row)  # its own parameters, whatever the configured ones are now
         fingerprint = self.key_for(row.name, params).fingerprint
         if fingerprint != row.fingerprint:
             raise KeyringError(
@@ -228,9 +231,6 @@ class Keyring:
         mismatched: set[str] = set()
         for view in self._views(await repo.list_all()):
             if view.status == KeyVersionStatus.RETIRED or view.name not in self._secrets:
-                continue
-            if view.params.bits != self._params.bits:
-                mismatched.add(view.name)
                 continue
             key = self.key_for(view.name, view.params)
             if key.fingerprint != view.fingerprint:

@@ -17,6 +17,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -83,6 +84,27 @@ class User(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class MessageId(Base):
+    """A user's message ID of one message length (bits, block_bits); never reused, never deleted.
+
+    A user holds one per length in use (the lengths of the non-retired key versions and the
+    configured one); ``users.message_id`` is the one of the length the user was created with.
+    """
+
+    __tablename__ = "message_ids"
+    __table_args__ = (
+        UniqueConstraint("bits", "block_bits", "message_id", name="uq_message_ids_bits_block_bits_message_id"),
+        UniqueConstraint("user_id", "bits", "block_bits", name="uq_message_ids_user_id_bits_block_bits"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
+    bits: Mapped[int] = mapped_column(Integer)
+    block_bits: Mapped[int] = mapped_column(Integer)
+    message_id: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class ApiKey(Base):

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from service.backends import Backend, build_backend
 from service.config import ConfigurationError, Settings, load_secrets
 from service.db import RowWriter, create_engine, create_sessionmaker, session_scope
+from service.errors import ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
@@ -27,6 +28,7 @@ from service.security import ApiKeyHasher, parse_api_key
 from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
 from service.services.bootstrap import ensure_first_admin
+from service.services.message_ids import backfill_message_ids
 from service.services.registry_cache import RegistryCache
 from service.services.tracing import prepare_null_distributions
 from xmark_core import WatermarkParams
@@ -58,10 +60,13 @@ class Resources:
 
 
 async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
-    """Register the configured key versions and load the usable ones."""
+    """Register the configured key versions, load the usable ones, and give every user a message
+    ID of each key version's message length (nothing to do unless a version of a new length was
+    registered)."""
     try:
         async with session_scope(sessionmaker) as session:
             await keyring.sync(session)
+        await backfill_message_ids(sessionmaker)
     except (OperationalError, ProgrammingError) as exc:
         raise ConfigurationError(
             "the database schema is missing or outdated: run `xmark migrate` "
@@ -83,13 +88,28 @@ async def bootstrap_admin(
             )
 
 
-async def _refresh_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession], interval: float) -> None:
+def _encoding_length(keyring: Keyring) -> tuple[int, int] | None:
+    try:
+        params = keyring.active().key.params
+    except ServiceUnavailableError:
+        return None
+    return (params.bits, params.block_bits)
+
+
+async def _refresh_keyring(
+    keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession], interval: float, auth_cache: AuthCache
+) -> None:
     """Pick up key-version changes made through other replicas."""
     while True:
         await asyncio.sleep(interval)
         try:
+            before = _encoding_length(keyring)
             async with session_scope(sessionmaker) as session:
                 await keyring.refresh(session)
+            if _encoding_length(keyring) != before:
+                # a version of another message length encodes now: principals cached before its
+                # users' IDs were allocated would lack them
+                auth_cache.clear()
         except Exception as exc:  # keep serving with the last known keyring
             logger.warning("keyring refresh failed", extra={"error_type": type(exc).__name__})
 
@@ -141,7 +161,9 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         if settings.keyring_refresh_seconds > 0:
             _background(
                 stack,
-                asyncio.create_task(_refresh_keyring(keyring, sessionmaker, settings.keyring_refresh_seconds)),
+                asyncio.create_task(
+                    _refresh_keyring(keyring, sessionmaker, settings.keyring_refresh_seconds, authenticator.cache)
+                ),
             )
         warmer = None
         if settings.trace_warm_row_tokens > 0:
@@ -159,7 +181,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             api_key_hasher=hasher,
             authenticator=authenticator,
             backend=backend,
-            registry_cache=RegistryCache(sessionmaker, params),
+            registry_cache=RegistryCache(sessionmaker),
             secret_values=secret_values,
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,

@@ -208,6 +208,7 @@ def make_user(app: Any, db_connection: AsyncConnection) -> MakeUser:
             "name": created.name,
             "role": created.role,
             "message_id": created.message_id,
+            "message_ids": [m.model_dump() for m in created.message_ids],
         }
         return principal, created.api_key
 

@@ -168,9 +168,11 @@ def cmd_users(args: argparse.Namespace) -> int:
     if args.json:
         print(page.model_dump_json())
         return 0
-    print(f"{'id':>6}  {'role':<8} {'status':<9} {'message id':<{settings.watermark_bits}}  name")
+    # one column: the ID of the active key version's length (``--json`` lists every length's)
+    width = max((len(user.message_id) for user in page.data), default=settings.watermark_bits)
+    print(f"{'id':>6}  {'role':<8} {'status':<9} {'message id':<{width}}  name")
     for user in page.data:
-        print(f"{user.id:>6}  {user.role:<8} {user.status:<9} {user.message_id}  {user.name}")
+        print(f"{user.id:>6}  {user.role:<8} {user.status:<9} {user.message_id:<{width}}  {user.name}")
     print(f"({len(page.data)} of {page.total})")
     return 0
 

@@ -12,7 +12,7 @@ from service.db import create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
 from service.services.registry_cache import RegistryCache
-from service.services.trace_analysis import analyze_text
+from service.services.trace_analysis import LengthGroup, analyze_text, group_by_length
 
 
 async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
@@ -30,13 +30,17 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
         sessionmaker = create_sessionmaker(engine)
         async with sessionmaker() as session:
             await keyring.refresh(session)
-            snapshot = await RegistryCache(sessionmaker, params).snapshot(session)
+            versions = keyring.usable()
+            if not versions:
+                raise ServiceUnavailableError("No usable watermark key version is configured")
+            registry = RegistryCache(sessionmaker)
+            groups = [
+                LengthGroup(group, await registry.snapshot(group[0].key.params, session))
+                for group in group_by_length(versions)
+            ]
     finally:
         await engine.dispose()
-    versions = keyring.usable()
-    if not versions:
-        raise ServiceUnavailableError("No usable watermark key version is configured")
-    outcome = await asyncio.to_thread(analyze_text, text, tokenizer, versions, snapshot, alpha=settings.trace_alpha)
+    outcome = await asyncio.to_thread(analyze_text, text, tokenizer, groups, alpha=settings.trace_alpha)
     return outcome.report.model_dump()
 
 

@@ -18,6 +18,11 @@ class KeyVersionRepository:
     async def list_all(self) -> Sequence[KeyVersion]:
         return (await self._session.scalars(select(KeyVersion).order_by(KeyVersion.id))).all()
 
+    async def in_use(self) -> Sequence[KeyVersion]:
+        """Every version that is not retired (pending ones included)."""
+        stmt = select(KeyVersion).where(KeyVersion.status != KeyVersionStatus.RETIRED).order_by(KeyVersion.id)
+        return (await self._session.scalars(stmt)).all()
+
     async def get(self, version_id: int) -> KeyVersion | None:
         return await self._session.get(KeyVersion, version_id)
 

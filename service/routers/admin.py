@@ -58,7 +58,11 @@ async def _keys(session: SessionDep, resources: ResourcesDep) -> ApiKeyService:
 
 async def _key_versions(session: SessionDep, resources: ResourcesDep) -> KeyVersionService:
     return KeyVersionService(
-        session, resources.keyring, resources.settings, can_generate=resources.secrets_can_generate
+        session,
+        resources.keyring,
+        resources.settings,
+        can_generate=resources.secrets_can_generate,
+        auth_cache=resources.authenticator.cache,
     )
 
 

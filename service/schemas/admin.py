@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from service.schemas.common import MessageIdOut
 from service.security import KEY_PATTERN
 from service.vocabulary import KeyVersionStatus, Role, UserStatus
 
@@ -33,13 +34,18 @@ class CreateUserRequest(_Request):
         return value
 
 
+MESSAGE_ID_DOC = "The user's message ID of the length the active key version encodes with."
+MESSAGE_IDS_DOC = "The user's message ID of every message length it holds one of (one per length in use)."
+
+
 class CreatedUser(BaseModel):
     """Returned once at creation: ``api_key`` is never shown again."""
 
     id: int
     name: str
     role: Role
-    message_id: str
+    message_id: str = Field(description=MESSAGE_ID_DOC)
+    message_ids: list[MessageIdOut] = Field(default_factory=list, description=MESSAGE_IDS_DOC)
     api_key: str
 
 
@@ -48,7 +54,8 @@ class UserOut(BaseModel):
     name: str
     role: Role
     status: UserStatus
-    message_id: str
+    message_id: str = Field(description=MESSAGE_ID_DOC)
+    message_ids: list[MessageIdOut] = Field(default_factory=list, description=MESSAGE_IDS_DOC)
     created_at: datetime
     updated_at: datetime
     deleted_at: datetime | None = None

@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from service.vocabulary import Role
 
-__all__ = ["ERROR_RESPONSES", "ErrorDetail", "ErrorEnvelope", "Principal", "Role"]
+__all__ = ["ERROR_RESPONSES", "ErrorDetail", "ErrorEnvelope", "MessageIdOut", "Principal", "Role"]
 
 
 class ErrorDetail(BaseModel):
@@ -22,6 +22,16 @@ class ErrorEnvelope(BaseModel):
     error: ErrorDetail
 
 
+class MessageIdOut(BaseModel):
+    """A user's message ID of one message length (``bits`` bits in blocks of ``block_bits``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bits: int
+    block_bits: int
+    message_id: str
+
+
 class Principal(BaseModel):
     """The authenticated caller of a request."""
 
@@ -30,8 +40,16 @@ class Principal(BaseModel):
     user_id: int
     name: str
     role: Role
-    message_id: str
     api_key_id: int
+    # one per message length in use, shortest first: a generation embeds the one of its key version's length
+    message_ids: tuple[MessageIdOut, ...] = ()
+
+    def message_id_for(self, bits: int, block_bits: int) -> str | None:
+        """The caller's message ID of that length, or None when it has none."""
+        return next(
+            (m.message_id for m in self.message_ids if m.bits == bits and m.block_bits == block_bits),
+            None,
+        )
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {

@@ -17,7 +17,7 @@ from service.repositories.api_keys import ApiKeyRepository
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher
 from service.services.auth_cache import AuthCache, CachedPrincipal
-from service.services.keys import ApiKeyService, parse_bearer, principal_of, touch_due
+from service.services.keys import ApiKeyService, parse_bearer, touch_due
 
 
 class Authenticator:
@@ -47,10 +47,10 @@ class Authenticator:
         async with session_scope(self._sessionmaker) as session:
             keys = ApiKeyService(session, self._hasher)
             key, user = await keys.verify(parsed, key_hash)
+            principal = await keys.principal(key, user)
             last_used_at = key.last_used_at
             if touch_due(last_used_at, now):
                 await keys.touch(key, now)
                 last_used_at = now
-        principal = principal_of(key, user)
         self.cache.put(key_hash, CachedPrincipal(principal, last_used_at), epoch=epoch)
         return principal

@@ -2,7 +2,7 @@
 
 * Key: the API key's HMAC under the pepper (the value stored in ``api_keys.key_hash``), never the
   plaintext key.
-* Value: the resolved :class:`Principal` (user, role, message ID, key id) and when the key's use
+* Value: the resolved :class:`Principal` (user, role, message IDs, key id) and when the key's use
   was last written to ``api_keys.last_used_at``.
 * Only successful authentications are stored. Unknown, revoked or refused keys always go to the
   database and get their 401/403 there, so nobody can fill the cache without valid keys.
@@ -117,6 +117,12 @@ class AuthCache:
         drop = lambda: self._drop(lambda p: p.api_key_id == api_key_id)  # noqa: E731
         drop()
         self._again_on_commit(session, drop)
+
+    def invalidate_all(self, session: AsyncSession | None = None) -> None:
+        """Forget every entry now and, given the changing ``session``, when it commits (e.g. after
+        users received message IDs of a new length, which cached principals lack)."""
+        self.clear()
+        self._again_on_commit(session, self.clear)
 
     def clear(self) -> None:
         self._epoch += 1

@@ -162,7 +162,15 @@ class GenerationService:
         if not self._backend.ready:
             raise ServiceUnavailableError("The model is still loading; retry shortly")
         handle = self._keyring.active()
-        message = Message.from_bits(principal.message_id, handle.key.params)
+        params = handle.key.params
+        bits = principal.message_id_for(params.bits, params.block_bits)
+        if bits is None:  # every user gets one when a version of a new length is registered or activated
+            raise ServiceUnavailableError(
+                f"Your account has no {params.bits}-bit message ID for the active watermark key version "
+                f"'{handle.name}' yet; retry shortly",
+                code="message_id_missing",
+            )
+        message = Message.from_bits(bits, params)
         request = GenerationRequest(
             messages=turns,
             max_tokens=max_tokens,

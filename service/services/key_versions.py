@@ -1,4 +1,9 @@
-"""Key-version administration: list, activate (add) and retire."""
+"""Key-version administration: list, activate (add) and retire.
+
+Activating a version of a message length some users have no ID of gives every user one first
+(``services/message_ids.py``), in the same unit of work: once the activation commits, every user
+can be encoded under it.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.config import ConfigurationError, Settings, generate_embedded_secret
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
-from service.keyring import Keyring
+from service.keyring import Keyring, row_params
 from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
 from service.schemas.admin import KeyVersionList, KeyVersionOut
+from service.services.auth_cache import AuthCache
+from service.services.message_ids import MessageIdService
 from service.vocabulary import KeyVersionStatus
 
 logger = logging.getLogger("xmark.key_versions")
@@ -26,11 +33,13 @@ class KeyVersionService:
         settings: Settings,
         *,
         can_generate: bool,
+        auth_cache: AuthCache | None = None,
     ) -> None:
         self._session = session
         self._keyring = keyring
         self._settings = settings
         self._can_generate = can_generate
+        self._auth_cache = auth_cache
         self._repo = KeyVersionRepository(session)
 
     def _out(self, row: KeyVersion) -> KeyVersionOut:
@@ -83,6 +92,11 @@ class KeyVersionService:
             row.status = KeyVersionStatus.ACTIVE
             row.activated_at = now
             await self._repo.flush()
+        # every user (deleted ones included) needs an ID of this version's length; usually they got
+        # it when the version was registered at start-up, and this finds nobody missing
+        added = await MessageIdService(self._session).fill([row_params(row)])
+        if added and self._auth_cache is not None:  # cached principals lack the new IDs
+            self._auth_cache.invalidate_all(self._session)
         await self._keyring.refresh(self._session)
         logger.info("key version activated", extra={"key_version": name})
         return self._out(row)

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
-from service.models import ApiKey, User
+from service.models import ApiKey, MessageId, User
 from service.repositories.api_keys import ApiKeyRepository
+from service.repositories.message_ids import MessageIdRepository
 from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, IssuedKey
 from service.schemas.common import Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
+from service.services.message_ids import message_ids_out
 from service.vocabulary import Role, UserStatus
 
 if TYPE_CHECKING:
@@ -55,13 +58,13 @@ def parse_bearer(authorization: str | None) -> ParsedKey:
         raise _unauthorized("Invalid API key") from None
 
 
-def principal_of(key: ApiKey, user: User) -> Principal:
+def principal_of(key: ApiKey, user: User, message_ids: Iterable[MessageId]) -> Principal:
     return Principal(
         user_id=user.id,
         name=user.name,
         role=Role(user.role),
-        message_id=user.message_id,
         api_key_id=key.id,
+        message_ids=tuple(message_ids_out(message_ids)),
     )
 
 
@@ -129,6 +132,10 @@ class ApiKeyService:
         if user.status != UserStatus.ACTIVE:
             raise PermissionDeniedError("This user has been deleted", code="user_deleted")
         return key, user
+
+    async def principal(self, key: ApiKey, user: User) -> Principal:
+        """The principal of an accepted key, with its user's message ID of every length."""
+        return principal_of(key, user, await MessageIdRepository(self._session).of_user(user.id))
 
     async def touch(self, key: ApiKey, now: datetime) -> None:
         """Record a use of ``key`` at ``now`` (in this service's unit of work)."""

@@ -1,9 +1,13 @@
-"""In-memory snapshot of the message-ID registry, rebuilt only when the users table changes.
+"""In-memory snapshots of the message-ID registry, one per message length, rebuilt only when the
+registry changes.
 
 Attribution scores a decoded text against every message ID ever allocated (deleted users keep
-theirs as tombstones, which stay attributable). Loading 10,000 users per request would dominate
-``/trace``, so the packed ``CandidateSet`` is cached. At most every ``check_interval`` seconds a
-cheap fingerprint query (row count, largest id, latest update) decides whether to reload.
+theirs as tombstones, which stay attributable). Key versions of different message lengths
+(bits, block_bits) coexist, and a text decoded under a version is scored against the IDs of that
+version's length, so there is one snapshot per length. Loading 10,000 users per request would
+dominate ``/trace``, so the packed ``CandidateSet`` of each length is cached. At most every
+``check_interval`` seconds a cheap fingerprint query (user count, largest id, latest update, and the
+count and largest row id of the length's IDs) decides whether to reload it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class RegisteredUser:
 
 @dataclass(frozen=True)
 class RegistrySnapshot:
-    """Every registered message ID, packed for scoring, and who owns it."""
+    """Every registered message ID of one length, packed for scoring, and who owns it."""
 
     candidates: CandidateSet
     users: dict[int, RegisteredUser] = field(repr=False)
@@ -40,66 +44,81 @@ class RegistrySnapshot:
         return len(self.candidates)
 
 
+@dataclass
+class _Cached:
+    snapshot: RegistrySnapshot
+    checked_at: float
+
+
 class RegistryCache:
     def __init__(
         self,
         sessionmaker: async_sessionmaker[AsyncSession],
-        params: WatermarkParams,
         *,
         check_interval: float = 1.0,
     ) -> None:
         self._sessionmaker = sessionmaker
-        self._params = params
         self.check_interval = check_interval
-        self._snapshot: RegistrySnapshot | None = None
-        self._checked_at = float("-inf")
+        self._cached: dict[tuple[int, int], _Cached] = {}
         self._lock = asyncio.Lock()
         self.reloads = 0
 
     def invalidate(self) -> None:
         """Force a fingerprint check on the next lookup (e.g. after this process changed users)."""
-        self._checked_at = float("-inf")
+        for cached in self._cached.values():
+            cached.checked_at = float("-inf")
 
-    async def snapshot(self, session: AsyncSession | None = None) -> RegistrySnapshot:
-        """The current snapshot; queries the database at most every ``check_interval`` seconds.
+    def _fresh(self, length: tuple[int, int]) -> RegistrySnapshot | None:
+        cached = self._cached.get(length)
+        if cached is not None and time.monotonic() - cached.checked_at < self.check_interval:
+            return cached.snapshot
+        return None
+
+    async def snapshot(self, params: WatermarkParams, session: AsyncSession | None = None) -> RegistrySnapshot:
+        """The current snapshot of ``params``' message length (bits, block_bits); queries the
+        database at most every ``check_interval`` seconds per length.
 
         ``session`` (the request's own) is used for the queries when given, so a request sees
         the users its own transaction can see.
         """
-        current = self._snapshot
-        if current is not None and time.monotonic() - self._checked_at < self.check_interval:
-            return current
+        length = (params.bits, params.block_bits)
+        fresh = self._fresh(length)
+        if fresh is not None:
+            return fresh
         async with self._lock:
-            current = self._snapshot
-            if current is not None and time.monotonic() - self._checked_at < self.check_interval:
-                return current
+            fresh = self._fresh(length)
+            if fresh is not None:
+                return fresh
+            cached = self._cached.get(length)
+            current = cached.snapshot if cached is not None else None
             if session is not None:
-                snapshot = await self._refresh(session, current)
+                snapshot = await self._refresh(session, params, current)
             else:
                 async with self._sessionmaker() as own_session:
-                    snapshot = await self._refresh(own_session, current)
-            self._snapshot = snapshot
-            self._checked_at = time.monotonic()
+                    snapshot = await self._refresh(own_session, params, current)
+            self._cached[length] = _Cached(snapshot, time.monotonic())
             return snapshot
 
-    async def _refresh(self, session: AsyncSession, current: RegistrySnapshot | None) -> RegistrySnapshot:
+    async def _refresh(
+        self, session: AsyncSession, params: WatermarkParams, current: RegistrySnapshot | None
+    ) -> RegistrySnapshot:
         repo = RegistryRepository(session)
-        fingerprint = await repo.fingerprint()
+        fingerprint = await repo.fingerprint(params.bits, params.block_bits)
         if current is not None and current.fingerprint == fingerprint:
             return current
-        entries = await repo.entries()
+        entries = await repo.entries(params.bits, params.block_bits)
         bits: list[str] = []
         ids: list[int] = []
         users: dict[int, RegisteredUser] = {}
         skipped = 0
         for entry in entries:
-            if len(entry.message_id) != self._params.bits or set(entry.message_id) - {"0", "1"}:
+            if len(entry.message_id) != params.bits or set(entry.message_id) - {"0", "1"}:
                 skipped += 1
                 continue
             bits.append(entry.message_id)
             ids.append(entry.user_id)
             users[entry.user_id] = RegisteredUser(entry.user_id, entry.name, entry.status)
         if skipped:
-            logger.warning("message IDs of another length are not attributable", extra={"count": skipped})
+            logger.warning("malformed message IDs are not attributable", extra={"count": skipped})
         self.reloads += 1
-        return RegistrySnapshot(CandidateSet(bits, ids, self._params), users, fingerprint)
+        return RegistrySnapshot(CandidateSet(bits, ids, params), users, fingerprint)

@@ -12,6 +12,12 @@ which the service fetches from the backend). ``tests`` is the number of decoders
 run on the same text (2 under ``decoder=auto`` when the likelihood decoder is available): every
 p-value is multiplied by it and by the number of key versions tried, so the verdict stays valid at
 ``alpha`` whichever decoder decides.
+
+Key versions of different message lengths (bits, block_bits) coexist, and a reading under a version
+is scored against the registry of that version's length. ``analyze_counting_by_length`` and
+``analyze_likelihood_by_length`` analyse each length group (``LengthGroup``: its versions and its
+snapshot) and keep the outcome with the smallest p-value; ``versions_tried`` makes every group
+correct for the key versions tried across all groups.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class TraceOutcome:
     report: TraceReport
     key_version_id: int | None
     attributed_user_id: int | None
+    # the corrected p-value the reading was chosen by among key versions (smaller = stronger):
+    # counting, the smaller of the detection and the best candidate's; likelihood, the best candidate's
+    strength: float = 1.0
 
     @property
     def named(self) -> bool:
@@ -186,18 +195,112 @@ def _block_reports(result: DecodeResult, scores: np.ndarray | None = None) -> li
     ]
 
 
+@dataclass(frozen=True)
+class LengthGroup:
+    """The usable key versions of one message length and the registry snapshot of that length."""
+
+    versions: tuple[KeyVersionHandle, ...]
+    snapshot: RegistrySnapshot
+
+
+def group_by_length(versions: Sequence[KeyVersionHandle]) -> list[tuple[KeyVersionHandle, ...]]:
+    """``versions`` grouped by message length (bits, block_bits), each group and the groups in
+    their order in ``versions`` (so the active version's group comes first)."""
+    groups: dict[tuple[int, int], list[KeyVersionHandle]] = {}
+    for handle in versions:
+        params = handle.key.params
+        groups.setdefault((params.bits, params.block_bits), []).append(handle)
+    return [tuple(group) for group in groups.values()]
+
+
+def _tries(versions: Sequence[KeyVersionHandle], versions_tried: int | None, tests: int) -> int:
+    if versions_tried is None:
+        return len(versions) * tests
+    if versions_tried < len(versions):
+        raise ValueError(f"versions_tried ({versions_tried}) is less than the {len(versions)} versions read here")
+    return versions_tried * tests
+
+
+def _strongest(outcomes: Sequence[TraceOutcome]) -> TraceOutcome:
+    """The outcome with the smallest p-value; the first one (active version's length) on ties."""
+    return min(outcomes, key=lambda outcome: outcome.strength)
+
+
 def analyze_text(
     text: str,
     tokenizer: PreTrainedTokenizerBase,
-    versions: Sequence[KeyVersionHandle],
-    snapshot: RegistrySnapshot,
+    groups: Sequence[LengthGroup],
     *,
     alpha: float,
     include_tokens: bool = False,
 ) -> TraceOutcome:
     """The counting decoder's trace report of ``text`` (pure computation: no I/O)."""
-    return analyze_counting(
-        tokenize(tokenizer, text), tokenizer, versions, snapshot, alpha=alpha, include_tokens=include_tokens
+    return analyze_counting_by_length(
+        tokenize(tokenizer, text), tokenizer, groups, alpha=alpha, include_tokens=include_tokens
+    )
+
+
+def analyze_counting_by_length(
+    ids: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    groups: Sequence[LengthGroup],
+    *,
+    alpha: float,
+    include_tokens: bool = False,
+    tests: int = 1,
+) -> TraceOutcome:
+    """``analyze_counting`` of each length group, corrected for every key version of every group;
+    the outcome with the smallest p-value."""
+    tried = sum(len(group.versions) for group in groups)
+    return _strongest(
+        [
+            analyze_counting(
+                ids,
+                tokenizer,
+                group.versions,
+                group.snapshot,
+                alpha=alpha,
+                include_tokens=include_tokens,
+                tests=tests,
+                versions_tried=tried,
+            )
+            for group in groups
+        ]
+    )
+
+
+def analyze_likelihood_by_length(
+    ids: list[int],
+    scores: ModelScores,
+    tokenizer: PreTrainedTokenizerBase,
+    groups: Sequence[LengthGroup],
+    *,
+    alpha: float,
+    temperature: float,
+    counting: TraceOutcome | None = None,
+    include_tokens: bool = False,
+    tests: int = 1,
+) -> TraceOutcome:
+    """``analyze_likelihood`` of each length group, corrected for every key version of every
+    group; the outcome with the smallest p-value."""
+    tried = sum(len(group.versions) for group in groups)
+    return _strongest(
+        [
+            analyze_likelihood(
+                ids,
+                scores,
+                tokenizer,
+                group.versions,
+                group.snapshot,
+                alpha=alpha,
+                temperature=temperature,
+                counting=counting,
+                include_tokens=include_tokens,
+                tests=tests,
+                versions_tried=tried,
+            )
+            for group in groups
+        ]
     )
 
 
@@ -210,8 +313,12 @@ def analyze_counting(
     alpha: float,
     include_tokens: bool = False,
     tests: int = 1,
+    versions_tried: int | None = None,
 ) -> TraceOutcome:
-    """The counting decoder's report of the text with token ids ``ids``."""
+    """The counting decoder's report of the text with token ids ``ids``.
+
+    ``versions_tried``: the key versions tried in all (the p-values are corrected for them); by
+    default ``versions``, those read here (all of one message length, that of ``snapshot``)."""
     params = versions[0].key.params
     if len(ids) < 3:  # the first two tokens are context only: nothing to score
         report = _empty_report(params.bits, params.block_bits)
@@ -224,7 +331,7 @@ def analyze_counting(
     special = tokenizer.all_special_ids
     # Trying several key versions (and decoders) is several tests: Bonferroni-correct the level and
     # the p-values.
-    tries = len(versions) * tests
+    tries = _tries(versions, versions_tried, tests)
     alpha_each = alpha / tries
     best: _Reading | None = None
     for handle in versions:
@@ -278,7 +385,12 @@ def analyze_counting(
         ],
         tokens=_token_reports(tokenizer, ids, result) if include_tokens else None,
     )
-    return TraceOutcome(report, best.handle.id, None if attributed is None else _user_id(attributed.id))
+    return TraceOutcome(
+        report,
+        best.handle.id,
+        None if attributed is None else _user_id(attributed.id),
+        strength=min(1.0, best.strength * tries),
+    )
 
 
 @dataclass(frozen=True)
@@ -300,14 +412,16 @@ def analyze_likelihood(
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
     tests: int = 1,
+    versions_tried: int | None = None,
 ) -> TraceOutcome:
     """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
-    verdict counts too (both were tested at ``alpha / tests``).
+    verdict counts too (both were tested at ``alpha / tests``). ``versions_tried``: as for
+    :func:`analyze_counting`.
     """
     special = tokenizer.all_special_ids
-    tries = len(versions) * tests
+    tries = _tries(versions, versions_tried, tests)
     best: _LikelihoodReading | None = None
     for handle in versions:
         result = score_text(ids, scores, handle.key, temperature=temperature, skip_ids=special)
@@ -363,4 +477,4 @@ def analyze_likelihood(
         ],
         tokens=_token_reports(tokenizer, ids, counted, llr) if include_tokens else None,
     )
-    return TraceOutcome(report, handle.id, None if named is None else _user_id(named.id))
+    return TraceOutcome(report, handle.id, None if named is None else _user_id(named.id), strength=attribution.p_value)

@@ -23,15 +23,21 @@ from service.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
-from service.keyring import KeyVersionHandle
 from service.models import utcnow
 from service.schemas.common import Principal
 from service.schemas.trace import (
     TraceReport,
     TraceRequest,
 )
-from service.services.registry_cache import RegistryCache, RegistrySnapshot
-from service.services.trace_analysis import TraceOutcome, analyze_counting, analyze_likelihood, tokenize
+from service.services.registry_cache import RegistryCache
+from service.services.trace_analysis import (
+    LengthGroup,
+    TraceOutcome,
+    analyze_counting_by_length,
+    analyze_likelihood_by_length,
+    group_by_length,
+    tokenize,
+)
 from service.vocabulary import TraceDecoder, TraceVerdict
 from xmark_core import warm_null_cache
 
@@ -110,14 +116,18 @@ class TracingService:
         versions = self._keyring.usable()
         if not versions:
             raise ServiceUnavailableError("No usable watermark key version is configured")
-        snapshot = await self._registry.snapshot(self._session)
+        # each message length is read against the registry of that length
+        groups = [
+            LengthGroup(group, await self._registry.snapshot(group[0].key.params, self._session))
+            for group in group_by_length(versions)
+        ]
         inline = len(request.text) <= INLINE_ANALYSIS_CHARS
 
         async def run(work: Callable[[], T]) -> T:  # long texts are analysed off the event loop
             return work() if inline else await asyncio.to_thread(work)
 
         ids = await run(functools.partial(tokenize, tokenizer, request.text))
-        outcome = await self._analyze(request, ids, tokenizer, versions, snapshot, run)
+        outcome = await self._analyze(request, ids, tokenizer, groups, run)
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
         row = {
@@ -144,27 +154,25 @@ class TracingService:
         request: TraceRequest,
         ids: list[int],
         tokenizer: PreTrainedTokenizerBase,
-        versions: Sequence[KeyVersionHandle],
-        snapshot: RegistrySnapshot,
+        groups: Sequence[LengthGroup],
         run: Callable[[Callable[[], TraceOutcome]], Awaitable[TraceOutcome]],
     ) -> TraceOutcome:
-        """Counting, likelihood, or counting then likelihood (``auto``), as the request asks."""
+        """Counting, likelihood, or counting then likelihood (``auto``), as the request asks; every
+        message length's key versions are read, corrected for all the versions tried."""
         settings = self._settings
         counting = functools.partial(
-            analyze_counting,
+            analyze_counting_by_length,
             ids,
             tokenizer,
-            versions,
-            snapshot,
+            groups,
             alpha=settings.trace_alpha,
             include_tokens=request.include_tokens,
         )
         likelihood = functools.partial(
-            analyze_likelihood,
+            analyze_likelihood_by_length,
             ids,
             tokenizer=tokenizer,
-            versions=versions,
-            snapshot=snapshot,
+            groups=groups,
             alpha=settings.trace_alpha,
             temperature=settings.trace_temperature,
             include_tokens=request.include_tokens,

@@ -1,9 +1,12 @@
-"""User registry: creation with a fresh message ID, listing, status changes, tombstones.
+"""User registry: creation with fresh message IDs, listing, status changes, tombstones.
 
-Message-ID rule: a new user's ID is allocated by ``xmark_core.allocate_message`` against every
-message ID ever stored (deleted users included), so IDs are never reused and stay far apart in
-Hamming distance. The unique constraint on ``users.message_id`` guards concurrent creations; a
-violation re-reads the IDs and allocates again.
+Message-ID rule: a new user gets one message ID per message length in use (the lengths of the
+non-retired key versions plus the configured one, see ``services/message_ids.py``). Each is
+allocated by ``xmark_core.allocate_message`` against every message ID of its length ever stored
+(deleted users included), so IDs are never reused and stay far apart in Hamming distance.
+``users.message_id`` keeps the one of the configured length. The unique constraints on
+``message_ids`` (and ``users.message_id``) guard concurrent creations; a violation re-reads the
+IDs and allocates again.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import ConflictError, NotFoundError
-from service.models import ApiKey, User
+from service.models import ApiKey, MessageId, User
 from service.repositories.api_keys import ApiKeyRepository
+from service.repositories.message_ids import MessageIdRepository
 from service.repositories.users import UserRepository
 from service.schemas.admin import CreatedUser, UserOut, UserPage
+from service.schemas.common import MessageIdOut
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
 from service.services.auth_cache import AuthCache
+from service.services.message_ids import MessageLength, lengths_in_use, message_ids_out
 from service.vocabulary import Role, UserStatus
 from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
 
@@ -31,13 +37,21 @@ Allocator = Callable[[Iterable[str], WatermarkParams], Message]
 MAX_ALLOCATION_ATTEMPTS = 5
 
 
-def user_out(user: User) -> UserOut:
+def message_id_of(user: User, ids: Iterable[MessageIdOut], length: MessageLength) -> str:
+    """The user's ID of ``length``; the one it was created with if it has none of that length."""
+    return next((m.message_id for m in ids if (m.bits, m.block_bits) == length), user.message_id)
+
+
+def user_out(user: User, rows: Iterable[MessageId], encoding: MessageLength) -> UserOut:
+    """``encoding``: the length the active key version encodes with (``message_id`` is of it)."""
+    ids = message_ids_out(rows)
     return UserOut(
         id=user.id,
         name=user.name,
         role=Role(user.role),
         status=UserStatus(user.status),
-        message_id=user.message_id,
+        message_id=message_id_of(user, ids, encoding),
+        message_ids=ids,
         created_at=user.created_at,
         updated_at=user.updated_at,
         deleted_at=user.deleted_at,
@@ -67,57 +81,91 @@ class UserService:
         self._auth_cache = auth_cache
         self._users = UserRepository(session)
         self._keys = ApiKeyRepository(session)
+        self._ids = MessageIdRepository(session)
 
     async def create_user(self, name: str, role: Role, *, api_key: ParsedKey | None = None) -> CreatedUser:
-        """Create a user with a fresh message ID and one API key (shown once in the result)."""
-        user = await self._insert_with_message_id(name, role)
+        """Create a user with fresh message IDs and one API key (shown once in the result)."""
+        user, rows, encoding = await self._insert_with_message_ids(name, role)
         key = api_key or generate_api_key()
         row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
         self._changed()
         logger.info("user created", extra={"user_id": user.id, "role": role, "api_key_id": row.id})
-        return CreatedUser(id=user.id, name=user.name, role=role, message_id=user.message_id, api_key=key.plaintext)
+        ids = message_ids_out(rows)
+        return CreatedUser(
+            id=user.id,
+            name=user.name,
+            role=role,
+            message_id=message_id_of(user, ids, encoding),
+            message_ids=ids,
+            api_key=key.plaintext,
+        )
 
-    async def _insert_with_message_id(self, name: str, role: Role) -> User:
+    async def _insert_with_message_ids(self, name: str, role: Role) -> tuple[User, list[MessageId], MessageLength]:
+        """Insert the user with one fresh message ID per length in use (and the encoding length)."""
+        lengths = await lengths_in_use(self._session, self._params)
         for _ in range(MAX_ALLOCATION_ATTEMPTS):
-            existing = await self._users.all_message_ids()
-            try:
-                message = self._allocator(existing, self._params)
-            except MessageSpaceExhausted:
-                raise ConflictError(
-                    "The message-ID space is exhausted; no more users can be registered",
-                    code="message_space_exhausted",
-                ) from None
+            messages: list[Message] = []
+            for params in lengths.params:
+                existing = [
+                    *await self._ids.held(params.bits, params.block_bits),
+                    *await self._ids.created_with(params.bits),
+                ]
+                try:
+                    messages.append(self._allocator(existing, params))
+                except MessageSpaceExhausted:
+                    raise ConflictError(
+                        f"The {params.bits}-bit message-ID space is exhausted; no more users can be registered",
+                        code="message_space_exhausted",
+                    ) from None
             now = datetime.now(UTC)
+            configured = messages[0]  # lengths.params[0] is the configured length
             user = User(
                 name=name,
                 role=role,
                 status=UserStatus.ACTIVE,
-                message_id=message.bits,
+                message_id=configured.bits,
                 created_at=now,
                 updated_at=now,
             )
             try:
                 async with self._session.begin_nested():
                     await self._users.add(user)
+                    rows = [
+                        MessageId(
+                            user_id=user.id,
+                            bits=m.params.bits,
+                            block_bits=m.params.block_bits,
+                            message_id=m.bits,
+                            created_at=now,
+                        )
+                        for m in messages
+                    ]
+                    await self._ids.add_all(rows)
             except IntegrityError:
-                # a concurrent creation took this ID between our read and our insert
+                # a concurrent creation took one of these IDs between our read and our insert
                 logger.info("message ID taken concurrently; allocating again")
                 continue
-            return user
+            return user, rows, lengths.encoding
         raise ConflictError(
             "Could not allocate a unique message ID; retry the request",
             code="message_id_conflict",
         )
 
+    async def _out(self, user: User) -> UserOut:
+        encoding = (await lengths_in_use(self._session, self._params)).encoding
+        return user_out(user, await self._ids.of_user(user.id), encoding)
+
     async def get_user(self, user_id: int) -> UserOut:
-        return user_out(await self._require(user_id))
+        return await self._out(await self._require(user_id))
 
     async def list_users(
         self, *, limit: int, offset: int, status: str | None = None, role: str | None = None
     ) -> UserPage:
         rows, total = await self._users.page(limit=limit, offset=offset, status=status, role=role)
+        encoding = (await lengths_in_use(self._session, self._params)).encoding
+        ids = await self._ids.of_users(u.id for u in rows)
         return UserPage(
-            data=[user_out(u) for u in rows],
+            data=[user_out(u, ids[u.id], encoding) for u in rows],
             total=total,
             limit=limit,
             offset=offset,
@@ -136,7 +184,7 @@ class UserService:
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user disabled", extra={"user_id": user.id})
-        return user_out(user)
+        return await self._out(user)
 
     async def enable_user(self, user_id: int) -> UserOut:
         user = await self._require(user_id, for_update=True)
@@ -149,7 +197,7 @@ class UserService:
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user enabled", extra={"user_id": user.id})
-        return user_out(user)
+        return await self._out(user)
 
     async def delete_user(self, user_id: int) -> UserOut:
         """Tombstone: status deleted, every key revoked, row and message ID kept forever."""
@@ -166,7 +214,7 @@ class UserService:
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user deleted", extra={"user_id": user.id})
-        return user_out(user)
+        return await self._out(user)
 
     def _changed(self) -> None:
         """Tell registry caches that the set of users changed."""

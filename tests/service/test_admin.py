@@ -29,10 +29,12 @@ async def test_create_user_returns_the_fixed_contract(
     client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
 ) -> None:
     body = await _create(client, admin_key, "alice", "auditor")
-    assert set(body) == {"id", "name", "role", "message_id", "api_key"}
+    assert set(body) == {"id", "name", "role", "message_id", "message_ids", "api_key"}
     assert body["name"] == "alice"
     assert body["role"] == "auditor"
-    assert re.fullmatch(r"[01]{16}", body["message_id"])
+    # new deployments use 32-bit message IDs: the test versions were registered with the defaults
+    assert re.fullmatch(r"[01]{32}", body["message_id"])
+    assert body["message_ids"] == [{"bits": 32, "block_bits": 2, "message_id": body["message_id"]}]
     assert KEY_RE.match(body["api_key"])
 
     key_row = (await db_session.scalars(select(ApiKey).where(ApiKey.user_id == body["id"]))).one()
@@ -110,7 +112,7 @@ async def test_delete_keeps_a_tombstone_and_revokes_keys(
     assert deleted.status_code == 200
     tomb = deleted.json()
     assert tomb["status"] == "deleted" and tomb["deleted_at"] is not None
-    assert tomb["message_id"] == user["message_id"]
+    assert tomb["message_id"] == user["message_id"] and tomb["message_ids"] == user["message_ids"]
 
     again = await client.get(f"/admin/users/{user['id']}", headers=bearer(admin_key))
     assert again.status_code == 200 and again.json()["status"] == "deleted"
@@ -179,7 +181,7 @@ async def test_key_versions_list_activate_retire(app: Any, client: httpx.AsyncCl
     for version in listed:
         assert re.fullmatch(r"[0-9a-f]{64}", version["fingerprint"])
         assert version["configured"] is True
-        assert (version["bits"], version["block_bits"], version["num_keys"]) == (16, 2, 2)
+        assert (version["bits"], version["block_bits"], version["num_keys"]) == (32, 2, 2)
     assert app.state.resources.keyring.active().name == "v1"
 
     added = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))

@@ -13,7 +13,7 @@ from sqlalchemy import event, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import ApiKey, User
-from service.schemas.common import Principal
+from service.schemas.common import MessageIdOut, Principal
 from service.security import generate_api_key, parse_api_key
 from service.services.auth_cache import AuthCache, CachedPrincipal
 
@@ -36,7 +36,13 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def _principal(user_id: int = 1, api_key_id: int = 1) -> Principal:
-    return Principal(user_id=user_id, name="u", role="user", message_id="0" * 16, api_key_id=api_key_id)
+    return Principal(
+        user_id=user_id,
+        name="u",
+        role="user",
+        api_key_id=api_key_id,
+        message_ids=(MessageIdOut(bits=32, block_bits=2, message_id="0" * 32),),
+    )
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from service.backends.detokenizer import IncrementalDetokenizer
 from service.backends.local import LocalBackend
 from service.backends.stop_strings import StopStringBuffer
 from service.config import ConfigurationError
-from xmark_core import Message, decode
+from xmark_core import Message, WatermarkKey, decode
 
 
 @pytest.fixture
@@ -25,8 +26,17 @@ async def backend(app: Any) -> LocalBackend:
     return backend  # type: ignore[no-any-return]
 
 
+def _key(app: Any) -> WatermarkKey:
+    """The active version's secret with 16-bit messages: what these tests were calibrated with,
+    whatever message length the configuration gives new key versions."""
+    keyring = app.state.resources.keyring
+    active = keyring.active()
+    key: WatermarkKey = keyring.key_for(active.name, replace(active.key.params, bits=16, block_bits=2))
+    return key
+
+
 def _stamp(app: Any, bits: str) -> WatermarkStamp:
-    key = app.state.resources.keyring.active().key
+    key = _key(app)
     return WatermarkStamp(key, Message.from_bits(bits, key.params))
 
 
@@ -68,7 +78,7 @@ def test_vllm_backend_is_a_configuration_error(settings: Any) -> None:
 @pytest.mark.model
 async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(app: Any, backend: LocalBackend) -> None:
     """Different users in one generate call: every row decodes to its own caller's message."""
-    params = app.state.resources.keyring.params
+    params = _key(app).params
     messages = ["0110100111000101", "1001011000111010", "1111000010100110"]
     prompt = (ChatTurn("user", "Write a detailed story about a fox who learns to read."),)
     # 200 tokens per row: at 120 the 16 bits of a row were sometimes decoded with 5 errors by
@@ -81,7 +91,7 @@ async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(ap
     await asyncio.sleep(0)  # the worker takes the blocker; the next three queue up together
     results = await asyncio.gather(*(backend.generate(request, _stamp(app, m)) for m in messages))
     await blocker
-    key = app.state.resources.keyring.active().key
+    key = _key(app)
     tokenizer = backend.tokenizer
     for bits, result in zip(messages, results, strict=True):
         text = result.choices[0].text

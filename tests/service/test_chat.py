@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.backends.local import LocalBackend
 from service.models import Generation
 from service.schemas.chat import ChatCompletionRequest
-from service.schemas.common import Principal
+from service.schemas.common import MessageIdOut, Principal
 from service.services.generation import GenerationService
 
 pytestmark = pytest.mark.model
@@ -325,8 +325,8 @@ async def test_client_cannot_choose_the_watermark(app: Any, user_key: Any, db_se
         user_id=principal["user_id"],
         name=principal["name"],
         role="user",
-        message_id=principal["message_id"],
         api_key_id=1,
+        message_ids=tuple(MessageIdOut(**m) for m in principal["message_ids"]),
     )
     service = GenerationService(
         app.state.resources.generation_records,

@@ -70,7 +70,11 @@ def test_create_admin_user_and_list(embedded: Settings, capsys: pytest.CaptureFi
         ("alice", "auditor", "active"),
     ]
     assert "api_key" not in out and admin["api_key"] not in out
-    assert listing["data"][1]["message_id"] == alice.message_id
+    # no key version is registered yet: alice holds an ID of the configured length, shown as message_id
+    bits = embedded.watermark_bits
+    assert [(m.bits, m.block_bits) for m in alice.message_ids] == [(bits, embedded.watermark_block_bits)]
+    assert listing["data"][1]["message_id"] == alice.message_ids[0].message_id
+    assert listing["data"][1]["message_ids"] == [m.model_dump() for m in alice.message_ids]
 
     code, out, _ = _run(capsys, "users", "--role", "auditor")
     assert code == 0 and "alice" in out and "(1 of 1)" in out

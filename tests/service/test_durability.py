@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 from starlette.types import Message, Receive, Scope, Send
 
 from service.db import RowWriter, create_sessionmaker, session_scope
-from service.models import ApiKey, Generation, Trace, User
+from service.models import ApiKey, Generation, MessageId, Trace, User
 from service.routers.chat import CompletionResponse
 from service.schemas.chat import ChatCompletionRequest
 from service.services.users import UserService
@@ -64,6 +64,7 @@ async def committed_users(app: Any) -> AsyncIterator[dict[str, tuple[int, str]]]
             await session.execute(delete(Generation).where(Generation.user_id.in_(everyone)))
             await session.execute(delete(Trace).where(Trace.requester_id.in_(everyone)))
             await session.execute(delete(ApiKey).where(ApiKey.user_id.in_(everyone)))
+            await session.execute(delete(MessageId).where(MessageId.user_id.in_(everyone)))
             await session.execute(delete(User).where(User.id.in_(everyone)))
         app.state.resources.registry_cache.invalidate()
 

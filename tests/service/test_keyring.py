@@ -65,10 +65,21 @@ async def test_fingerprint_mismatch_stops_start_up(empty_versions: AsyncSession)
     assert "'a'" in message and S1.decode() not in message and S2.decode() not in message
 
 
-async def test_message_length_change_stops_start_up(empty_versions: AsyncSession) -> None:
+async def test_versions_of_different_message_lengths_coexist(empty_versions: AsyncSession) -> None:
+    """A 16-bit deployment configured for 32 bits: the old row keeps its length, new rows get 32."""
     await Keyring(PARAMS, {"a": S1}).sync(empty_versions)
-    with pytest.raises(KeyringError, match="16-bit"):
-        await Keyring(WatermarkParams(bits=8), {"a": S1}).sync(empty_versions)
+    keyring = Keyring(WatermarkParams(bits=32), {"a": S1, "b": S2})
+    await keyring.sync(empty_versions)
+    rows = await _rows(empty_versions)
+    assert (rows["a"].bits, rows["a"].status, rows["b"].bits, rows["b"].status) == (16, "active", 32, "pending")
+    assert rows["b"].fingerprint == WatermarkKey.from_secret(S2, WatermarkParams(bits=32)).fingerprint
+    handles = {h.name: h for h in keyring.usable()}
+    assert handles["a"].key.params.bits == 16 and handles["b"].key.params.bits == 32
+    assert keyring.active().name == "a" and keyring.params.bits == 32
+    assert keyring.lengths() == {(16, 2), (32, 2)}
+    # the fingerprint check still holds for a row of another length than the configured one
+    with pytest.raises(KeyringError, match="fingerprint"):
+        await Keyring(WatermarkParams(bits=32), {"a": S2}).sync(empty_versions)
 
 
 async def test_rows_keep_their_own_parameters(empty_versions: AsyncSession) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.db import alembic_config, downgrade_database, upgrade_database
 from service.models import Base
 
-TABLES = {"users", "api_keys", "key_versions", "generations", "traces"}
+TABLES = {"users", "api_keys", "key_versions", "generations", "traces", "message_ids"}
 
 
 async def _inspect(url: str) -> tuple[set[str], list[Any]]:
@@ -72,6 +73,73 @@ async def scratch_postgres(settings: Any) -> AsyncIterator[str]:
 @pytest.mark.postgres
 async def test_postgres_up_down_up(scratch_postgres: str) -> None:
     await _round_trip(scratch_postgres)
+
+
+# users of a 16-bit deployment before revision 0003: the key version uses blocks of 4 bits; carol's
+# 10-bit ID has no key version of its length (block_bits falls back to 2)
+_USERS_0002 = [
+    ("alice", "active", "0110100111000101"),
+    ("bob", "deleted", "1001011000111010"),
+    ("carol", "active", "1100110011"),
+]
+
+
+async def _execute(url: str, statement: str, rows: list[dict[str, Any]] | None = None) -> list[Any]:
+    engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        async with engine.begin() as connection:
+            result = await connection.execute(text(statement), rows)
+            return list(result.all()) if result.returns_rows else []
+    finally:
+        await engine.dispose()
+
+
+async def _message_ids_backfill(url: str) -> None:
+    """0003 copies every user's ID into message_ids; downgrading drops the table, users keep theirs."""
+    await asyncio.to_thread(upgrade_database, url, "0002")
+    now = datetime.now(UTC)
+    await _execute(
+        url,
+        "INSERT INTO key_versions (name, bits, block_bits, num_keys, delta, scheme, fingerprint, status, created_at) "
+        "VALUES ('v1', 16, 4, 2, 2.0, 'xmark', :fingerprint, 'active', :now)",
+        [{"fingerprint": "f" * 64, "now": now}],
+    )
+    await _execute(
+        url,
+        "INSERT INTO users (name, role, status, message_id, created_at, updated_at) "
+        "VALUES (:name, 'user', :status, :message_id, :now, :now)",
+        [{"name": n, "status": st, "message_id": m, "now": now} for n, st, m in _USERS_0002],
+    )
+    await asyncio.to_thread(upgrade_database, url, "0003")
+    rows = await _execute(
+        url,
+        "SELECT users.name, message_ids.bits, message_ids.block_bits, message_ids.message_id "
+        "FROM message_ids JOIN users ON users.id = message_ids.user_id ORDER BY users.name",
+    )
+    assert [tuple(r) for r in rows] == [
+        ("alice", 16, 4, "0110100111000101"),
+        ("bob", 16, 4, "1001011000111010"),  # deleted users keep theirs
+        ("carol", 10, 2, "1100110011"),
+    ]
+    tables, diff = await _inspect(url)
+    assert "message_ids" in tables and diff == []
+
+    await asyncio.to_thread(downgrade_database, url, "0002")
+    tables, _ = await _inspect(url)
+    assert "message_ids" not in tables
+    kept = await _execute(url, "SELECT name, message_id FROM users ORDER BY name")
+    assert [tuple(r) for r in kept] == [(n, m) for n, _, m in _USERS_0002]
+    await asyncio.to_thread(upgrade_database, url)
+    assert len(await _execute(url, "SELECT id FROM message_ids")) == 3
+
+
+async def test_sqlite_message_ids_backfill(tmp_path: Path) -> None:
+    await _message_ids_backfill(f"sqlite+aiosqlite:///{tmp_path / 'b.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_message_ids_backfill(scratch_postgres: str) -> None:
+    await _message_ids_backfill(scratch_postgres)
 
 
 async def test_the_test_database_is_at_head(migrated_database: str) -> None:

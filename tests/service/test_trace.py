@@ -191,25 +191,24 @@ async def test_every_usable_key_version_is_tried(
 async def test_registry_cache_reloads_only_when_users_change(
     app: Any, db_session: AsyncSession, make_user: Any
 ) -> None:
-    cache = RegistryCache(app.state.resources.sessionmaker, app.state.resources.keyring.params, check_interval=0.0)
-    first = await cache.snapshot(db_session)
+    params = app.state.resources.keyring.params
+    cache = RegistryCache(app.state.resources.sessionmaker, check_interval=0.0)
+    first = await cache.snapshot(params, db_session)
     assert cache.reloads == 1
-    assert await cache.snapshot(db_session) is first
+    assert await cache.snapshot(params, db_session) is first
     assert cache.reloads == 1
     created, _ = await make_user("user")
-    refreshed = await cache.snapshot(db_session)
+    refreshed = await cache.snapshot(params, db_session)
     assert cache.reloads == 2
     assert len(refreshed) == len(first) + 1
     assert created["user_id"] in refreshed.users
 
-    throttled = RegistryCache(
-        app.state.resources.sessionmaker, app.state.resources.keyring.params, check_interval=3600.0
-    )
-    snapshot = await throttled.snapshot(db_session)
+    throttled = RegistryCache(app.state.resources.sessionmaker, check_interval=3600.0)
+    snapshot = await throttled.snapshot(params, db_session)
     await make_user("user")
-    assert await throttled.snapshot(db_session) is snapshot  # within the interval: no query at all
+    assert await throttled.snapshot(params, db_session) is snapshot  # within the interval: no query at all
     throttled.invalidate()
-    assert len(await throttled.snapshot(db_session)) == len(snapshot) + 1
+    assert len(await throttled.snapshot(params, db_session)) == len(snapshot) + 1
 
 
 async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -> None:

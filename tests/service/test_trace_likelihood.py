@@ -82,12 +82,23 @@ async def test_auto_escalates_on_text_counting_cannot_name_and_names_nobody_on_p
     _, auditor = await make_user("auditor")
     for _ in range(3):
         await make_user("user")
-    response = await client.post("/trace", json={"text": PLAIN}, headers=_auth(auditor))
+    # Plain text is named with probability at most alpha (the test is valid, not infallible); at
+    # alpha = 1e-6 this test fails with probability at most 1e-6 while still checking the path.
+    resources = app.state.resources
+    default = resources.settings
+    resources.settings = default.model_copy(update={"trace_alpha": 1e-6})
+    try:
+        response = await client.post("/trace", json={"text": PLAIN}, headers=_auth(auditor))
+        counting_response = await client.post(
+            "/trace", json={"text": PLAIN, "decoder": "counting"}, headers=_auth(auditor)
+        )
+    finally:
+        resources.settings = default
     assert response.status_code == 200, response.text
     report = response.json()
     assert report["decoder"] == "likelihood"  # counting named nobody, so the model read it too
     assert report["attribution"] is None and report["watermarked"] is False
-    counting = (await client.post("/trace", json={"text": PLAIN, "decoder": "counting"}, headers=_auth(auditor))).json()
+    counting = counting_response.json()
     assert counting["decoder"] == "counting" and counting["temperature"] is None
     assert counting["attribution"] is None and all(b["scores"] is None for b in counting["blocks"])
     assert all(len(b["scores"]) == 4 for b in report["blocks"])  # the likelihood reading is in the report

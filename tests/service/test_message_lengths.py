@@ -1,0 +1,391 @@
+"""Key versions of different message lengths coexist: a 16-bit deployment rotates to a 32-bit
+version. Every user (deleted ones included) gets a 32-bit ID, generations are encoded with the ID
+of the active version's length, text of the old version is still traced to its author, and the
+backfill is idempotent and safe when two sessions race."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import delete, func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from benchmarks.pg_admin import create_database, drop_database, sibling_url
+from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
+from service.errors import ServiceUnavailableError
+from service.keyring import Keyring
+from service.models import Generation, KeyVersion, MessageId, Trace, User
+from service.resources import sync_keyring
+from service.schemas.admin import CreatedUser
+from service.schemas.chat import ChatCompletionRequest
+from service.schemas.common import MessageIdOut, Principal
+from service.security import ApiKeyHasher
+from service.services.generation import GenerationService
+from service.services.message_ids import MessageIdService, backfill_message_ids
+from service.services.users import UserService
+from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, make_test_settings
+from xmark_core import WatermarkKey, WatermarkParams
+
+P16 = WatermarkParams(bits=16)
+P32 = WatermarkParams(bits=32)
+MODEL = "smollm2-135m-instruct"
+ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
+S1 = TEST_WATERMARK_SECRETS["v1"].encode()
+S2 = TEST_WATERMARK_SECRETS["v2"].encode()
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _id_of(created: CreatedUser | Principal, bits: int) -> str | None:
+    return next((m.message_id for m in created.message_ids if m.bits == bits), None)
+
+
+async def _lengths_of(session: AsyncSession, user_id: int) -> dict[int, str]:
+    rows = (await session.scalars(select(MessageId).where(MessageId.user_id == user_id))).all()
+    return {row.bits: row.message_id for row in rows}
+
+
+@dataclass
+class Deployment:
+    """The test transaction turned into a 16-bit deployment: v1 (16 bits) is the only version."""
+
+    v1: KeyVersion
+    author: CreatedUser
+    gone: CreatedUser  # deleted before the rotation
+    auditor: CreatedUser
+    admin: CreatedUser
+
+
+@pytest.fixture
+async def sixteen_bit(app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch) -> Deployment:
+    """v1 as a 16-bit active version (the test secrets' v2 has no row yet) and users created with
+    16-bit IDs only; rolled back with the test (the keyring is reloaded then)."""
+    resources = app.state.resources
+    monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)
+    for table in (Generation, Trace, KeyVersion):  # rows of this transaction only: rolled back
+        await db_session.execute(delete(table))
+    now = datetime.now(UTC)
+    v1 = KeyVersion(
+        name="v1",
+        bits=16,
+        block_bits=2,
+        num_keys=2,
+        delta=2.0,
+        scheme="xmark",
+        fingerprint=WatermarkKey.from_secret(S1, P16).fingerprint,
+        status="active",
+        created_at=now,
+        activated_at=now,
+    )
+    db_session.add(v1)
+    await db_session.flush()
+    await resources.keyring.refresh(db_session)
+    assert [(h.name, h.key.params.bits) for h in resources.keyring.usable()] == [("v1", 16)]
+    users = UserService(db_session, P16, resources.api_key_hasher)  # configured for 16 bits, as before
+    author = await users.create_user("author", "user")
+    gone = await users.create_user("gone", "user")
+    await users.delete_user(gone.id)
+    auditor = await users.create_user("auditor", "auditor")
+    admin = await users.create_user("admin", "admin")
+    for created in (author, gone, auditor, admin):
+        assert [(m.bits, m.block_bits) for m in created.message_ids] == [(16, 2)]
+    await db_session.flush()
+    return Deployment(v1, author, gone, auditor, admin)
+
+
+def _generation(app: Any) -> GenerationService:
+    resources = app.state.resources
+    return GenerationService(
+        resources.generation_records, resources.settings, resources.backend, resources.keyring, resources.metrics
+    )
+
+
+async def _prepared_message(app: Any, key: str) -> tuple[str, str]:
+    """(message bits, key version) a completion for ``key``'s user would be encoded with now."""
+    principal = await app.state.resources.authenticator.authenticate(f"Bearer {key}")
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    )
+    prepared = _generation(app).prepare(principal, body)
+    return prepared.stamp.message.bits, prepared.stamp.key_version
+
+
+async def _activate_v2(client: httpx.AsyncClient, admin_key: str) -> dict[str, Any]:
+    response = await client.post("/admin/key-versions", json={"name": "v2"}, headers=_auth(admin_key))
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+async def test_rotating_to_a_32_bit_version_gives_every_user_a_32_bit_id(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, sixteen_bit: Deployment
+) -> None:
+    d = sixteen_bit
+    assert await app.state.resources.backend.wait_ready(180)
+    # under the 16-bit version: encoded with the author's 16-bit ID
+    assert await _prepared_message(app, d.author.api_key) == (_id_of(d.author, 16), "v1")
+
+    v2 = await _activate_v2(client, d.admin.api_key)
+    assert (v2["bits"], v2["block_bits"], v2["status"]) == (32, 2, "active")
+    keyring = app.state.resources.keyring
+    assert keyring.active().name == "v2" and keyring.lengths() == {(16, 2), (32, 2)}
+
+    ids = {}
+    for user in (d.author, d.gone, d.auditor, d.admin):  # the deleted user too: IDs are never reused
+        held = await _lengths_of(db_session, user.id)
+        assert set(held) == {16, 32} and held[16] == _id_of(user, 16)
+        row = await db_session.get(User, user.id)
+        assert row is not None and row.message_id == held[16]  # the ID it was created with stays
+        ids[user.id] = held
+    for bits in (16, 32):
+        stmt = select(MessageId.message_id).where(MessageId.bits == bits)
+        assert max(Counter((await db_session.scalars(stmt)).all()).values()) == 1  # unique per length
+
+    # generations are now encoded with the 32-bit ID under v2 (the cached principal was dropped)
+    assert await _prepared_message(app, d.author.api_key) == (ids[d.author.id][32], "v2")
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        headers=_auth(d.author.api_key),
+    )
+    assert response.status_code == 200, response.text
+
+    # the admin API shows the ID of the active version's length and all of them
+    shown = (await client.get(f"/admin/users/{d.gone.id}", headers=_auth(d.admin.api_key))).json()
+    assert shown["status"] == "deleted" and shown["message_id"] == ids[d.gone.id][32]
+    assert shown["message_ids"] == [
+        {"bits": 16, "block_bits": 2, "message_id": ids[d.gone.id][16]},
+        {"bits": 32, "block_bits": 2, "message_id": ids[d.gone.id][32]},
+    ]
+    listed = (await client.get("/admin/users?limit=10", headers=_auth(d.admin.api_key))).json()
+    assert {u["id"]: u["message_id"] for u in listed["data"]} == {uid: held[32] for uid, held in ids.items()}
+
+    # new users get an ID of both lengths; running the backfill again finds nothing to do
+    created = (await client.post("/admin/users", json={"name": "newcomer"}, headers=_auth(d.admin.api_key))).json()
+    assert [(m["bits"], m["block_bits"]) for m in created["message_ids"]] == [(16, 2), (32, 2)]
+    assert created["message_id"] == created["message_ids"][1]["message_id"]
+    assert await MessageIdService(db_session).fill([P16, P32]) == 0
+
+
+async def test_a_principal_without_an_id_of_the_active_length_gets_503(app: Any) -> None:
+    """Never encoded with an ID of another length: refused cleanly instead."""
+    assert await app.state.resources.backend.wait_ready(180)
+    active = app.state.resources.keyring.active()
+    assert active.key.params.bits != 16
+    sixteen = MessageIdOut(bits=16, block_bits=2, message_id="0110100111000101")
+    caller = Principal(user_id=1, name="u", role="user", api_key_id=1, message_ids=(sixteen,))
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    )
+    with pytest.raises(ServiceUnavailableError) as caught:
+        _generation(app).prepare(caller, body)
+    assert caught.value.code == "message_id_missing" and active.name in caught.value.message
+
+
+@pytest.mark.model
+async def test_text_of_the_old_version_is_traced_after_the_rotation(
+    app: Any, client: httpx.AsyncClient, sixteen_bit: Deployment
+) -> None:
+    """Generated while the 16-bit version was active, traced after the 32-bit one took over; and
+    text generated under the 32-bit version is traced too."""
+    d = sixteen_bit
+    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
+
+    async def essay() -> str:
+        # 400 tokens, as in test_trace: enough for the detection verdict, not only the attribution
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": ESSAY}],
+            "max_tokens": 400,
+            "temperature": 0.8,
+            "seed": 7,
+        }
+        response = await client.post("/v1/chat/completions", json=body, headers=_auth(d.author.api_key))
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["message"]["content"])
+
+    async def trace(text: str) -> dict[str, Any]:
+        response = await client.post("/trace", json={"text": text}, headers=_auth(d.auditor.api_key))
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    old_text = await essay()
+    await _activate_v2(client, d.admin.api_key)
+    new_text = await essay()
+
+    old = await trace(old_text)
+    assert old["key_version"] == "v1" and old["watermarked"] is True
+    assert len(old["decoded_message"]) == 16
+    assert old["attribution"] is not None and old["attribution"]["user_id"] == d.author.id
+    new = await trace(new_text)
+    assert new["key_version"] == "v2" and len(new["decoded_message"]) == 32
+    assert new["attribution"] is not None and new["attribution"]["user_id"] == d.author.id
+
+
+async def test_the_backfill_keeps_the_id_a_user_was_created_with(app: Any, db_session: AsyncSession) -> None:
+    """A user row written without message_ids rows (as a bulk import would) keeps its
+    users.message_id as its ID of that length, unless another user holds it there."""
+    active = app.state.resources.keyring.active().key.params
+    now = datetime.now(UTC)
+    taken = await UserService(db_session, active, app.state.resources.api_key_hasher).create_user("holder", "user")
+    bare = [
+        User(name=f"imported-{i}", role="user", status="active", message_id=bits, created_at=now, updated_at=now)
+        for i, bits in enumerate(["01" * (active.bits // 2), "10" * (active.bits // 2)])
+    ]
+    db_session.add_all(bare)
+    await db_session.flush()
+    # the holder's ID of this length clashes with nobody's users.message_id; make one clash
+    holder = (await db_session.scalars(select(MessageId).where(MessageId.user_id == taken.id))).one()
+    holder.message_id = bare[1].message_id
+    await db_session.flush()
+
+    assert await MessageIdService(db_session).fill([active]) == 2
+    kept = await _lengths_of(db_session, bare[0].id)
+    assert kept == {active.bits: bare[0].message_id}
+    moved = await _lengths_of(db_session, bare[1].id)
+    assert moved[active.bits] != bare[1].message_id and len(moved[active.bits]) == active.bits
+    assert await MessageIdService(db_session).fill([active]) == 0
+
+
+# -- start-up registration and racing backfills, on databases of their own -------------------------
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def scratch_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A migrated database of the test's own (SQLite file, or a throw-away PostgreSQL database)."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'lengths.db'}"
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+        return
+    settings = request.getfixturevalue("settings")
+    url = sibling_url(settings.database_url, f"xmark_len_{uuid.uuid4().hex[:10]}")
+    try:
+        await create_database(url)
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+    finally:
+        await drop_database(url)
+
+
+async def _engines(tmp_path: Path, url: str, count: int) -> list[Any]:
+    settings = make_test_settings(tmp_path, database_url=url)
+    return [create_engine(settings) for _ in range(count)]
+
+
+async def _sixteen_bit_users(sessionmaker: async_sessionmaker[AsyncSession], count: int) -> list[int]:
+    """A 16-bit deployment registered at start-up, with ``count`` users (every third deleted)."""
+    await sync_keyring(Keyring(P16, {"v1": S1}), sessionmaker)
+    hasher = ApiKeyHasher(TEST_API_KEY_PEPPER.encode())
+    ids = []
+    async with session_scope(sessionmaker) as session:
+        users = UserService(session, P16, hasher)
+        for i in range(count):
+            created = await users.create_user(f"user-{i}", "user")
+            assert [m.bits for m in created.message_ids] == [16]
+            if i % 3 == 0:
+                await users.delete_user(created.id)
+            ids.append(created.id)
+    return ids
+
+
+async def _check_one_id_each(sessionmaker: async_sessionmaker[AsyncSession], user_ids: list[int]) -> None:
+    async with sessionmaker() as session:
+        for bits in (16, 32):
+            rows = (
+                await session.execute(select(MessageId.user_id, MessageId.message_id).where(MessageId.bits == bits))
+            ).all()
+            assert sorted(r.user_id for r in rows) == sorted(user_ids), bits  # exactly one per user
+            assert len({r.message_id for r in rows}) == len(rows)  # unique within the length
+            assert all(len(r.message_id) == bits for r in rows)
+
+
+async def test_start_up_registration_of_a_32_bit_version_backfills_every_user(scratch_url: str, tmp_path: Path) -> None:
+    (engine,) = await _engines(tmp_path, scratch_url, 1)
+    try:
+        sessionmaker = create_sessionmaker(engine)
+        user_ids = await _sixteen_bit_users(sessionmaker, 12)
+        # the deployment now configures 32 bits and a second secret: v2 is registered (pending) at
+        # start-up with 32-bit parameters, v1 keeps its 16 bits, and every user gets a 32-bit ID
+        keyring = Keyring(P32, {"v1": S1, "v2": S2})
+        await sync_keyring(keyring, sessionmaker)
+        assert {(h.name, h.key.params.bits, h.status) for h in keyring.usable()} == {
+            ("v1", 16, "active"),
+            ("v2", 32, "pending"),
+        }
+        await _check_one_id_each(sessionmaker, user_ids)
+        async with sessionmaker() as session:
+            count = await session.scalar(select(func.count()).select_from(MessageId))
+        await sync_keyring(Keyring(P32, {"v1": S1, "v2": S2}), sessionmaker)  # a restart adds nothing
+        async with sessionmaker() as session:
+            assert await session.scalar(select(func.count()).select_from(MessageId)) == count
+    finally:
+        await engine.dispose()
+
+
+async def test_racing_backfills_create_no_duplicates(scratch_url: str, tmp_path: Path) -> None:
+    first, second = await _engines(tmp_path, scratch_url, 2)
+    try:
+        one, two = create_sessionmaker(first), create_sessionmaker(second)
+        user_ids = await _sixteen_bit_users(one, 9)
+        async with session_scope(one) as session:  # a 32-bit version appears (no backfill yet)
+            v1 = (await session.scalars(select(KeyVersion))).one()
+            session.add(
+                KeyVersion(
+                    name="v2",
+                    bits=32,
+                    block_bits=2,
+                    num_keys=2,
+                    delta=2.0,
+                    scheme="xmark",
+                    fingerprint=WatermarkKey.from_secret(S2, P32).fingerprint,
+                    status="pending",
+                    created_at=v1.created_at,
+                )
+            )
+
+        # two sessions read the same missing users; the second inserts while the first has not
+        # committed, waits for it, and skips every row (ON CONFLICT DO NOTHING)
+        async with one() as a, two() as b:
+            assert await MessageIdService(a).fill([P32], batch_size=4) == len(user_ids)
+            racing = asyncio.create_task(MessageIdService(b).fill([P32], batch_size=4))
+            await asyncio.sleep(0.5)
+            await a.commit()
+            assert await asyncio.wait_for(racing, 60) == 0
+            await b.commit()
+        await _check_one_id_each(one, user_ids)
+
+        # whole start-up backfills racing batch by batch (each batch its own unit of work)
+        async with session_scope(one) as session:
+            await session.execute(delete(MessageId).where(MessageId.bits == 32))
+        more = [*user_ids, *await _more_users(one, 7)]
+        added = await asyncio.gather(backfill_message_ids(one, batch_size=3), backfill_message_ids(two, batch_size=3))
+        assert sum(a.get((32, 2), 0) for a in added) == len(more)
+        await _check_one_id_each(one, more)
+    finally:
+        await first.dispose()
+        await second.dispose()
+
+
+async def _more_users(sessionmaker: async_sessionmaker[AsyncSession], count: int) -> list[int]:
+    """Users created while only the 16-bit length is in use (the 32-bit version retired meanwhile)."""
+    hasher = ApiKeyHasher(TEST_API_KEY_PEPPER.encode())
+    async with session_scope(sessionmaker) as session:
+        v2 = (await session.scalars(select(KeyVersion).where(KeyVersion.name == "v2"))).one()
+        v2.status = "retired"
+        await session.flush()
+        users = UserService(session, P16, hasher)
+        created = [await users.create_user(f"more-{i}", "user") for i in range(count)]
+        assert all([m.bits for m in c.message_ids] == [16] for c in created)
+        v2.status = "pending"
+    return [c.id for c in created]
