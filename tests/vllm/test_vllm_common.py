@@ -35,11 +35,21 @@ SECRET_B = "bravo-secret-fedcba9876543210"
 
 
 def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
+    from service.config import Settings
+
     keyring = WorkerKeyring.from_variables({ENV_SECRETS: f"v2:{SECRET_B}, v1:{SECRET_A}"})
     assert keyring.names == ("v1", "v2")
-    assert keyring.params == WatermarkParams()
+    # unset parameters default to the gateway's defaults: one env file (or none) configures both
+    fields = Settings.model_fields
+    gateway = WatermarkParams(
+        bits=fields["watermark_bits"].default,
+        block_bits=fields["watermark_block_bits"].default,
+        num_keys=fields["watermark_num_keys"].default,
+        delta=fields["watermark_delta"].default,
+    )
+    assert keyring.params == gateway
     # the same secret and parameters give the same key the gateway derives
-    assert keyring.keys[0].fingerprint == WatermarkKey.from_secret(SECRET_A, WatermarkParams()).fingerprint
+    assert keyring.keys[0].fingerprint == WatermarkKey.from_secret(SECRET_A, gateway).fingerprint
     assert keyring.index("v2") == 1
     assert keyring.index("v3") is None
 
@@ -85,7 +95,7 @@ def test_keyring_description_shows_fingerprint_prefixes_only() -> None:
 
 @pytest.fixture
 def two_keys() -> WorkerKeyring:
-    return WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}"})
+    return WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}", ENV_BITS: "16"})
 
 
 @pytest.mark.parametrize("extra_args", [None, {}, {"session_id": "abc", "other": 1}])
