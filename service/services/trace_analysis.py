@@ -222,8 +222,11 @@ def _tries(versions: Sequence[KeyVersionHandle], versions_tried: int | None, tes
 
 
 def _strongest(outcomes: Sequence[TraceOutcome]) -> TraceOutcome:
-    """The outcome with the smallest p-value; the first one (active version's length) on ties."""
-    return min(outcomes, key=lambda outcome: outcome.strength)
+    """The outcome that names someone, else the one with the smallest p-value; the first one (the
+    active version's length) on ties. Each group's naming is valid at alpha on its own (every
+    p-value is corrected for all the versions tried), so a name is never hidden by another
+    length's stronger detection."""
+    return min(outcomes, key=lambda outcome: (not outcome.named, outcome.strength))
 
 
 def analyze_text(
