@@ -51,9 +51,12 @@ class Settings(BaseSettings):
 
     watermark_secrets: SecretStr | None = None
     secrets_file: Path | None = None
+    # Parameters of new key versions. 32-bit IDs keep 10,000s of registered users far apart; k = 4
+    # keys name the author of a short text more often than k = 2 at a small quality cost
+    # (docs/results/FORENSIC.md, the forensic evaluation).
     watermark_bits: int = 32
     watermark_block_bits: int = 2
-    watermark_num_keys: int = 2
+    watermark_num_keys: int = 4
     watermark_delta: float = 2.0
     api_key_pepper: SecretStr | None = None
 

@@ -14,7 +14,7 @@ The watermark secrets are read once per process, at start-up, from ``XMARK_WATER
 (``name:secret[,name:secret...]``) or from the file named by ``XMARK_SECRETS_FILE`` (the same
 entries, one per line, ``#`` starts a comment). The watermark parameters come from
 ``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS`` and
-``XMARK_WATERMARK_DELTA`` (defaults 32, 2, 2, 2.0): the same variables the gateway reads, so one
+``XMARK_WATERMARK_DELTA`` (defaults 32, 2, 4, 2.0): the same variables the gateway reads, so one
 env file configures both. Error messages name the variable and the rule, never a secret.
 """
 
@@ -132,7 +132,7 @@ class WorkerKeyring:
             params = WatermarkParams(
                 bits=_int_setting(variables, ENV_BITS, 32),
                 block_bits=_int_setting(variables, ENV_BLOCK_BITS, 2),
-                num_keys=_int_setting(variables, ENV_NUM_KEYS, 2),
+                num_keys=_int_setting(variables, ENV_NUM_KEYS, 4),
                 delta=_float_setting(variables, ENV_DELTA, 2.0),
             )
         except (TypeError, ValueError) as exc:

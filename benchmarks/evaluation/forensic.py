@@ -121,14 +121,12 @@ FORENSIC = ForensicConfig(
     settings=(
         Setting(32, 4, 0.7, 300, headline=True),
         Setting(32, 4, 1.0, 300, headline=True),
-        Setting(32, 2, 0.7, 300, headline=True),
-        Setting(32, 2, 1.0, 100),
-        Setting(16, 2, 0.7, 100),
-        Setting(16, 4, 0.7, 100),
-        Setting(0, 0, 0.7, 150),
-        Setting(0, 0, 1.0, 150),
+        Setting(32, 2, 0.7, 100),
+        Setting(16, 2, 0.7, 50),
+        Setting(0, 0, 0.7, 100),
+        Setting(0, 0, 1.0, 100),
     ),
-    null_keys={0.7: 19, 1.0: 19},
+    null_keys={0.7: 29, 1.0: 29},
 )
 
 SMALL = ForensicConfig(
@@ -220,7 +218,7 @@ def generate(config: ForensicConfig, pending: list[RowJob], store: GenerationSto
     )
     max_len = -(-(longest + config.max_tokens + 1) // 64) * 64
     generator = VllmGenerator(args.model_path, tokenizer, max_model_len=max_len, max_num_seqs=args.max_num_seqs)
-    batch = 4 * args.max_num_seqs
+    batch = args.max_num_seqs  # one wave of rows per call: each wave's answers are cached as it ends
     started = time.monotonic()
     for first in range(0, len(pending), batch):
         rows = pending[first : first + batch]
@@ -368,8 +366,8 @@ class Evaluation:
         return out
 
     def attack_count(self, setting: Setting) -> int:
-        """Authors whose answers are edited (robustness): the first ``attack_authors`` at b = 32."""
-        return min(setting.authors, self.config.attack_authors) if setting.bits == 32 else 0
+        """Authors whose answers are edited (robustness): the first ``attack_authors`` of a headline setting."""
+        return min(setting.authors, self.config.attack_authors) if setting.headline else 0
 
     def prefix(self, setting: Setting, author: int, t: int) -> Scored:
         """The first T generated tokens as /trace sees them (see the module docstring)."""

@@ -181,7 +181,7 @@ async def test_key_versions_list_activate_retire(app: Any, client: httpx.AsyncCl
     for version in listed:
         assert re.fullmatch(r"[0-9a-f]{64}", version["fingerprint"])
         assert version["configured"] is True
-        assert (version["bits"], version["block_bits"], version["num_keys"]) == (32, 2, 2)
+        assert (version["bits"], version["block_bits"], version["num_keys"]) == (32, 2, 4)
     assert app.state.resources.keyring.active().name == "v1"
 
     added = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))
