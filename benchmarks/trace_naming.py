@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--registry", type=int, default=10_000, help="registered message IDs")
     parser.add_argument("--tokens", type=int, default=150, help="tokens per generated answer")
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--num-keys", type=int, default=2)
+    parser.add_argument("--num-keys", type=int, default=4, help="hash keys (the gateway default)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the answers")
     parser.add_argument("--trace-temperature", type=float, default=0.7, help="the likelihood decoder's assumption")
     parser.add_argument("--top-k", type=int, default=20)
