@@ -40,7 +40,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -412,12 +412,7 @@ class Evaluation:
         larger registries, and the headline null texts against them (T = 150)."""
         cfg = self.config
         rows = []
-        for setting in cfg.settings:
-            if not setting.bits:
-                continue
-            params = setting.spec.params()
-            versions = self.versions(evaluation_key(params, cfg.seed))
-            authors = self.population.authors(setting.bits)
+        for setting, params, versions, authors in self.watermarked():
             base = self.null_setting(setting.temperature)
             for size in cfg.scaling_sizes.get(setting.bits, ()):
                 snapshot = self.snapshot(params, size)
@@ -460,17 +455,20 @@ class Evaluation:
 
         return [KeyVersionHandle(id=1, name="v1", key=key, status=KeyVersionStatus.ACTIVE)]
 
+    def watermarked(self) -> Iterator[tuple[Setting, WatermarkParams, list[KeyVersionHandle], list[int]]]:
+        """Each watermarked setting with its parameters, its one key version and its authors' registry indices."""
+        for setting in self.config.settings:
+            if setting.bits:
+                params = setting.spec.params()
+                versions = self.versions(evaluation_key(params, self.config.seed))
+                yield setting, params, versions, self.population.authors(setting.bits)
+
     # -- sections ----------------------------------------------------------------------------
     def attribution(self) -> list[dict[str, Any]]:
         cfg = self.config
         rows = []
-        for setting in cfg.settings:
-            if not setting.bits:
-                continue
-            params = setting.spec.params()
-            versions = self.versions(evaluation_key(params, cfg.seed))
+        for setting, params, versions, authors in self.watermarked():
             snapshot = self.snapshot(params)
-            authors = self.population.authors(setting.bits)[: setting.authors]
             for t in cfg.t_grid:
                 for decoder in DECODERS:
                     named = wrong = top1 = by_likelihood = 0
@@ -561,13 +559,8 @@ class Evaluation:
         cfg = self.config
         rows = []
         t = max(cfg.t_grid)
-        for setting in cfg.settings:
-            if not setting.bits:
-                continue
-            params = setting.spec.params()
-            versions = self.versions(evaluation_key(params, cfg.seed))
+        for setting, params, versions, authors in self.watermarked():
             snapshot = self.snapshot(params)
-            authors = self.population.authors(setting.bits)
             count = self.attack_count(setting)
             for attack in ATTACKS:
                 name = f"{setting.name}/0/{attack}"
