@@ -108,6 +108,41 @@ class Settings(BaseSettings):
     model_threads: int | None = None
     max_batch_size: int = 8
 
+    # -- admission and fairness (docs/service.md, "Limits") --------------------------------------
+    # Requests admitted to the backend but not finished yet (generating or waiting for it), per
+    # process; one more is refused with 429 and Retry-After.
+    max_queued_requests: int = 64
+    # Per-user defaults (0: unlimited); an admin overrides them per user (PATCH /admin/users/{id}).
+    user_max_parallel_requests: int = 8
+    user_requests_per_minute: int = 600
+    user_tokens_per_minute: int = 200_000
+    # Counters shared by every replica (redis://host:port/db); unset: counted in each process.
+    redis_url: SecretStr | None = None
+    redis_timeout_s: float = 0.25
+    # A chat request that has not finished in this many seconds ends with 504 (streams: an error event).
+    request_timeout_s: float = 300.0
+    # Prompt tokens (after the chat template) a request may carry; checked before the model runs.
+    max_prompt_tokens: int = 8192
+
+    # -- slow and hostile clients ------------------------------------------------------------
+    # The whole request body must arrive within this many seconds of the request head.
+    body_read_timeout_s: float = 10.0
+    # Idle keep-alive connections are closed after this many seconds; a request head larger than
+    # max_header_bytes is refused; at most max_connections connections per process.
+    keep_alive_timeout_s: float = 5.0
+    max_header_bytes: int = 16_384
+    max_connections: int = 1024
+    # Refused API keys are remembered (by their HMAC) for this long, sparing the database.
+    auth_negative_cache_ttl_s: float = 10.0
+
+    # -- database faults ---------------------------------------------------------------------
+    # Connect, pool checkout and statement timeout of the requests' database work: past it the
+    # client gets 503 database_unavailable with Retry-After.
+    database_timeout_s: float = 1.0
+    # Generation records that cannot be written wait in a local spool (SQLite under var_dir) and
+    # are drained into the database when it answers again, also after a restart.
+    record_spool_drain_interval_s: float = 2.0
+
     @field_validator("vllm_urls", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:

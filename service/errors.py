@@ -7,6 +7,7 @@ values: validation errors name the field and the rule, not the input.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -91,6 +92,38 @@ class UpstreamUnavailableError(GatewayError):
     status_code = 503
     type = "service_unavailable"
     code = "upstream_unavailable"
+
+
+class RateLimitError(GatewayError):
+    """429: a limit of the caller (named in ``code``/the message) or the gateway's queue is full."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None, param: str | None = None):
+        super().__init__(
+            message, code=code, param=param, headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+        )
+
+
+class DatabaseUnavailableError(GatewayError):
+    """503: the database did not answer in time (down, hung or saturated); retry after a moment."""
+
+    status_code = 503
+    type = "service_unavailable"
+    code = "database_unavailable"
+
+    def __init__(self, message: str = "The database is unavailable; retry shortly", *, retry_after_s: float = 1.0):
+        super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+class RequestTimeoutError(GatewayError):
+    """504: the request did not finish within ``request_timeout_s``."""
+
+    status_code = 504
+    type = "timeout_error"
+    code = "request_timeout"
 
 
 class UpstreamTimeoutError(GatewayError):

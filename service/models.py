@@ -84,6 +84,10 @@ class User(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Admission limits of this user: NULL takes the gateway's default (Settings.user_*), 0 is unlimited.
+    max_parallel_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class MessageId(Base):
@@ -139,10 +143,15 @@ class KeyVersion(Base):
 
 class Generation(Base):
     __tablename__ = "generations"
-    __table_args__ = (Index("ix_generations_user_id_created_at", "user_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_generations_user_id_created_at", "user_id", "created_at"),
+        # one row per choice of a request, however often its write is retried or drained
+        UniqueConstraint("request_id", "choice_index", name="uq_generations_request_id_choice_index"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     request_id: Mapped[str] = mapped_column(String(64), index=True)
+    choice_index: Mapped[int] = mapped_column(Integer, server_default="0")
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
     key_version_id: Mapped[int] = mapped_column(ForeignKey("key_versions.id", ondelete="RESTRICT"))
     model: Mapped[str] = mapped_column(String(200))

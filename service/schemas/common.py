@@ -43,6 +43,10 @@ class Principal(BaseModel):
     api_key_id: int
     # one per message length in use, shortest first: a generation embeds the one of its key version's length
     message_ids: tuple[MessageIdOut, ...] = ()
+    # the user's admission limits (users columns): None takes the gateway's default, 0 is unlimited
+    max_parallel_requests: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
     def message_id_for(self, bits: int, block_bits: int) -> str | None:
         """The caller's message ID of that length, or None when it has none."""

@@ -207,6 +207,7 @@ class GenerationService:
         rows = [
             {
                 "request_id": prepared.request_id,
+                "choice_index": choice.index,
                 "user_id": prepared.principal.user_id,
                 "key_version_id": prepared.key_version_id,
                 "model": prepared.model,

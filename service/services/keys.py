@@ -65,6 +65,9 @@ def principal_of(key: ApiKey, user: User, message_ids: Iterable[MessageId]) -> P
         role=Role(user.role),
         api_key_id=key.id,
         message_ids=tuple(message_ids_out(message_ids)),
+        max_parallel_requests=user.max_parallel_requests,
+        requests_per_minute=user.requests_per_minute,
+        tokens_per_minute=user.tokens_per_minute,
     )
 
 
