@@ -23,7 +23,11 @@ class KeyVersionRepository:
         stmt = select(KeyVersion).where(KeyVersion.status != KeyVersionStatus.RETIRED).order_by(KeyVersion.id)
         return (await self._session.scalars(stmt)).all()
 
-    async def get(self, version_id: int) -> KeyVersion | None:
+    async def get(self, version_id: int, *, for_update: bool = False) -> KeyVersion | None:
+        """``for_update``: read the newest committed row and lock it (not the session's cached copy)."""
+        if for_update:
+            stmt = select(KeyVersion).where(KeyVersion.id == version_id).with_for_update()
+            return (await self._session.execute(stmt)).scalar_one_or_none()
         return await self._session.get(KeyVersion, version_id)
 
     async def get_by_name(self, name: str) -> KeyVersion | None:

@@ -21,6 +21,7 @@ from service.schemas.admin import (
     IssuedKey,
     KeyVersionList,
     KeyVersionOut,
+    UpdateUserRequest,
     UserOut,
     UserPage,
 )
@@ -74,7 +75,7 @@ KeyVersionsDep = Annotated[KeyVersionService, Depends(_key_versions)]
 @router.post("/users", status_code=status.HTTP_201_CREATED, response_model=CreatedUser)
 async def create_user(body: CreateUserRequest, users: UsersDep) -> CreatedUser:
     """Create a user with a fresh message ID and a first API key (shown only in this response)."""
-    return await users.create_user(body.name, body.role)
+    return await users.create_user(body.name, body.role, limits=body.limits())
 
 
 @router.get("/users", response_model=UserPage)
@@ -91,6 +92,16 @@ async def list_users(
 @router.get("/users/{user_id}", response_model=UserOut)
 async def get_user(user_id: UserId, users: UsersDep) -> UserOut:
     return await users.get_user(user_id)
+
+
+@router.patch("/users/{user_id}", response_model=UserOut)
+async def update_user(user_id: UserId, body: UpdateUserRequest, users: UsersDep) -> UserOut:
+    """Change the name, role or admission limits of a user; only the fields sent change.
+
+    A limit sent as null goes back to the gateway's default (``XMARK_USER_*``), 0 means unlimited.
+    The change applies from the user's next request.
+    """
+    return await users.update_user(user_id, body.changes())
 
 
 @router.post("/users/{user_id}/disable", response_model=UserOut)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from service.schemas.common import MessageIdOut
+from service.schemas.text import reject_lone_surrogates
 from service.security import KEY_PATTERN
 from service.vocabulary import KeyVersionStatus, Role, UserStatus
 
 UserName = Annotated[
     str,
+    AfterValidator(reject_lone_surrogates),
     StringConstraints(strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"),
 ]
 KeyVersionName = Annotated[str, StringConstraints(strip_whitespace=True, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -22,16 +24,63 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A per-user admission limit: null (or absent) takes the gateway's default (XMARK_USER_*), 0 is
+# unlimited. The bound keeps the value inside the database's integer column.
+Limit = Annotated[int | None, Field(ge=0, le=2**31 - 1)]
+LIMIT_DOCS = {
+    "max_parallel_requests": "Requests of this user in progress at once (null: gateway default, 0: unlimited).",
+    "requests_per_minute": "Requests this user may start per minute (null: gateway default, 0: unlimited).",
+    "tokens_per_minute": "Prompt and completion tokens per minute (null: gateway default, 0: unlimited).",
+}
+LIMIT_FIELDS = tuple(LIMIT_DOCS)
+
+
+def _not_a_credential(value: str) -> str:
+    if KEY_PATTERN.search(value):
+        raise ValueError("must not contain an API key")
+    return value
+
+
 class CreateUserRequest(_Request):
     name: UserName
     role: Role = Role.USER
+    max_parallel_requests: Limit = Field(default=None, description=LIMIT_DOCS["max_parallel_requests"])
+    requests_per_minute: Limit = Field(default=None, description=LIMIT_DOCS["requests_per_minute"])
+    tokens_per_minute: Limit = Field(default=None, description=LIMIT_DOCS["tokens_per_minute"])
 
     @field_validator("name")
     @classmethod
-    def _not_a_credential(cls, value: str) -> str:
-        if KEY_PATTERN.search(value):
-            raise ValueError("must not contain an API key")
+    def _name_not_a_credential(cls, value: str) -> str:
+        return _not_a_credential(value)
+
+    def limits(self) -> dict[str, int | None]:
+        return {name: getattr(self, name) for name in LIMIT_FIELDS}
+
+
+class UpdateUserRequest(_Request):
+    """Only the fields sent change; a limit sent as null goes back to the gateway's default."""
+
+    name: UserName | None = None
+    role: Role | None = None
+    max_parallel_requests: Limit = Field(default=None, description=LIMIT_DOCS["max_parallel_requests"])
+    requests_per_minute: Limit = Field(default=None, description=LIMIT_DOCS["requests_per_minute"])
+    tokens_per_minute: Limit = Field(default=None, description=LIMIT_DOCS["tokens_per_minute"])
+
+    @field_validator("name", "role", mode="before")
+    @classmethod
+    def _not_null(cls, value: object) -> object:
+        if value is None:
+            raise ValueError("must not be null")
         return value
+
+    @field_validator("name")
+    @classmethod
+    def _name_not_a_credential(cls, value: str | None) -> str | None:
+        return None if value is None else _not_a_credential(value)
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the request sent, with their new values."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
 
 
 MESSAGE_ID_DOC = "The user's message ID of the length the active key version encodes with."
@@ -46,6 +95,9 @@ class CreatedUser(BaseModel):
     role: Role
     message_id: str = Field(description=MESSAGE_ID_DOC)
     message_ids: list[MessageIdOut] = Field(default_factory=list, description=MESSAGE_IDS_DOC)
+    max_parallel_requests: int | None = Field(default=None, description=LIMIT_DOCS["max_parallel_requests"])
+    requests_per_minute: int | None = Field(default=None, description=LIMIT_DOCS["requests_per_minute"])
+    tokens_per_minute: int | None = Field(default=None, description=LIMIT_DOCS["tokens_per_minute"])
     api_key: str
 
 
@@ -56,6 +108,9 @@ class UserOut(BaseModel):
     status: UserStatus
     message_id: str = Field(description=MESSAGE_ID_DOC)
     message_ids: list[MessageIdOut] = Field(default_factory=list, description=MESSAGE_IDS_DOC)
+    max_parallel_requests: int | None = Field(default=None, description=LIMIT_DOCS["max_parallel_requests"])
+    requests_per_minute: int | None = Field(default=None, description=LIMIT_DOCS["requests_per_minute"])
+    tokens_per_minute: int | None = Field(default=None, description=LIMIT_DOCS["tokens_per_minute"])
     created_at: datetime
     updated_at: datetime
     deleted_at: datetime | None = None

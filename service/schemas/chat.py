@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.schemas.text import SURROGATE_MESSAGE, Text, has_lone_surrogate
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -23,7 +25,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = Field(default=None, max_length=256)
+    name: Text | None = Field(default=None, max_length=256)
+
+    @field_validator("content")
+    @classmethod
+    def _encodable(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        # checked here rather than on each form, so the error names ``content`` itself
+        texts = [value] if isinstance(value, str) else [part.text for part in value]
+        if any(has_lone_surrogate(t) for t in texts):
+            raise ValueError(SURROGATE_MESSAGE)
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -40,7 +51,7 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1, max_length=200)
+    model: Text = Field(min_length=1, max_length=200)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -51,7 +62,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Text | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -63,6 +74,8 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         if any(len(s) > 256 for s in strings):
             raise ValueError("stop sequences are limited to 256 characters")
+        if any(has_lone_surrogate(s) for s in strings):
+            raise ValueError(SURROGATE_MESSAGE)
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

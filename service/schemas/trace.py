@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.schemas.text import Text
 from service.vocabulary import TraceDecoder
 
 
 class TraceRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    text: str = Field(min_length=1)
-    model: str | None = Field(default=None, max_length=200)
+    text: Text = Field(min_length=1)
+    model: Text | None = Field(default=None, max_length=200)
     include_tokens: bool = False
     # auto: counting first, the likelihood decoder when counting names nobody (see docs/api.md)
     decoder: TraceDecoder = TraceDecoder.AUTO

@@ -3,21 +3,28 @@
 A cache hit needs no database round trip; ``last_used_at`` is still written, in its own short
 unit of work, once its one-minute resolution has passed. A miss reads the key and its user in a
 short unit of work of its own (never the request's), which also records the use when due, and
-caches the result if the key was accepted. Refusals (401/403) are never cached.
+caches the result if the key was accepted. A refusal (401 unknown or revoked, 403 user
+disabled or deleted) is remembered by the key's HMAC for a short while (``AuthCache.refusal``), so
+a client repeating a refused key costs no database query either.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from service.db import session_scope
+from service.db import is_database_fault, session_scope
+from service.errors import AuthenticationError, PermissionDeniedError
 from service.repositories.api_keys import ApiKeyRepository
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher
 from service.services.auth_cache import AuthCache, CachedPrincipal
 from service.services.keys import ApiKeyService, parse_bearer, touch_due
+
+logger = logging.getLogger("xmark.auth")
 
 
 class Authenticator:
@@ -37,16 +44,30 @@ class Authenticator:
         key_hash = self._hasher.hash(parsed)
         now = datetime.now(UTC)
         entry = self.cache.get(key_hash) if self.cache.enabled else None
+        if entry is None and (refused := self.cache.refusal(key_hash)) is not None:
+            raise refused  # refused a moment ago: answered again without the database
         if entry is not None:
             if touch_due(entry.last_used_at, now):
                 entry.last_used_at = now  # claimed first: concurrent hits do not write it again
-                async with session_scope(self._sessionmaker) as session:
-                    await ApiKeyRepository(session).touch(entry.principal.api_key_id, now)
+                try:
+                    async with session_scope(self._sessionmaker) as session:
+                        await ApiKeyRepository(session).touch(entry.principal.api_key_id, now)
+                except SQLAlchemyError as exc:
+                    # a bookkeeping write: a request whose key is cached is still served while the
+                    # database is out; the use is written again a minute later (claimed above, so
+                    # requests meanwhile do not each wait for a database that does not answer)
+                    if not is_database_fault(exc):
+                        raise
+                    logger.warning("last_used_at not written", extra={"error_type": type(exc).__name__})
             return entry.principal
         epoch = self.cache.epoch
         async with session_scope(self._sessionmaker) as session:
             keys = ApiKeyService(session, self._hasher)
-            key, user = await keys.verify(parsed, key_hash)
+            try:
+                key, user = await keys.verify(parsed, key_hash)
+            except (AuthenticationError, PermissionDeniedError) as exc:
+                self.cache.put_refusal(key_hash, exc, epoch=epoch)
+                raise
             principal = await keys.principal(key, user)
             last_used_at = key.last_used_at
             if touch_due(last_used_at, now):

@@ -3,6 +3,10 @@
 Activating a version of a message length some users have no ID of gives every user one first
 (``services/message_ids.py``), in the same unit of work: once the activation commits, every user
 can be encoded under it.
+
+Last active key version: retiring takes the key versions' guard lock (``repositories/guards.py``)
+before it reads the version and counts the active ones, so two retirements racing for the last
+two active versions are decided one after the other and one of them is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from service.config import ConfigurationError, Settings, generate_embedded_secre
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
 from service.keyring import Keyring, row_params
 from service.models import KeyVersion
+from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.key_versions import KeyVersionRepository
 from service.schemas.admin import KeyVersionList, KeyVersionOut
 from service.services.auth_cache import AuthCache
@@ -63,7 +68,12 @@ class KeyVersionService:
         return KeyVersionList(data=[self._out(r) for r in await self._repo.list_all()])
 
     async def activate(self, name: str) -> KeyVersionOut:
-        """Make ``name`` the encoding version; its secret must be configured (or, embedded, generated)."""
+        """Make ``name`` the encoding version; its secret must be configured (or, embedded, generated).
+
+        Holds the key versions' guard lock too: concurrent activations of one name, or an
+        activation beside a retirement, are decided one after the other.
+        """
+        await lock_guarded_set(self._session, Guard.ACTIVE_KEY_VERSIONS)
         row = await self._repo.get_by_name(name)
         if row is not None and row.status == KeyVersionStatus.ACTIVE:
             raise ConflictError(f"Key version '{name}' is already active", param="name")
@@ -102,7 +112,8 @@ class KeyVersionService:
         return self._out(row)
 
     async def retire(self, version_id: int) -> KeyVersionOut:
-        row = await self._repo.get(version_id)
+        await lock_guarded_set(self._session, Guard.ACTIVE_KEY_VERSIONS)
+        row = await self._repo.get(version_id, for_update=True)
         if row is None:
             raise NotFoundError(f"Key version {version_id} not found", param="key_version_id")
         if row.status == KeyVersionStatus.RETIRED:

@@ -53,8 +53,16 @@ logger = logging.getLogger("xmark.trace")
 
 T = TypeVar("T")
 
-# Texts longer than this are analysed on a worker thread so the event loop stays responsive.
-INLINE_ANALYSIS_CHARS = 8_000
+# What runs on the event loop must be short, or every stream this process serves stalls. The
+# analysis's cost grows with the text's tokens, not its characters (8,000 CJK characters are about
+# 21,000 tokens: ~0.75 s of analysis), so texts of more tokens than this are analysed on a worker
+# thread. Below it the analysis takes a few milliseconds once the rows' null distributions are
+# prepared (``prepare_null_distributions``), and short traces do not queue behind long ones for
+# the worker threads.
+INLINE_ANALYSIS_TOKENS = 256
+# Tokenizing is fast (a fast tokenizer reads about a million characters a second), but longer
+# texts than this are tokenized on a worker thread too.
+INLINE_TOKENIZE_CHARS = 4_000
 
 
 async def prepare_null_distributions(keyring: Keyring, max_row_tokens: int) -> None:
@@ -121,12 +129,16 @@ class TracingService:
             LengthGroup(group, await self._registry.snapshot(group[0].key.params, self._session))
             for group in group_by_length(versions)
         ]
-        inline = len(request.text) <= INLINE_ANALYSIS_CHARS
+        tokenizing = functools.partial(tokenize, tokenizer, request.text)
+        if len(request.text) <= INLINE_TOKENIZE_CHARS:
+            ids = tokenizing()
+        else:
+            ids = await asyncio.to_thread(tokenizing)
+        inline = len(ids) <= INLINE_ANALYSIS_TOKENS
 
-        async def run(work: Callable[[], T]) -> T:  # long texts are analysed off the event loop
+        async def run(work: Callable[[], T]) -> T:  # texts long in tokens are analysed off the event loop
             return work() if inline else await asyncio.to_thread(work)
 
-        ids = await run(functools.partial(tokenize, tokenizer, request.text))
         outcome = await self._analyze(request, ids, tokenizer, groups, run)
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
@@ -158,7 +170,13 @@ class TracingService:
         run: Callable[[Callable[[], TraceOutcome]], Awaitable[TraceOutcome]],
     ) -> TraceOutcome:
         """Counting, likelihood, or counting then likelihood (``auto``), as the request asks; every
-        message length's key versions are read, corrected for all the versions tried."""
+        message length's key versions are read, corrected for all the versions tried.
+
+        ``run`` runs the counting decoder (inline for texts short in tokens). The likelihood
+        decoder's forward pass runs on the backend (the local model's thread, or a worker), and its
+        analysis (~0.15 ms a token) always on a worker thread: it follows a forward pass that costs
+        far more than the hand-over.
+        """
         settings = self._settings
         counting = functools.partial(
             analyze_counting_by_length,
@@ -189,7 +207,7 @@ class TracingService:
                     code="text_too_long_for_decoder",
                 )
             scores = await self._backend.score(ids, settings.trace_top_k)
-            return await run(functools.partial(likelihood, scores))
+            return await asyncio.to_thread(likelihood, scores)
         # auto: the likelihood decoder may run too, so both are tested at alpha / 2
         escalate = len(ids) <= limit and self._backend.ready
         tests = 2 if escalate else 1
@@ -202,4 +220,4 @@ class TracingService:
             # no model at hand, or one that cannot read this text (e.g. a worker's shorter context)
             logger.warning("trace scoring unavailable; counting decided", extra={"error_type": type(exc).__name__})
             return first
-        return await run(functools.partial(likelihood, scores, counting=first, tests=tests))
+        return await asyncio.to_thread(likelihood, scores, counting=first, tests=tests)

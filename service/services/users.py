@@ -7,13 +7,19 @@ allocated by ``xmark_core.allocate_message`` against every message ID of its len
 ``users.message_id`` keeps the one of the configured length. The unique constraints on
 ``message_ids`` (and ``users.message_id``) guard concurrent creations; a violation re-reads the
 IDs and allocates again.
+
+Last active admin: every change that can take an active admin away (disable, delete, a role
+change) holds the admins' guard lock (``repositories/guards.py``) before it reads the user and
+counts, so concurrent changes are decided one after the other and at least one active admin
+always remains.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -21,9 +27,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.errors import ConflictError, NotFoundError
 from service.models import ApiKey, MessageId, User
 from service.repositories.api_keys import ApiKeyRepository
+from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.message_ids import MessageIdRepository
 from service.repositories.users import UserRepository
-from service.schemas.admin import CreatedUser, UserOut, UserPage
+from service.schemas.admin import LIMIT_FIELDS, CreatedUser, UserOut, UserPage
 from service.schemas.common import MessageIdOut
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
 from service.services.auth_cache import AuthCache
@@ -52,6 +59,9 @@ def user_out(user: User, rows: Iterable[MessageId], encoding: MessageLength) -> 
         status=UserStatus(user.status),
         message_id=message_id_of(user, ids, encoding),
         message_ids=ids,
+        max_parallel_requests=user.max_parallel_requests,
+        requests_per_minute=user.requests_per_minute,
+        tokens_per_minute=user.tokens_per_minute,
         created_at=user.created_at,
         updated_at=user.updated_at,
         deleted_at=user.deleted_at,
@@ -83,9 +93,19 @@ class UserService:
         self._keys = ApiKeyRepository(session)
         self._ids = MessageIdRepository(session)
 
-    async def create_user(self, name: str, role: Role, *, api_key: ParsedKey | None = None) -> CreatedUser:
-        """Create a user with fresh message IDs and one API key (shown once in the result)."""
-        user, rows, encoding = await self._insert_with_message_ids(name, role)
+    async def create_user(
+        self,
+        name: str,
+        role: Role,
+        *,
+        api_key: ParsedKey | None = None,
+        limits: Mapping[str, int | None] | None = None,
+    ) -> CreatedUser:
+        """Create a user with fresh message IDs and one API key (shown once in the result).
+
+        ``limits``: the user's admission limits (``LIMIT_FIELDS``; None or absent: the default).
+        """
+        user, rows, encoding = await self._insert_with_message_ids(name, role, dict(limits or {}))
         key = api_key or generate_api_key()
         row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
         self._changed()
@@ -97,10 +117,15 @@ class UserService:
             role=role,
             message_id=message_id_of(user, ids, encoding),
             message_ids=ids,
+            max_parallel_requests=user.max_parallel_requests,
+            requests_per_minute=user.requests_per_minute,
+            tokens_per_minute=user.tokens_per_minute,
             api_key=key.plaintext,
         )
 
-    async def _insert_with_message_ids(self, name: str, role: Role) -> tuple[User, list[MessageId], MessageLength]:
+    async def _insert_with_message_ids(
+        self, name: str, role: Role, limits: dict[str, int | None]
+    ) -> tuple[User, list[MessageId], MessageLength]:
         """Insert the user with one fresh message ID per length in use (and the encoding length)."""
         lengths = await lengths_in_use(self._session, self._params)
         for _ in range(MAX_ALLOCATION_ATTEMPTS):
@@ -126,6 +151,7 @@ class UserService:
                 message_id=configured.bits,
                 created_at=now,
                 updated_at=now,
+                **{field: limits.get(field) for field in LIMIT_FIELDS},
             )
             try:
                 async with self._session.begin_nested():
@@ -173,7 +199,7 @@ class UserService:
         )
 
     async def disable_user(self, user_id: int) -> UserOut:
-        user = await self._require(user_id, for_update=True)
+        user = await self._require_guarded(user_id)
         if user.status == UserStatus.DELETED:
             raise ConflictError("A deleted user cannot be disabled", code="user_deleted")
         if user.status == UserStatus.ACTIVE:
@@ -201,7 +227,7 @@ class UserService:
 
     async def delete_user(self, user_id: int) -> UserOut:
         """Tombstone: status deleted, every key revoked, row and message ID kept forever."""
-        user = await self._require(user_id, for_update=True)
+        user = await self._require_guarded(user_id)
         if user.status != UserStatus.DELETED:
             if user.status == UserStatus.ACTIVE:
                 await self._guard_last_admin(user)
@@ -214,6 +240,31 @@ class UserService:
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user deleted", extra={"user_id": user.id})
+        return await self._out(user)
+
+    async def update_user(self, user_id: int, changes: Mapping[str, Any]) -> UserOut:
+        """Change a user's name, role or admission limits (``changes``: only the fields to change).
+
+        A limit set to None goes back to the gateway's default. Taking the admin role from the
+        last active admin is refused. The user's cached authentications are dropped, so the next
+        request (to this process; other replicas within the cache's TTL) sees the new values.
+        """
+        user = await self._require_guarded(user_id)
+        if user.status == UserStatus.DELETED:
+            raise ConflictError("A deleted user cannot be changed", code="user_deleted")
+        role = changes.get("role")
+        if role is not None and role != user.role and user.status == UserStatus.ACTIVE:
+            await self._guard_last_admin(user)
+        updated = {field: value for field, value in changes.items() if getattr(user, field) != value}
+        if updated:
+            for field, value in updated.items():
+                setattr(user, field, value)
+            user.updated_at = datetime.now(UTC)
+            await self._users.flush()
+            if "name" in updated or "role" in updated:
+                self._changed()
+            self._forget_credentials(user.id)
+            logger.info("user updated", extra={"user_id": user.id, "fields": sorted(updated)})
         return await self._out(user)
 
     def _changed(self) -> None:
@@ -231,8 +282,19 @@ class UserService:
             self._auth_cache.invalidate_user(user_id, self._session)
 
     async def _guard_last_admin(self, user: User) -> None:
-        if user.role == "admin" and await self._users.count_active_admins() <= 1:
-            raise ConflictError("The last active admin cannot be disabled or deleted", code="last_admin")
+        """Refuse to take ``user`` (active) from the active admins when it is the last one.
+
+        Only valid under the admins' guard lock (``_require_guarded``).
+        """
+        if user.role == Role.ADMIN and await self._users.count_active_admins() <= 1:
+            raise ConflictError(
+                "The last active admin cannot be disabled, deleted or given another role", code="last_admin"
+            )
+
+    async def _require_guarded(self, user_id: int) -> User:
+        """The user, locked, read after taking the admins' guard lock (held until the transaction ends)."""
+        await lock_guarded_set(self._session, Guard.ACTIVE_ADMINS)
+        return await self._require(user_id, for_update=True)
 
     async def _require(self, user_id: int, *, for_update: bool = False) -> User:
         user = await (self._users.get_for_update(user_id) if for_update else self._users.get(user_id))

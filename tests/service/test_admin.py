@@ -29,7 +29,19 @@ async def test_create_user_returns_the_fixed_contract(
     client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
 ) -> None:
     body = await _create(client, admin_key, "alice", "auditor")
-    assert set(body) == {"id", "name", "role", "message_id", "message_ids", "api_key"}
+    assert set(body) == {
+        "id",
+        "name",
+        "role",
+        "message_id",
+        "message_ids",
+        "max_parallel_requests",
+        "requests_per_minute",
+        "tokens_per_minute",
+        "api_key",
+    }
+    # no limit given: each takes the gateway's default
+    assert body["max_parallel_requests"] is body["requests_per_minute"] is body["tokens_per_minute"] is None
     assert body["name"] == "alice"
     assert body["role"] == "auditor"
     # new deployments use 32-bit message IDs: the test versions were registered with the defaults
@@ -236,3 +248,111 @@ async def test_bad_user_names_are_rejected(client: httpx.AsyncClient, admin_key:
     response = await client.post("/admin/users", json={"name": name}, headers=bearer(admin_key))
     assert response.status_code == 422
     assert response.json()["error"]["param"] == "name"
+
+
+# -- per-user limits and other changes (PATCH) --------------------------------------------------
+
+
+async def test_limits_are_set_at_creation_and_changed_or_cleared_later(
+    client: httpx.AsyncClient, admin_key: str, db_session: AsyncSession
+) -> None:
+    limits = {"max_parallel_requests": 2, "requests_per_minute": 0, "tokens_per_minute": 5000}
+    created = await client.post("/admin/users", json={"name": "limited", **limits}, headers=bearer(admin_key))
+    assert created.status_code == 201, created.text
+    user_id = created.json()["id"]
+    assert {k: created.json()[k] for k in limits} == limits
+    fetched = (await client.get(f"/admin/users/{user_id}", headers=bearer(admin_key))).json()
+    assert {k: fetched[k] for k in limits} == limits
+
+    # only the fields sent change; null goes back to the default
+    patched = await client.patch(
+        f"/admin/users/{user_id}",
+        json={"requests_per_minute": 30, "tokens_per_minute": None},
+        headers=bearer(admin_key),
+    )
+    assert patched.status_code == 200, patched.text
+    body = patched.json()
+    assert (body["max_parallel_requests"], body["requests_per_minute"], body["tokens_per_minute"]) == (2, 30, None)
+    row = await db_session.get(User, user_id)
+    assert row is not None
+    await db_session.refresh(row)
+    assert (row.max_parallel_requests, row.requests_per_minute, row.tokens_per_minute) == (2, 30, None)
+    listed = (await client.get("/admin/users?limit=500", headers=bearer(admin_key))).json()["data"]
+    assert next(u for u in listed if u["id"] == user_id)["requests_per_minute"] == 30
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"requests_per_minute": -1}, "requests_per_minute"),
+        ({"tokens_per_minute": 1.5}, "tokens_per_minute"),
+        ({"max_parallel_requests": "many"}, "max_parallel_requests"),
+        ({"max_parallel_requests": 2**31}, "max_parallel_requests"),
+        ({"role": None}, "role"),
+        ({"name": None}, "name"),
+        ({"role": "root"}, "role"),
+        ({"quota": 5}, "quota"),
+    ],
+)
+async def test_bad_changes_are_422_naming_the_field(
+    client: httpx.AsyncClient, admin_key: str, body: dict[str, Any], param: str
+) -> None:
+    user = await _create(client, admin_key, "to-change")
+    for method, path, payload in (
+        ("PATCH", f"/admin/users/{user['id']}", body),
+        ("POST", "/admin/users", {"name": "new-user", **body}),
+    ):
+        if method == "POST" and param in {"role", "name"}:
+            continue  # null or a bad role at creation are covered above
+        response = await client.request(method, path, json=payload, headers=bearer(admin_key))
+        assert response.status_code == 422, (method, response.text)
+        assert response.json()["error"]["param"] == param
+
+
+async def test_a_change_applies_to_the_users_next_request(
+    app: Any, client: httpx.AsyncClient, admin_key: str, make_user: Any
+) -> None:
+    principal, key = await make_user("user")
+    authenticator = app.state.resources.authenticator
+    first = await authenticator.authenticate(f"Bearer {key}")  # cached from here on
+    assert first.requests_per_minute is None
+    patched = await client.patch(
+        f"/admin/users/{principal['id']}",
+        json={"requests_per_minute": 7, "max_parallel_requests": 0, "name": "renamed"},
+        headers=bearer(admin_key),
+    )
+    assert patched.status_code == 200, patched.text
+    after = await authenticator.authenticate(f"Bearer {key}")
+    assert (after.requests_per_minute, after.max_parallel_requests, after.name) == (7, 0, "renamed")
+
+
+async def test_role_changes_apply_at_once_and_spare_the_last_admin(
+    client: httpx.AsyncClient, admin_key: str, make_user: Any
+) -> None:
+    principal, key = await make_user("user")
+    assert (await client.get("/admin/users", headers=bearer(key))).status_code == 403
+    promoted = await client.patch(f"/admin/users/{principal['id']}", json={"role": "admin"}, headers=bearer(admin_key))
+    assert promoted.status_code == 200 and promoted.json()["role"] == "admin"
+    assert (await client.get("/admin/users", headers=bearer(key))).status_code == 200
+    # two active admins: one may demote the other, but not the last one
+    admins = (await client.get("/admin/users?role=admin&status=active", headers=bearer(key))).json()["data"]
+    first = next(u for u in admins if u["id"] != principal["id"])
+    demoted = await client.patch(f"/admin/users/{first['id']}", json={"role": "auditor"}, headers=bearer(key))
+    assert demoted.status_code == 200
+    assert (await client.get("/admin/users", headers=bearer(admin_key))).status_code == 403
+    last = await client.patch(f"/admin/users/{principal['id']}", json={"role": "user"}, headers=bearer(key))
+    assert last.status_code == 409 and last.json()["error"]["code"] == "last_admin"
+    # a change that keeps the role is no role change
+    same = await client.patch(f"/admin/users/{principal['id']}", json={"role": "admin"}, headers=bearer(key))
+    assert same.status_code == 200
+
+
+async def test_deleted_or_missing_users_cannot_be_changed(client: httpx.AsyncClient, admin_key: str) -> None:
+    user = await _create(client, admin_key, "gone")
+    assert (await client.delete(f"/admin/users/{user['id']}", headers=bearer(admin_key))).status_code == 200
+    refused = await client.patch(
+        f"/admin/users/{user['id']}", json={"requests_per_minute": 1}, headers=bearer(admin_key)
+    )
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "user_deleted"
+    missing = await client.patch("/admin/users/999999", json={"requests_per_minute": 1}, headers=bearer(admin_key))
+    assert missing.status_code == 404

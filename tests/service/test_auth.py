@@ -28,6 +28,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/admin/users"): ADMIN,
     ("GET", "/admin/users"): ADMIN,
     ("GET", "/admin/users/{user_id}"): ADMIN,
+    ("PATCH", "/admin/users/{user_id}"): ADMIN,
     ("POST", "/admin/users/{user_id}/disable"): ADMIN,
     ("POST", "/admin/users/{user_id}/enable"): ADMIN,
     ("DELETE", "/admin/users/{user_id}"): ADMIN,
@@ -46,6 +47,7 @@ BODIES: dict[str, Any] = {
     },
     "/trace": {"text": "some suspect text"},
     "/admin/users": {"name": "mallory", "role": "admin"},
+    "/admin/users/{user_id}": {"role": "admin", "requests_per_minute": 0},
     "/admin/key-versions": {"name": "v2"},
 }
 PROTECTED = sorted(ROUTE_ROLES)

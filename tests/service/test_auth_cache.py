@@ -1,5 +1,6 @@
 """The per-process authentication cache: hits need no database, changes made here apply at once,
-changes made elsewhere within the TTL, and only HMACs of accepted keys are ever stored."""
+changes made elsewhere within the TTL, only HMACs of keys are ever stored, and refused keys are
+remembered for a short while (negative cache) without ever blocking a valid key."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from sqlalchemy import event, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from service.errors import AuthenticationError, PermissionDeniedError
 from service.models import ApiKey, User
 from service.schemas.common import MessageIdOut, Principal
 from service.security import generate_api_key, parse_api_key
@@ -167,7 +169,7 @@ async def test_only_the_hmac_of_the_key_is_a_cache_key(
     assert key.split("_")[1] not in repr(cache._entries)
 
 
-async def test_refused_keys_are_never_cached(
+async def test_refused_keys_are_not_cached_when_refusal_caching_is_off(
     client: httpx.AsyncClient, make_user: Any, admin_key: str, cache: AuthCache, sql: list[str]
 ) -> None:
     for _ in range(20):
@@ -272,3 +274,111 @@ async def test_ttl_zero_asks_the_database_every_time(
     for _ in range(3):
         assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
     assert sum("api_keys" in s and s.lstrip().upper().startswith("SELECT") for s in sql) == 3
+
+
+# -- refused keys (negative cache) -------------------------------------------------------------
+
+REFUSAL_TTL = 10.0
+
+
+@pytest.fixture
+def refusing(app: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> AuthCache:
+    """A fresh cache that also remembers refusals, installed in the app for this test."""
+    fresh = AuthCache(TTL, 1000, refusal_ttl=REFUSAL_TTL, refusal_max_entries=50, clock=clock)
+    monkeypatch.setattr(app.state.resources.authenticator, "cache", fresh)
+    return fresh
+
+
+def _key_queries(sql: list[str]) -> int:
+    return sum("api_keys" in s and s.lstrip().upper().startswith("SELECT") for s in sql)
+
+
+def test_the_gateway_remembers_refusals_for_the_configured_time(app: Any, settings: Any) -> None:
+    assert settings.auth_negative_cache_ttl_s > 0
+    assert app.state.resources.authenticator.cache.refusal_ttl == settings.auth_negative_cache_ttl_s
+
+
+async def test_a_refused_key_is_answered_again_without_a_database_query(
+    app: Any, client: httpx.AsyncClient, make_user: Any, refusing: AuthCache, sql: list[str], clock: FakeClock
+) -> None:
+    unknown = generate_api_key().plaintext
+    first = await client.get("/v1/models", headers=bearer(unknown))
+    assert first.status_code == 401 and _key_queries(sql) == 1
+    sql.clear()
+    for _ in range(5):
+        again = await client.get("/v1/models", headers=bearer(unknown))
+        assert again.status_code == 401
+        assert again.json() == first.json() and again.headers["www-authenticate"] == "Bearer"
+    assert sql == [] and refusing.refusal_hits == 5
+    # only the HMAC is kept
+    assert list(refusing._refusals) == [app.state.resources.api_key_hasher.hash(parse_api_key(unknown))]
+    assert unknown not in repr(refusing._refusals) and unknown.split("_")[1] not in repr(refusing._refusals)
+    # a valid key is unaffected, and a key issued now is not held up by refusals
+    _, key = await make_user("user")
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    # after the TTL the database is asked again
+    clock.advance(REFUSAL_TTL + 0.1)
+    sql.clear()
+    assert (await client.get("/v1/models", headers=bearer(unknown))).status_code == 401
+    assert _key_queries(sql) == 1
+
+
+async def test_revoked_keys_and_disabled_users_are_remembered_until_an_admin_lifts_them(
+    client: httpx.AsyncClient,
+    make_user: Any,
+    admin_key: str,
+    refusing: AuthCache,
+    sql: list[str],
+    db_session: AsyncSession,
+) -> None:
+    principal, key = await make_user("user")
+    assert (await client.post(f"/admin/users/{principal['id']}/disable", headers=bearer(admin_key))).status_code == 200
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 403
+    sql.clear()
+    cached = await client.get("/v1/models", headers=bearer(key))
+    assert cached.status_code == 403 and cached.json()["error"]["code"] == "user_disabled"
+    assert _key_queries(sql) == 0
+    # enabled again: served on the very next request
+    assert (await client.post(f"/admin/users/{principal['id']}/enable", headers=bearer(admin_key))).status_code == 200
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+
+    key_id = await _key_id(db_session, principal["id"])
+    revoke = await client.post(f"/admin/users/{principal['id']}/keys/{key_id}/revoke", headers=bearer(admin_key))
+    assert revoke.status_code == 200
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 401
+    sql.clear()
+    again = await client.get("/v1/models", headers=bearer(key))
+    assert again.status_code == 401 and "revoked" in again.json()["error"]["message"]
+    assert _key_queries(sql) == 0
+
+
+def test_refusals_are_bounded_and_never_evict_accepted_keys(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, 10, refusal_ttl=REFUSAL_TTL, refusal_max_entries=3, clock=clock)
+    cache.put("accepted", CachedPrincipal(_principal(), None), epoch=cache.epoch)
+    refused = AuthenticationError("Invalid API key")
+    for i in range(100):
+        cache.put_refusal(f"refused-{i}", refused, epoch=cache.epoch)
+    assert cache.refusals == 3 and set(cache._refusals) == {"refused-97", "refused-98", "refused-99"}
+    assert cache.get("accepted") is not None
+    error = cache.refusal("refused-99")
+    assert isinstance(error, AuthenticationError) and error is not refused and error.message == refused.message
+    clock.advance(REFUSAL_TTL)
+    assert cache.refusal("refused-99") is None
+
+
+def test_a_refusal_that_raced_with_an_invalidation_is_not_stored(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, refusal_ttl=REFUSAL_TTL, clock=clock)
+    epoch = cache.epoch
+    cache.invalidate_user(1)  # e.g. the user was enabled while the lookup read the disabled row
+    assert not cache.put_refusal("h", PermissionDeniedError("This user is disabled", code="user_disabled"), epoch=epoch)
+    assert cache.refusal("h") is None
+
+
+def test_user_changes_lift_403s_but_not_401s(clock: FakeClock) -> None:
+    cache = AuthCache(TTL, refusal_ttl=REFUSAL_TTL, clock=clock)
+    cache.put_refusal("disabled", PermissionDeniedError("This user is disabled", code="user_disabled"), epoch=0)
+    cache.put_refusal("unknown", AuthenticationError("Invalid API key"), epoch=0)
+    cache.invalidate_user(42)
+    assert cache.refusal("disabled") is None
+    assert isinstance(cache.refusal("unknown"), AuthenticationError)
+    assert not AuthCache(TTL).put_refusal("x", AuthenticationError("Invalid API key"), epoch=0)  # off by default

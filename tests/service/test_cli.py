@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
 from service.cli import main
 from service.config import Settings, load_secrets
 from service.db import create_engine, create_sessionmaker
 from service.errors import AuthenticationError
+from service.models import User
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher, generate_api_key
 from service.services.auth import Authenticator
@@ -132,3 +134,50 @@ def test_a_mistyped_key_does_not_authenticate(embedded: Settings, capsys: pytest
     with pytest.raises(AuthenticationError):
         _authenticate(embedded, key[:-1] + ("0" if key[-1] != "0" else "1"))
     assert _authenticate(embedded, key).name == "dora"
+
+
+def _set_status_of_every_admin(settings: Settings, status: str) -> None:
+    """As another admin (or a replica's admin API) would: the first admin is no longer active."""
+
+    async def work() -> None:
+        engine = create_engine(settings)
+        try:
+            async with engine.begin() as connection:
+                await connection.execute(update(User).where(User.role == "admin").values(status=status))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(work())
+
+
+@pytest.mark.parametrize("status", ["disabled", "deleted"])
+def test_if_none_creates_an_admin_when_no_active_one_remains_even_with_a_bootstrap_key(
+    embedded: Settings, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, status: str
+) -> None:
+    bootstrap = generate_api_key().plaintext
+    monkeypatch.setenv("XMARK_BOOTSTRAP_ADMIN_KEY", bootstrap)
+    assert _run(capsys, "migrate")[0] == 0
+    assert _run(capsys, "create-admin", "--if-none")[0] == 0
+    _set_status_of_every_admin(embedded, status)
+
+    # the bootstrap key belongs to the inactive admin (keys are never reused): a fresh one
+    code, out, err = _run(capsys, "create-admin", "--if-none", "--json")
+    assert code == 0, err
+    created = json.loads(out)
+    assert created["role"] == "admin" and created["api_key"] != bootstrap
+    assert "fresh key" in err and bootstrap not in out + err
+    assert _authenticate(embedded, created["api_key"]).role == "admin"
+
+    code, out, _ = _run(capsys, "create-admin", "--if-none")
+    assert code == 0 and "already exists" in out and "xm_" not in out
+
+
+def test_if_none_counts_only_active_admins(embedded: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "migrate")[0] == 0
+    code, out, _ = _run(capsys, "create-admin", "--if-none", "--json")
+    first = json.loads(out)["api_key"]
+    _set_status_of_every_admin(embedded, "disabled")
+    code, out, _ = _run(capsys, "create-admin", "--if-none", "--json")
+    assert code == 0
+    second = json.loads(out)["api_key"]
+    assert second != first and _authenticate(embedded, second).role == "admin"

@@ -277,3 +277,60 @@ async def test_token_pieces_join_to_the_text_when_a_character_spans_tokens(app: 
     assert any("\ufffd" in piece for piece in alone)  # the case this is about occurs in this text
     pieces = _pieces(tokenizer, ids)
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+
+
+class LoopProbe:
+    """Measures how late the event loop wakes a task that sleeps 10 ms at a time (its lag)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._stop = False
+
+    async def run(self) -> None:
+        import asyncio
+        import time
+
+        while not self._stop:
+            started = time.perf_counter()
+            await asyncio.sleep(0.01)
+            self.lags.append(time.perf_counter() - started - 0.01)
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+def _cjk_text(chars: int) -> str:
+    # common CJK ideographs in an order no merge rule joins: about 2.6 tokens each
+    return "".join(chr(0x4E00 + (i * 7919) % 0x5000) for i in range(chars))
+
+
+@pytest.mark.parametrize(("chars", "decoder"), [(8000, "counting"), (500, "likelihood")])
+async def test_a_text_long_in_tokens_is_read_off_the_event_loop(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None, chars: int, decoder: str
+) -> None:
+    """8,000 CJK characters are ~21k tokens: their analysis (and a likelihood decoder's forward
+    pass) must not hold the event loop, or every stream of the process stalls meanwhile."""
+    import asyncio
+    import time
+
+    from service.services.trace_analysis import tokenize
+    from service.services.tracing import INLINE_ANALYSIS_TOKENS
+
+    _, key = await make_user("auditor")
+    text = _cjk_text(chars)
+    tokens = len(tokenize(app.state.resources.backend.tokenizer, text))
+    limit = app.state.resources.settings.trace_likelihood_max_tokens
+    assert tokens > max(4 * INLINE_ANALYSIS_TOKENS, chars)
+    assert decoder == "counting" or tokens <= limit
+    probe = LoopProbe()
+    task = asyncio.create_task(probe.run())
+    started = time.perf_counter()
+    response = await client.post("/trace", json={"text": text, "decoder": decoder}, headers=_auth(key))
+    took = time.perf_counter() - started
+    probe.stop()
+    await task
+    assert response.status_code == 200, response.text
+    assert response.json()["decoder"] == decoder
+    print(f"{decoder}: {tokens} tokens in {took:.2f} s, loop lag max {max(probe.lags) * 1000:.0f} ms")
+    # the trace takes its time, the loop keeps answering (generous: a loaded 2-core machine)
+    assert max(probe.lags) < 0.25
