@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.config import Settings, load_secrets
-from service.db import create_engine, create_sessionmaker
+from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import install_error_handlers
 from service.keyring import Keyring, params_from_settings
 from service.logging import configure_logging
-from service.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, open_resources, sync_keyring
 from service.routers import admin, chat, health, trace
 from service.security import ApiKeyHasher
@@ -26,7 +26,7 @@ async def prepare_database(settings: Settings) -> None:
     the configured key versions and, with ``XMARK_BOOTSTRAP_ADMIN_KEY``, the first admin.
     ``xmark serve --workers N`` runs this before it starts the workers, which then find them."""
     secrets = load_secrets(settings)
-    engine = create_engine(settings)
+    engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)  # a backfill may take long
     try:
         sessionmaker = create_sessionmaker(engine)
         params = params_from_settings(settings)
@@ -74,10 +74,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="OpenAI-compatible gateway that watermarks every completion with its requester.",
         version="0.1.0",
         lifespan=lifespan,
+        # no 307 from "/v1/models/" to "/v1/models": its Location would be built from the Host header
+        redirect_slashes=False,
     )
     app.state.settings = settings
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestBodyMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        body_read_timeout_s=settings.body_read_timeout_s,
+    )
     app.add_middleware(RequestContextMiddleware)
     # routes are matched in this order: the busiest first
     app.include_router(chat.router)

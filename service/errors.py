@@ -1,7 +1,13 @@
 """Domain exceptions and the one mapping from them to the OpenAI error envelope.
 
 Envelope: ``{"error": {"message", "type", "param", "code"}}``. Messages never carry request
-values: validation errors name the field and the rule, not the input.
+values: validation errors name the field and the rule, not the input, and whatever a message or
+parameter name still echoes (a number in a range check, a name the client chose) is cut to a short
+excerpt.
+
+A database that is down, hung or saturated is answered 503 ``database_unavailable`` with
+Retry-After, whatever the route was doing (``service.db.is_database_fault`` says which errors
+mean that); every other unexpected error is a 500 that closes the connection, and says so.
 """
 
 from __future__ import annotations
@@ -14,13 +20,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.db.engine import is_database_fault
 from service.security import KEY_PATTERN
 
 logger = logging.getLogger("xmark.errors")
 
 _BEARER = re.compile(r"(?i)bearer\s+\S+")
+# echoed client input is cut to an excerpt: a number of more than 32 digits, a word of more than 80
+# characters, a message of more than 400 and a parameter name of more than 120
+_LONG_NUMBER = re.compile(r"\d{33,}")
+_LONG_WORD = re.compile(r"\S{81,}")
+MAX_MESSAGE_CHARS = 400
+MAX_PARAM_CHARS = 120
 
 
 class GatewayError(Exception):
@@ -137,12 +151,19 @@ def scrub(text: str) -> str:
     return KEY_PATTERN.sub("[redacted]", _BEARER.sub("Bearer [redacted]", text))
 
 
+def _excerpt(text: str, limit: int) -> str:
+    """``text`` with long numbers and words cut, at most ``limit`` characters."""
+    text = _LONG_NUMBER.sub(lambda m: f"{m.group()[:8]}...({len(m.group())} digits)", text)
+    text = _LONG_WORD.sub(lambda m: f"{m.group()[:40]}...", text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def envelope(message: str, *, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {
-            "message": scrub(message),
+            "message": _excerpt(scrub(message), MAX_MESSAGE_CHARS),
             "type": type_,
-            "param": scrub(param) if param is not None else None,
+            "param": _excerpt(scrub(param), MAX_PARAM_CHARS) if param is not None else None,
             "code": code,
         }
     }
@@ -185,12 +206,13 @@ def validation_envelope(exc: RequestValidationError) -> dict[str, Any]:
     return envelope(message, type_="invalid_request_error", code=code, param=param)
 
 
-_HTTP_TYPES = {
+HTTP_ERROR_TYPES = {
     400: ("invalid_request_error", "invalid_request"),
     401: ("authentication_error", "invalid_api_key"),
     403: ("permission_error", "permission_denied"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_body_timeout"),
     413: ("invalid_request_error", "payload_too_large"),
 }
 
@@ -222,7 +244,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    type_, code = _HTTP_TYPES.get(exc.status_code, ("invalid_request_error", "http_error"))
+    type_, code = HTTP_ERROR_TYPES.get(exc.status_code, ("invalid_request_error", "http_error"))
     if exc.status_code == 404:
         message = "Not found"
     elif exc.status_code == 405:
@@ -236,17 +258,46 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    logger.error("unhandled error", extra={"error_type": type(exc).__name__})
-    return JSONResponse(
-        envelope("Internal server error", type_="server_error", code="internal_error"),
-        status_code=500,
-    )
+async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    # the error's text may quote the statement and its rows: only its type is logged
+    logger.warning("database unavailable", extra={"error_type": type(exc).__name__})
+    resources = getattr(request.app.state, "resources", None)
+    if resources is not None:
+        resources.metrics.database_unavailable.inc()
+    return await _gateway_error(request, DatabaseUnavailableError())
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    """503 for a database fault; any other database error is a bug (500, logged by type only)."""
+    if is_database_fault(exc):
+        return await _database_unavailable(request, exc)
+    logger.error("unhandled database error", extra={"error_type": type(exc).__name__})
+    return JSONResponse(envelope("Internal server error", type_="server_error", code="internal_error"), status_code=500)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """The last resort (Starlette's server-error middleware). The server closes the connection after
+    this response, so the response says ``Connection: close`` and the client does not reuse it."""
+    if is_database_fault(exc):
+        response = await _database_unavailable(request, exc)
+    else:
+        logger.error("unhandled error", extra={"error_type": type(exc).__name__})
+        response = JSONResponse(
+            envelope("Internal server error", type_="server_error", code="internal_error"), status_code=500
+        )
+    response.headers["Connection"] = "close"
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every exception the app can raise to the OpenAI error envelope."""
+    """Map every exception the app can raise to the OpenAI error envelope.
+
+    Database errors are handled inside the app (the connection stays usable after a 503); the
+    handler of ``Exception`` runs in Starlette's outermost middleware, which re-raises so that the
+    server logs the traceback, and the server then closes the connection.
+    """
     app.add_exception_handler(GatewayError, _gateway_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(SQLAlchemyError, _database_error)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -1,17 +1,19 @@
-"""ASGI middleware: request context (request id, metrics, access log) and the body-size limit."""
+"""ASGI middleware: request context (request id, metrics, access log) and the request body's limits."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
 
+from fastapi import HTTPException
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import envelope
+from service.errors import HTTP_ERROR_TYPES, envelope
 
 if TYPE_CHECKING:
     from service.resources import Resources
@@ -90,29 +92,43 @@ class RequestContextMiddleware:
             )
 
 
-class BodySizeLimitMiddleware:
-    """413 for bodies over ``max_body_bytes``: by Content-Length up front, and while reading.
+# an unread request body up to this size does not cost the connection (uvicorn buffers this much)
+KEEP_ALIVE_BODY_BYTES = 65_536
 
-    The body is read (at most ``max_body_bytes``) before the app runs, so a chunked upload
-    without Content-Length is refused before anything is parsed or written.
+
+class RequestBodyMiddleware:
+    """Limits of a request body: its size and the time it takes to arrive.
+
+    * Over ``max_body_bytes``: 413, by Content-Length before anything else, and while reading (a
+      chunked upload).
+    * Not complete ``body_read_timeout_s`` after the request head: 408.
+
+    The body is read only when the route reads it. A protected route authenticates from the
+    headers first (``service.routing``), so a client without a valid key is refused before a byte
+    of its body is read, and no body is buffered here. A response that starts before a large body
+    (over :data:`KEEP_ALIVE_BODY_BYTES`, or of unknown length) was read says ``Connection: close``:
+    the server closes the connection rather than read the rest. A smaller one keeps the connection:
+    the server reads and discards the rest before the next request (``service.server`` closes the
+    connection when the next request's head is not complete within the keep-alive timeout).
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_read_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            envelope(
-                f"Request body exceeds the limit of {self.max_body_bytes} bytes",
-                type_="invalid_request_error",
-                code="payload_too_large",
-            )
-        ).encode()
+    def _too_large(self) -> HTTPException:
+        return HTTPException(
+            413, f"Request body exceeds the limit of {self.max_body_bytes} bytes", headers={"Connection": "close"}
+        )
+
+    async def _reject(self, send: Send, error: HTTPException) -> None:
+        type_, code = HTTP_ERROR_TYPES[error.status_code]
+        body = json.dumps(envelope(str(error.detail), type_=type_, code=code)).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": error.status_code,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
@@ -128,30 +144,42 @@ class BodySizeLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_body_bytes:
-            await self._reject(send)
+            await self._reject(send, self._too_large())
             return
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_body_bytes:
-                await self._reject(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_read_timeout_s
+        # neither Content-Length (other than 0) nor Transfer-Encoding: there is no body to wait for
+        chunked = _header(scope, b"transfer-encoding") is not None
+        complete = (declared is None or declared.strip() == "0") and not chunked
+        small = not chunked and declared is not None and declared.strip().isdigit()
+        small = small and int(declared or 0) <= KEEP_ALIVE_BODY_BYTES
+        received = 0
 
-        async def replay() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+        async def limited_receive() -> Message:
+            nonlocal complete, received
+            if complete:  # e.g. waiting for the client to disconnect: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise HTTPException(
+                    408,
+                    f"The request body did not arrive within {self.body_read_timeout_s:g} s",
+                    headers={"Connection": "close"},
+                ) from None
+            if message["type"] != "http.request":
+                complete = True
+                return message
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise self._too_large()
+            complete = not message.get("more_body", False)
+            return message
 
-        await self.app(scope, replay, send)
+        async def send_closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and not complete and not small:
+                MutableHeaders(scope=message)["connection"] = "close"
+            await send(message)
+
+        await self.app(scope, limited_receive, send_closing)

@@ -17,7 +17,14 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
 from service.config import ConfigurationError, Settings, load_secrets
-from service.db import create_engine, create_sessionmaker, downgrade_database, session_scope, upgrade_database
+from service.db import (
+    MAINTENANCE_TIMEOUT_S,
+    create_engine,
+    create_sessionmaker,
+    downgrade_database,
+    session_scope,
+    upgrade_database,
+)
 from service.keyring import KeyringError, params_from_settings
 from service.schemas.admin import CreatedUser, CreateUserRequest, UserPage
 from service.security import ApiKeyHasher, parse_api_key
@@ -62,7 +69,7 @@ def _print_created(created: CreatedUser, *, as_json: bool) -> None:
 
 async def _with_session(settings: Settings, work: Any) -> Any:
     secrets = load_secrets(settings)
-    engine = create_engine(settings)
+    engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)  # not a request's bound
     try:
         async with session_scope(create_sessionmaker(engine)) as session:
             return await work(session, ApiKeyHasher(secrets.api_key_pepper))
@@ -75,23 +82,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.app import configure_process_logging, create_app, prepare_database
     from service.metrics import MULTIPROCESS_DIR_ENV
+    from service.server import server_options as build_server_options
 
     settings = _settings()
     workers = args.workers or settings.workers
     configure_process_logging(settings)
-    server_options: dict[str, Any] = {
-        "host": args.host or settings.host,
-        "port": args.port or settings.port,
-        "access_log": False,
-        "log_config": None,
-        "proxy_headers": False,
-    }
+    # the limits of slow and hostile clients (keep-alive, head size and time, connections) included
+    server_options = build_server_options(settings, host=args.host or settings.host, port=args.port or settings.port)
+    # The start-up writes (key versions, first admin, message IDs of a new length for every user) run
+    # here without a request's database bound, which a long backfill could exceed; each process's
+    # start-up then finds them done. With several processes, this also spares their race for them.
+    asyncio.run(prepare_database(settings))
     if workers == 1:
         uvicorn.run(create_app(settings), **server_options)
         return 0
-    # Several processes share the port. What they would race for at start-up is done here, once;
-    # their metrics meet in one folder (a fresh one unless PROMETHEUS_MULTIPROC_DIR names one).
-    asyncio.run(prepare_database(settings))
+    # Several processes share the port; their metrics meet in one folder (a fresh one unless
+    # PROMETHEUS_MULTIPROC_DIR names one).
     with contextlib.ExitStack() as stack:
         if not os.environ.get(MULTIPROCESS_DIR_ENV):
             os.environ[MULTIPROCESS_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="xmark-metrics-"))
@@ -127,7 +133,9 @@ def cmd_create_admin(args: argparse.Namespace) -> int:
     async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser | None:
         params = params_from_settings(settings)
         if args.if_none:
-            return await ensure_first_admin(session, params, hasher, api_key=api_key, name=request.name)
+            return await ensure_first_admin(
+                session, params, hasher, api_key=api_key, name=request.name, fresh_key_if_taken=True
+            )
         return await UserService(session, params, hasher).create_user(request.name, Role.ADMIN)
 
     created = asyncio.run(_with_session(settings, work))
@@ -135,7 +143,13 @@ def cmd_create_admin(args: argparse.Namespace) -> int:
         print("an active admin already exists; nothing created")
         return 0
     if api_key is not None and args.if_none:
-        created = created.model_copy(update={"api_key": "(the key set in XMARK_BOOTSTRAP_ADMIN_KEY)"})
+        if created.api_key == api_key.plaintext:
+            created = created.model_copy(update={"api_key": "(the key set in XMARK_BOOTSTRAP_ADMIN_KEY)"})
+        else:  # the bootstrap key belongs to an admin since disabled or deleted
+            print(
+                "XMARK_BOOTSTRAP_ADMIN_KEY belongs to a disabled or deleted user; the new admin has a fresh key",
+                file=sys.stderr,
+            )
     _print_created(created, as_json=args.json)
     return 0
 

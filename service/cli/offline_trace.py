@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from service.config import Settings, load_secrets
-from service.db import create_engine, create_sessionmaker
+from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
 from service.services.registry_cache import RegistryCache
@@ -25,7 +25,7 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(settings.resolved_model_path(), local_files_only=True)
     params = params_from_settings(settings)
     keyring = Keyring(params, load_secrets(settings).watermark)
-    engine = create_engine(settings)
+    engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
     try:
         sessionmaker = create_sessionmaker(engine)
         async with sessionmaker() as session:

@@ -1,0 +1,111 @@
+"""A gateway on a real port, configured as `xmark serve` configures it (``service.server``), with
+the fake backend: in a thread of the test process, or as a process of its own (to measure it).
+
+For the tests where the connection is the point: keep-alive, slow and hostile clients, faults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from service.config import Settings
+from tests.conftest import REPO_ROOT
+
+START_TIMEOUT_S = 120.0
+
+# the child process of `gateway_process`: the app of the settings in its environment, on the fake
+# backend, served with the options of `xmark serve`
+_CHILD = """
+import uvicorn
+import service.resources
+from service.app import create_app
+from service.config import Settings
+from service.server import server_options
+from tests.fakes import FakeBackend
+
+service.resources.build_backend = lambda settings, metrics: FakeBackend(settings.model_name)
+settings = Settings()
+uvicorn.run(create_app(settings), **server_options(settings, log_level="warning"))
+"""
+
+
+def _wait_ready(base_url: str, alive: Any) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if not alive():
+            raise RuntimeError("the gateway exited during start-up")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base_url}/healthz", timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start in time")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def live_gateway(settings: Settings) -> Iterator[str]:
+    """Serve ``settings`` (its host and port) in a thread; yields the base URL."""
+    import service.resources
+    from service.app import create_app
+    from service.server import server_options
+    from tests.fakes import FakeBackend
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service.resources, "build_backend", lambda s, metrics: FakeBackend(s.model_name))
+        app = create_app(settings)
+        server = uvicorn.Server(uvicorn.Config(app, **server_options(settings, log_level="warning", lifespan="on")))
+        thread = threading.Thread(target=server.run, name="live-gateway", daemon=True)
+        thread.start()
+        base_url = f"http://{settings.host}:{settings.port}"
+        try:
+            _wait_ready(base_url, thread.is_alive)
+            yield base_url
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The XMARK_* variables that reproduce ``settings`` in another process."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        elif isinstance(value, list):
+            value = ",".join(value)
+        env[f"XMARK_{name.upper()}"] = str(value)
+    return env
+
+
+@contextlib.contextmanager
+def gateway_process(settings: Settings, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Serve ``settings`` from a process of its own (stderr to ``log``); yields the process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XMARK_")}
+    env.update(settings_environment(settings))
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    with log.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=REPO_ROOT, env=env, stderr=sink)
+    try:
+        _wait_ready(f"http://{settings.host}:{settings.port}", lambda: process.poll() is None)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
