@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.backends.base import (
+    BackendError,
     ChoiceDelta,
     GenerationRequest,
     GenerationResult,
@@ -81,11 +82,24 @@ def plan_choice(request: GenerationRequest, stamp: WatermarkStamp | None, index:
 
 
 class FakeStream:
-    """The deltas of one fake generation: the choices take turns, one token at a time."""
+    """The deltas of one fake generation: the choices take turns, one token at a time.
 
-    def __init__(self, request: GenerationRequest, stamp: WatermarkStamp | None) -> None:
+    ``token_delay_s`` paces the tokens like a slow model; ``fail_after`` (a number of deltas)
+    makes the "model" fail there, as a backend whose generation raises.
+    """
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        stamp: WatermarkStamp | None,
+        *,
+        token_delay_s: float = 0.0,
+        fail_after: int | None = None,
+    ) -> None:
         self.prompt_tokens = prompt_tokens(request)
         self._plans = [plan_choice(request, stamp, index) for index in range(request.n)]
+        self._token_delay_s = token_delay_s
+        self._fail_after = fail_after
         self._deltas = self._run()
         self._cancelled = False
 
@@ -95,7 +109,9 @@ class FakeStream:
         step = 0
         while open_choices:
             for index in sorted(open_choices):
-                await asyncio.sleep(0)  # a real backend yields to the event loop between tokens
+                await asyncio.sleep(self._token_delay_s)  # a real backend yields between tokens
+                if self._fail_after is not None and step * len(self._plans) + index >= self._fail_after:
+                    raise BackendError("Generation failed in the model backend")
                 if self._cancelled:
                     open_choices.discard(index)
                     yield ChoiceDelta(index, "", produced[index], FinishReason.CANCELLED)
@@ -126,6 +142,8 @@ class FakeBackend:
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id
         self.requests: list[tuple[GenerationRequest, WatermarkStamp]] = []  # every request, in order
+        self.token_delay_s = 0.0  # FakeStream's options for the streams started from now on
+        self.fail_after: int | None = None
         self._started = False
         self._closed = False
 
@@ -157,7 +175,12 @@ class FakeBackend:
                 code="context_length_exceeded",
             )
         self.requests.append((request, stamp))
-        return FakeStream(request, stamp)
+        return FakeStream(request, stamp, token_delay_s=self.token_delay_s, fail_after=self.fail_after)
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        if not self.ready:
+            raise ServiceUnavailableError("The model is still loading; retry shortly")
+        return prompt_tokens(request)
 
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
         return await collect(await self.stream(request, stamp), request.n)

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from service.errors import GatewayError
 from service.vocabulary import FinishReason
 
 if TYPE_CHECKING:
@@ -14,6 +15,19 @@ if TYPE_CHECKING:
     from xmark_core import Message, ModelScores, WatermarkKey
 
 Role = Literal["system", "user", "assistant"]
+
+# Below this temperature a request is decoded greedily, as vLLM does (its _SAMPLING_EPS): dividing
+# the logits by a temperature this small overflows float32 and sampling from the result fails.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class BackendError(GatewayError):
+    """500 ``backend_error``: the model failed while generating (not the request's fault, and not a
+    passing outage either: the same request would likely fail again)."""
+
+    status_code = 500
+    type = "server_error"
+    code = "backend_error"
 
 
 @dataclass(frozen=True)
@@ -26,8 +40,10 @@ class ChatTurn:
 class GenerationRequest:
     """One chat completion request, already validated and normalised by the gateway.
 
-    ``temperature == 0`` means greedy decoding. ``seed`` makes sampling reproducible.
-    ``stop`` holds up to four strings; the completion is cut before the first one produced.
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy decoding. ``seed`` makes
+    sampling reproducible. ``stop`` holds up to four strings; the completion is cut before the first
+    one produced. ``user_id`` names the caller, so that a backend that queues work can share the
+    model fairly between users (None: a caller of its own, e.g. a benchmark calling the backend).
     """
 
     messages: tuple[ChatTurn, ...]
@@ -37,10 +53,11 @@ class GenerationRequest:
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    user_id: int | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -124,8 +141,16 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt's length in the served model's tokens, chat template included (what the
+        gateway checks against ``max_prompt_tokens`` and charges to a user's tokens per minute
+        before anything is queued). Raises ``ServiceUnavailableError`` while not ready."""
+        ...
+
     async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationStream:
-        """Validate and enqueue ``request``; the returned stream yields its deltas."""
+        """Validate and enqueue ``request``; the returned stream yields its deltas. A failure of
+        the model while generating surfaces from the stream as a ``GatewayError`` (``BackendError``
+        when the model itself failed), never as choices that look finished."""
         ...
 
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:

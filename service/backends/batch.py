@@ -1,7 +1,9 @@
 """Jobs waiting for the model, and the per-row bookkeeping of one batched ``generate`` call.
 
 A job is one request (``n`` rows with the same prompt). Jobs with the same sampling settings and
-watermark key share a batch; each row carries its own caller's message. ``RowTracker`` runs as a
+watermark key share a batch; each row carries its own caller's message. ``FairBacklog`` decides
+which waiting jobs run next: users take turns, so one user's queue of long jobs cannot hold back
+another user's job for more than the batch already running. ``RowTracker`` runs as a
 transformers stopping criterion: after every decoding step it detokenizes each row's new token,
 applies stop strings and per-row token limits, honours cancellation, sends the text deltas to the
 waiting client and tells ``generate`` which rows are finished.
@@ -13,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -38,9 +41,14 @@ class StreamEnd:
 
 @dataclass(frozen=True)
 class StreamFailure:
-    """Event: the generation failed; ``message`` is safe to show to the client."""
+    """Event: the generation failed; ``message`` is safe to show to the client.
+
+    ``retryable``: the backend could not take the job (shutting down), so another attempt may
+    succeed (503); otherwise the model failed while running it (500 ``backend_error``).
+    """
 
     message: str
+    retryable: bool = False
 
 
 StreamEvent = ChoiceDelta | StreamEnd | StreamFailure
@@ -67,6 +75,68 @@ class Job:
         request = self.request
         sampling = ("greedy",) if request.greedy else ("sample", request.temperature, request.top_p)
         return (*sampling, self.stamp.key.fingerprint)
+
+
+class FairBacklog:
+    """Generation jobs waiting for the model, one queue per user, served in turns.
+
+    ``next_batch`` starts a batch with the oldest job of the user whose turn it is (that user then
+    goes to the back of the rotation), and fills the rest of the batch taking one compatible job
+    per user per pass, in turn order. A user with many queued jobs thus gets the model as often as
+    a user with one, never all of it ahead of them. Jobs without a user (``user_id`` None: direct
+    callers such as benchmarks) share one queue, in arrival order.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[int | None, deque[Job]] = {}
+        self._turns: deque[int | None] = deque()  # users with waiting jobs, whose turn comes first first
+
+    def __len__(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
+    def __iter__(self) -> Iterator[Job]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def add(self, job: Job) -> None:
+        user = job.request.user_id
+        queue = self._queues.get(user)
+        if queue is None:
+            queue = self._queues[user] = deque()
+            self._turns.append(user)
+        queue.append(job)
+
+    def _take(self, user: int | None, job: Job) -> None:
+        queue = self._queues[user]
+        queue.remove(job)
+        if not queue:
+            del self._queues[user]
+            self._turns.remove(user)
+
+    def next_batch(self, max_rows: int) -> list[Job]:
+        """The jobs of the next ``generate`` call (at least one; none when nothing waits)."""
+        if not self._turns:
+            return []
+        user = self._turns[0]
+        first = self._queues[user][0]
+        self._take(user, first)
+        if user in self._queues:  # still has jobs: to the back of the rotation
+            self._turns.remove(user)
+            self._turns.append(user)
+        batch, rows, key = [first], first.rows, first.batch_key()
+        if key is None:
+            return batch
+        added = True
+        while added and rows < max_rows:
+            added = False
+            for other in list(self._turns):
+                job = next((j for j in self._queues[other] if j.batch_key() == key and rows + j.rows <= max_rows), None)
+                if job is not None:
+                    self._take(other, job)
+                    batch.append(job)
+                    rows += job.rows
+                    added = True
+        return batch
 
 
 def deliver_to_loop(
@@ -147,7 +217,8 @@ class RowTracker(StoppingCriteria):
         return cast("torch.BoolTensor", self._done.clone())  # _done: [rows] bool
 
     def cancel_unfinished(self) -> None:
-        """Close rows that ``generate`` left open (it stopped for a reason of its own)."""
+        """Close rows that ``generate`` left open when it returned (it stopped for a reason of its
+        own). Not after it raised: those rows failed, and must not look finished."""
         for row_number, row in enumerate(self._rows):
             if not row.done:
                 tail, stopped = row.stop_buffer.push(row.detokenizer.flush())

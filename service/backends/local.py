@@ -5,7 +5,9 @@ jobs from a queue, groups compatible ones into one batched ``generate`` call and
 of every row back to the event loop. The event loop never runs model code. Every row carries the
 XMark watermark of its own caller's message; nobody's output is left unmarked. ``/trace``'s
 scoring jobs (one forward pass over a suspect text) go through the same queue; those waiting
-together share one batched forward pass, ahead of the next generation.
+together share one batched forward pass, ahead of the next generation. Waiting generation jobs
+are taken in turns per user (``batch.FairBacklog``). A generation that fails ends its streams
+with ``BackendError``; the rows it had produced are not reported as finished.
 """
 
 from __future__ import annotations
@@ -16,20 +18,29 @@ import logging
 import os
 import queue
 import threading
-from collections import deque
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.backends.base import (
+    BackendError,
     ChoiceDelta,
     GenerationRequest,
     GenerationResult,
     WatermarkStamp,
     collect,
 )
-from service.backends.batch import Job, RowTracker, StreamEnd, StreamEvent, StreamFailure, deliver_to_loop
+from service.backends.batch import (
+    FairBacklog,
+    Job,
+    RowTracker,
+    StreamEnd,
+    StreamEvent,
+    StreamFailure,
+    deliver_to_loop,
+)
 from service.backends.scoring import score_texts
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
 from service.vocabulary import FinishReason
@@ -83,7 +94,9 @@ class LocalStream:
         event = await self._events.get()
         if isinstance(event, StreamFailure):
             self._open_choices = 0
-            raise UpstreamUnavailableError(event.message)
+            if event.retryable:
+                raise UpstreamUnavailableError(event.message)
+            raise BackendError(event.message)
         if isinstance(event, StreamEnd):
             self._open_choices = 0
             raise StopAsyncIteration
@@ -117,6 +130,8 @@ class LocalBackend:
         self._eos_ids: set[int] = set()
         self._context_length = 0
         self._running: list[Job] = []  # jobs of the batch on the model right now (worker thread)
+        # prompts encoded by count_prompt_tokens, reused by stream for the same request object
+        self._encoded: weakref.WeakKeyDictionary[GenerationRequest, list[int]] = weakref.WeakKeyDictionary()
         self._loaded = threading.Event()
         self._closing = threading.Event()
         self.load_error: str | None = None
@@ -214,12 +229,28 @@ class LocalBackend:
             encoded = encoded["input_ids"]
         return [int(token) for token in encoded]
 
-    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> LocalStream:
+    def _check_ready(self) -> None:
         if not self.ready:
             if self.load_error is not None:
                 raise ServiceUnavailableError("The model backend is unavailable", code="backend_failed")
             raise ServiceUnavailableError("The model is still loading; retry shortly")
-        prompt_ids = await asyncio.to_thread(self._encode_prompt, request)
+
+    async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        ids = self._encoded.get(request)
+        if ids is None:
+            ids = await asyncio.to_thread(self._encode_prompt, request)
+            self._encoded[request] = ids
+        return ids
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Encodes the prompt off the event loop; ``stream`` of the same request reuses the ids."""
+        self._check_ready()
+        return len(await self._prompt_ids(request))
+
+    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> LocalStream:
+        self._check_ready()
+        prompt_ids = await self._prompt_ids(request)
+        self._encoded.pop(request, None)
         if len(prompt_ids) + request.max_tokens > self._context_length:
             raise InvalidRequestError(
                 f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
@@ -236,10 +267,7 @@ class LocalBackend:
         return await collect(await self.stream(request, stamp), request.n)
 
     async def score(self, token_ids: Sequence[int], top_k: int) -> ModelScores:
-        if not self.ready:
-            if self.load_error is not None:
-                raise ServiceUnavailableError("The model backend is unavailable", code="backend_failed")
-            raise ServiceUnavailableError("The model is still loading; retry shortly")
+        self._check_ready()
         if len(token_ids) > self._context_length:
             raise InvalidRequestError(
                 f"The text has {len(token_ids)} tokens; the model reads at most {self._context_length}",
@@ -256,9 +284,9 @@ class LocalBackend:
 
     # -- worker thread -----------------------------------------------------------------------
 
-    def _next_batch(self, backlog: deque[Job], scoring: list[ScoreJob]) -> list[Job] | list[ScoreJob] | None:
-        """Every waiting scoring job, or else the oldest job and every waiting job that may share
-        its ``generate`` call."""
+    def _next_batch(self, backlog: FairBacklog, scoring: list[ScoreJob]) -> list[Job] | list[ScoreJob] | None:
+        """Every waiting scoring job, or else the next generation batch (``FairBacklog``: the
+        oldest job of the user whose turn it is, and compatible jobs of users in turn)."""
         if not backlog and not scoring:
             first = self._inbox.get()
             if first is None:
@@ -266,7 +294,7 @@ class LocalBackend:
             if isinstance(first, ScoreJob):
                 scoring.append(first)
             else:
-                backlog.append(first)
+                backlog.add(first)
         while True:  # gather everything already waiting, without blocking
             try:
                 item = self._inbox.get_nowait()
@@ -278,28 +306,20 @@ class LocalBackend:
             if isinstance(item, ScoreJob):
                 scoring.append(item)
             else:
-                backlog.append(item)
+                backlog.add(item)
         if scoring:
             taken: list[ScoreJob] = []
             while scoring and (not taken or self._score_tokens([*taken, scoring[0]]) <= MAX_SCORE_BATCH_TOKENS):
                 taken.append(scoring.pop(0))
             return taken
-        first = backlog.popleft()
-        batch, rows, key = [first], first.rows, first.batch_key()
-        if key is not None:
-            for job in list(backlog):
-                if job.batch_key() == key and rows + job.rows <= self._max_batch_rows:
-                    backlog.remove(job)
-                    batch.append(job)
-                    rows += job.rows
-        return batch
+        return backlog.next_batch(self._max_batch_rows)
 
     @staticmethod
     def _score_tokens(jobs: Sequence[ScoreJob]) -> int:
         return len(jobs) * max(len(job.token_ids) for job in jobs)
 
     def _serve(self) -> None:
-        backlog: deque[Job] = deque()
+        backlog = FairBacklog()
         scoring: list[ScoreJob] = []
         while True:
             batch = self._next_batch(backlog, scoring)
@@ -323,6 +343,8 @@ class LocalBackend:
             try:
                 self._generate_batch(live)
             except Exception as exc:
+                # the client gets a 5xx (or an error event), and the record says error: never a
+                # completion cut short that looks finished
                 logger.exception("generation failed", extra={"error_type": type(exc).__name__})
                 for job in live:
                     job.deliver(StreamFailure("Generation failed in the model backend"))
@@ -335,7 +357,7 @@ class LocalBackend:
             if job.result.set_running_or_notify_cancel():
                 job.result.set_exception(ServiceUnavailableError("The model backend is shutting down"))
         else:
-            job.deliver(StreamFailure("The model backend is shutting down"))
+            job.deliver(StreamFailure("The model backend is shutting down", retryable=True))
 
     def _drain_on_shutdown(self) -> None:
         while True:
@@ -411,4 +433,4 @@ class LocalBackend:
             finally:
                 if seed is not None:
                     torch.seed()  # later unseeded requests must not be predictable
-                tracker.cancel_unfinished()
+        tracker.cancel_unfinished()  # only when generate returned: rows of a failed call failed

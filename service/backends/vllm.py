@@ -457,6 +457,22 @@ class VllmBackend:
 
     # -- requests ----------------------------------------------------------------------------
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt's tokens by the gateway's copy of the served checkpoint's tokenizer and chat
+        template (the workers apply the same), counted off the event loop; no worker round trip."""
+        tokenizer = self._tokenizer
+        if tokenizer is None or self._state.closed:
+            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
+        conversation = [{"role": turn.role, "content": turn.content} for turn in request.messages]
+
+        def count() -> int:
+            encoded: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+            if hasattr(encoded, "keys"):
+                encoded = encoded["input_ids"]
+            return len(encoded)
+
+        return await asyncio.to_thread(count)
+
     async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> VllmStream:
         if not self.ready:
             raise ServiceUnavailableError("The gateway is still starting; retry shortly")

@@ -1,14 +1,20 @@
-"""OpenAI-compatible chat completions and model listing: the HTTP side (JSON body, SSE stream)."""
+"""OpenAI-compatible chat completions and model listing: the HTTP side (JSON body, SSE stream).
+
+A client that disconnects stops its generation, streamed or not: the SSE response notices it
+while sending; a non-streamed request is generated in a task of its own while this side listens
+for the disconnect, and cancels the task when it comes (the choices are recorded as ``cancelled``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -20,6 +26,10 @@ from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelList
 from service.schemas.common import ERROR_RESPONSES
 from service.services.generation import CompletedChat, GenerationService, PreparedCompletion
+
+# the status logged for a request whose client went away before its response (nginx's convention);
+# nobody receives it
+CLIENT_CLOSED_REQUEST = 499
 
 router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)
 
@@ -89,8 +99,39 @@ async def sse_events(
 async def _generation(resources: ResourcesDep) -> GenerationService:
     # No request-wide unit of work: the generation record commits on its own.
     return GenerationService(
-        resources.generation_records, resources.settings, resources.backend, resources.keyring, resources.metrics
+        resources.generation_records,
+        resources.settings,
+        resources.backend,
+        resources.keyring,
+        resources.metrics,
+        admission=resources.admission,
     )
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has gone. The body has been read by now, so the server's next
+    message is ``http.disconnect`` (it blocks until then)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def complete_while_connected(
+    service: GenerationService, prepared: PreparedCompletion, receive: Receive
+) -> CompletedChat | None:
+    """``service.complete(prepared)``, cancelled if the client disconnects first (then None)."""
+    work = asyncio.ensure_future(service.complete(prepared))
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():  # the client left, or this request was cancelled: stop generating
+            work.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({work})  # its choices are recorded as cancelled meanwhile
+    if work.cancelled():
+        return None
+    return work.result()
 
 
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
@@ -112,11 +153,14 @@ async def list_models(_: PrincipalDep, service: GenerationDep) -> ModelList:
     },
 )
 async def create_chat_completion(
-    body: ChatCompletionRequest, principal: PrincipalDep, service: GenerationDep
-) -> CompletionResponse | EventSourceResponse:
+    body: ChatCompletionRequest, principal: PrincipalDep, service: GenerationDep, request: Request
+) -> Response:
     prepared = service.prepare(principal, body)
     if not body.stream:
-        return CompletionResponse.of(await service.complete(prepared))
+        completed = await complete_while_connected(service, prepared, request.receive)
+        if completed is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return CompletionResponse.of(completed)
     stream = await service.open_stream(prepared)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     events = sse_events(service, prepared, stream, include_usage=include_usage)
