@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke
+.PHONY: run lint format test test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -72,6 +72,11 @@ test-fast: venv check-postgres
 
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json
+
+# A gateway through a database outage and a hang on a PostgreSQL server of its own (not CI);
+# prints one JSON object: records_missing and records_duplicated must be 0.
+soak: venv model
+	$(BIN)/python -m benchmarks.soak
 
 bench-core: venv
 	$(BIN)/python -m xmark_core.bench --json

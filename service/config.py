@@ -158,9 +158,32 @@ class Settings(BaseSettings):
                 raise ValueError("every worker URL must start with http:// or https://")
         return value
 
-    @field_validator("vllm_timeout_s", "vllm_health_interval_s")
+    @field_validator(
+        "vllm_timeout_s", "vllm_health_interval_s", "database_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"
+    )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("user_max_parallel_requests", "user_requests_per_minute", "user_tokens_per_minute")
+    @classmethod
+    def _limit_or_unlimited(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be zero (unlimited) or positive")
+        return value
+
+    @field_validator("max_queued_requests", "max_prompt_tokens")
+    @classmethod
+    def _positive_admission_count(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    @field_validator("request_timeout_s", "redis_timeout_s")
+    @classmethod
+    def _positive_admission_seconds(cls, value: float) -> float:
         if not value > 0:
             raise ValueError("must be a positive number of seconds")
         return value
@@ -193,14 +216,14 @@ class Settings(BaseSettings):
             raise ValueError("must be between 0 and 1000 milliseconds")
         return value
 
-    @field_validator("auth_cache_ttl_s")
+    @field_validator("auth_cache_ttl_s", "auth_negative_cache_ttl_s")
     @classmethod
     def _not_negative_seconds(cls, value: float) -> float:
         if not value >= 0:
             raise ValueError("must be zero (disabled) or a positive number of seconds")
         return value
 
-    @field_validator("auth_cache_size", "max_batch_size", "workers")
+    @field_validator("auth_cache_size", "max_batch_size", "workers", "max_header_bytes", "max_connections")
     @classmethod
     def _positive_count(cls, value: int) -> int:
         if value <= 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -49,9 +49,32 @@ class Metrics:
             ["finish_reason"],
             registry=self.registry,
         )
-        self.generation_record_failures = Counter(
-            "xmark_generation_record_failures",
-            "Completions whose generations rows could not be written (after retries); each is logged.",
+        # generation records: spooled when the database does not take them, drained into it
+        # later; dropped only when the spool fails too (each is logged; alert on any)
+        self.generation_records_spooled = Counter(
+            "xmark_generation_records_spooled",
+            "Generation rows written to the local spool because the database did not take them.",
+            registry=self.registry,
+        )
+        self.generation_records_drained = Counter(
+            "xmark_generation_records_drained",
+            "Spooled generation rows written into the database.",
+            registry=self.registry,
+        )
+        self.generation_records_dropped = Counter(
+            "xmark_generation_records_dropped",
+            "Generation rows neither the database nor the spool took, or the database refused; each is logged.",
+            registry=self.registry,
+        )
+        self.generation_records_waiting = Gauge(
+            "xmark_generation_records_spool_rows",
+            "Generation rows waiting in the local spool (the spool file is shared by a host's processes).",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.database_unavailable = Counter(
+            "xmark_database_unavailable",
+            "Requests answered 503 database_unavailable (the database was down, hung or saturated).",
             registry=self.registry,
         )
         self.trace_verdicts = Counter(
@@ -64,6 +87,23 @@ class Metrics:
             "xmark_trace_decoders",
             "Trace requests by the decoder that decided (counting or likelihood).",
             ["decoder"],
+            registry=self.registry,
+        )
+        self.admission_refusals = Counter(
+            "xmark_admission_refusals",
+            "Chat requests refused with 429, by the limit reached "
+            "(queue, max_parallel_requests, requests_per_minute, tokens_per_minute).",
+            ["limit"],
+            registry=self.registry,
+        )
+        self.admission_redis_errors = Counter(
+            "xmark_admission_redis_errors",
+            "Redis calls of the admission limits that failed or timed out.",
+            registry=self.registry,
+        )
+        self.admission_redis_fallbacks = Counter(
+            "xmark_admission_redis_fallbacks",
+            "Admission decisions made with this process's own counters because Redis was unavailable.",
             registry=self.registry,
         )
 

@@ -20,11 +20,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from service.backends import Backend, build_backend
 from service.config import ConfigurationError, Settings, load_secrets
 from service.db import RowWriter, create_engine, create_sessionmaker, session_scope
+from service.db.spool import SpooledWriter, open_generation_records
 from service.errors import ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
 from service.security import ApiKeyHasher, parse_api_key
+from service.services.admission import Admission, open_admission
 from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
 from service.services.bootstrap import ensure_first_admin
@@ -43,7 +45,8 @@ class Resources:
     settings: Settings
     engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
-    generation_records: RowWriter
+    # generation records: the database, or a local spool drained into it
+    generation_records: SpooledWriter
     trace_records: RowWriter
     metrics: Metrics
     keyring: Keyring
@@ -57,6 +60,8 @@ class Resources:
     secrets_can_generate: bool
     # the start-up simulation of /trace's null distributions (None when switched off)
     trace_null_warmer: asyncio.Task[None] | None
+    # chat requests' admission: the backend's queue bound and the per-user limits
+    admission: Admission
 
 
 async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
@@ -142,22 +147,29 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         engine = create_engine(settings)
         stack.push_async_callback(engine.dispose)
         sessionmaker = create_sessionmaker(engine)
-        generation_records = RowWriter(sessionmaker, Generation.__table__)  # type: ignore[arg-type]  # a Table
-        stack.push_async_callback(generation_records.close)
         trace_records = RowWriter(sessionmaker, Trace.__table__)  # type: ignore[arg-type]  # a Table
         stack.push_async_callback(trace_records.close)
         metrics = Metrics()
+        # closed after the backend: records of the generations it ends are flushed (or spooled)
+        generation_records = await stack.enter_async_context(
+            open_generation_records(settings, sessionmaker, Generation.__table__, metrics)  # type: ignore[arg-type]
+        )
         params = params_from_settings(settings)
         keyring = Keyring(params, secrets.watermark)
         await sync_keyring(keyring, sessionmaker)
         hasher = ApiKeyHasher(secrets.api_key_pepper)
         authenticator = Authenticator(
-            sessionmaker, hasher, AuthCache(settings.auth_cache_ttl_s, settings.auth_cache_size)
+            sessionmaker,
+            hasher,
+            AuthCache(
+                settings.auth_cache_ttl_s, settings.auth_cache_size, refusal_ttl=settings.auth_negative_cache_ttl_s
+            ),
         )
         await bootstrap_admin(settings, sessionmaker, params, hasher)
         backend = build_backend(settings, metrics)
         stack.push_async_callback(backend.close)
         await backend.start()
+        admission = await stack.enter_async_context(open_admission(settings, metrics))
         if settings.keyring_refresh_seconds > 0:
             _background(
                 stack,
@@ -185,4 +197,5 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             secret_values=secret_values,
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,
+            admission=admission,
         )

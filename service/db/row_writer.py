@@ -8,9 +8,29 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy import Table, insert
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.sql.dml import Insert
 
 from service.db.engine import execute_committed
+
+_Batch = list[tuple[Sequence[Mapping[str, Any]], asyncio.Future[None]]]
+
+
+def _fail(batch: _Batch, exc: BaseException, *, skip: asyncio.Future[None]) -> None:
+    """Fail the futures of ``batch`` still waiting (but ``skip``, whose caller raises ``exc`` itself)."""
+    failure = exc if isinstance(exc, Exception) else ConnectionError("write interrupted")
+    for _, future in batch:
+        if future is not skip and not future.done():
+            future.set_exception(failure)
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether the database refused the rows themselves (a constraint, a bad value): writing them
+    again cannot succeed, unlike after a timeout or a lost connection."""
+    return isinstance(exc, (asyncpg.IntegrityConstraintViolationError, asyncpg.DataError, IntegrityError, DataError))
 
 
 class RowWriter:
@@ -26,6 +46,11 @@ class RowWriter:
 
     Anywhere else (SQLite, another driver, or a sessionmaker bound to a connection whose outer
     transaction owns the writes) each write is an ``execute_committed`` unit of work.
+
+    ``conflict``: the columns of a unique key of the table. A row whose key is already stored is
+    skipped (``ON CONFLICT (...) DO NOTHING``, PostgreSQL and SQLite), so a write may be repeated
+    safely: a retry after a timeout whose first attempt did commit, a spooled row drained again.
+    ``timeout_s`` bounds connecting and each statement.
     """
 
     def __init__(
@@ -34,15 +59,17 @@ class RowWriter:
         table: Table,
         *,
         timeout_s: float = 10.0,
+        conflict: Sequence[str] | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._table = table
         self._timeout_s = timeout_s
+        self._conflict = list(conflict) if conflict is not None else None
         self._engine: AsyncEngine | None = None
         self._connection: asyncpg.Connection | None = None
         self._statements: dict[tuple[str, ...], tuple[str, list[tuple[str, Any]]]] = {}
         self._lock = asyncio.Lock()
-        self._pending: list[tuple[Sequence[Mapping[str, Any]], asyncio.Future[None]]] = []
+        self._pending: _Batch = []
 
     @property
     def direct(self) -> bool:
@@ -58,9 +85,10 @@ class RowWriter:
         """
         if not rows:
             return
-        bind = self._sessionmaker.kw.get("bind")
+        bind = self._sessionmaker.kw["bind"]
         if not self.direct:
-            await execute_committed(self._sessionmaker, insert(self._table), rows)
+            # an engine, or a connection an outer transaction owns: both know their dialect
+            await execute_committed(self._sessionmaker, self._insert_statement(bind.dialect), rows)
             return
         assert isinstance(bind, AsyncEngine)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -72,22 +100,55 @@ class RowWriter:
                 batch, self._pending = self._pending, []
                 try:
                     await self._insert(bind, [row for batch_rows, _ in batch for row in batch_rows])
+                except asyncpg.PostgresError:
+                    if len(batch) == 1:
+                        raise
+                    # the server refused a row (the statement is atomic: none was stored): each
+                    # caller's rows alone, so that only the refused rows' caller fails
+                    await self._insert_each(bind, batch, done)
                 except BaseException as exc:
-                    failure = exc if isinstance(exc, Exception) else ConnectionError("write interrupted")
-                    for _, future in batch:
-                        if future is not done:
-                            future.set_exception(failure)
+                    _fail(batch, exc, skip=done)
                     raise  # this caller's own rows: ``exc`` itself
-                for _, future in batch:
-                    future.set_result(None)
+                else:
+                    for _, future in batch:
+                        if not future.done():  # a caller cancelled while it waited has cancelled its future
+                            future.set_result(None)
         await done
+
+    async def _insert_each(self, engine: AsyncEngine, batch: _Batch, own: asyncio.Future[None]) -> None:
+        """Write each caller's rows of ``batch`` in a statement of its own; a refusal fails only
+        its caller (``own``, the leader's, included: it awaits its future next)."""
+        for position, (rows, future) in enumerate(batch):
+            try:
+                await self._insert(engine, list(rows))
+            except asyncpg.PostgresError as refusal:
+                if not future.done():
+                    future.set_exception(refusal)
+            except BaseException as exc:
+                _fail(batch[position:], exc, skip=own)
+                raise
+            else:
+                if not future.done():
+                    future.set_result(None)
+
+    def _insert_statement(self, dialect: Dialect) -> Insert:
+        """INSERT into the table; with a conflict key, one that skips rows already stored."""
+        if self._conflict is None:
+            return insert(self._table)
+        if dialect.name == "postgresql":
+            return postgresql.insert(self._table).on_conflict_do_nothing(index_elements=self._conflict)
+        if dialect.name == "sqlite":
+            return sqlite.insert(self._table).on_conflict_do_nothing(index_elements=self._conflict)
+        raise NotImplementedError(f"no idempotent INSERT for the {dialect.name} dialect")
 
     def _statement(self, engine: AsyncEngine, keys: tuple[str, ...]) -> tuple[str, list[tuple[str, Any]]]:
         """The INSERT for rows with ``keys`` in the server's syntax, with each column's bind
         processing (compiled once per set of keys)."""
         statement = self._statements.get(keys)
         if statement is None:
-            compiled = insert(self._table).compile(dialect=engine.dialect, column_keys=list(keys), for_executemany=True)
+            compiled = self._insert_statement(engine.dialect).compile(
+                dialect=engine.dialect, column_keys=list(keys), for_executemany=True
+            )
             order = list(compiled.positiontup or ())
             missing = sorted(set(order) - set(keys))
             if missing:

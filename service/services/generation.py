@@ -10,18 +10,22 @@ The rows of a completion are written by one INSERT committed on its own (``RowWr
 PostgreSQL a prepared statement over a connection kept for these writes), issued only once the
 text exists: no transaction stays open while the model generates. They are written
 as the response ends, however it ends (sent, client gone, request cancelled): a non-streamed
-completion is sent as soon as it exists, a stream as it is generated. A write that fails is
-retried, then counted and logged; a non-streamed completion's rows first linger
-``record_linger_ms`` (group commit). With ``record_before_response`` a non-streamed completion is
-sent only once its rows have committed (one database round trip more before the text).
+completion is sent as soon as it exists, a stream as it is generated. The insert skips a
+(request id, choice index) already stored, so a record is never written twice; one the database
+does not take in time goes to the local spool and is drained into the database when it answers
+again (``service.db.spool``). A non-streamed completion's rows first linger ``record_linger_ms``
+(group commit). With ``record_before_response`` a completion is sent (a stream: its ``[DONE]``)
+only once its rows are durable, in the database or the spool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -32,17 +36,20 @@ import anyio
 
 from service.backends.base import (
     ChatTurn,
+    ChoiceDelta,
     ChoiceResult,
     GenerationRequest,
     GenerationResult,
     GenerationStream,
     WatermarkStamp,
 )
-from service.db import RowWriter
+from service.db.spool import RecordNotDurable, SpooledWriter
 from service.errors import (
+    DatabaseUnavailableError,
     GatewayError,
     InvalidRequestError,
     NotFoundError,
+    RequestTimeoutError,
     ServiceUnavailableError,
 )
 from service.models import utcnow
@@ -59,6 +66,7 @@ from service.schemas.chat import (
     Usage,
 )
 from service.schemas.common import Principal
+from service.services.admission import Admission, Ticket
 from service.vocabulary import FinishReason
 from xmark_core import Message
 
@@ -71,10 +79,6 @@ if TYPE_CHECKING:
 OWNED_BY = "xmark-gateway"
 
 logger = logging.getLogger("xmark.generation")
-
-# Pauses before the second and third attempt at writing the rows of a completion already sent
-# (a restarting database, a dropped pooled connection). The last failure is counted and logged.
-RECORD_RETRY_PAUSES_S = (0.2, 1.0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,63 @@ class PreparedCompletion:
     stamp: WatermarkStamp
     key_version_id: int
     principal: Principal
+    # time.monotonic() by which the request must have finished (request_timeout_s after prepare)
+    deadline: float = math.inf
+
+
+class AdmittedStream:
+    """A backend stream the gateway admitted: it enforces the request's deadline and gives the
+    admission ticket back (slots freed, token reservation corrected to the tokens used) as soon
+    as the stream ends, fails, times out or is cancelled.
+
+    Past the deadline the backend is told to stop and the next read raises ``RequestTimeoutError``
+    (504; a stream sends it as its error event); the choices still open are recorded as ``error``:
+    the client got an error, not a completion.
+    """
+
+    def __init__(self, inner: GenerationStream, ticket: Ticket, deadline: float, timeout_s: float, n: int) -> None:
+        self._inner = inner
+        self._ticket = ticket
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._tokens = [0] * n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._inner.prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value: int) -> None:
+        self._inner.prompt_tokens = value
+
+    def __aiter__(self) -> AdmittedStream:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        deadline = asyncio.timeout(max(0.0, self._deadline - time.monotonic()))
+        try:
+            async with deadline:
+                delta = await anext(self._inner)
+        except TimeoutError:
+            self._end()
+            if not deadline.expired():
+                raise
+            self._inner.cancel()
+            raise RequestTimeoutError(
+                f"The request did not finish within {self._timeout_s:g} seconds", code="request_timeout"
+            ) from None
+        except BaseException:  # the end, a failure, or the reader was cancelled
+            self._end()
+            raise
+        self._tokens[delta.index] = delta.completion_tokens
+        return delta
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+        self._end()
+
+    def _end(self) -> None:
+        self._ticket.release(self.prompt_tokens + sum(self._tokens))
 
 
 def _sha256(text: str) -> str:
@@ -113,17 +174,20 @@ def _sha256(text: str) -> str:
 class GenerationService:
     def __init__(
         self,
-        records: RowWriter,
+        records: SpooledWriter,
         settings: Settings,
         backend: Backend,
         keyring: Keyring,
         metrics: Metrics,
+        admission: Admission | None = None,
     ) -> None:
         self._records = records
         self._settings = settings
         self._backend = backend
         self._keyring = keyring
         self._metrics = metrics
+        # None: an admission point of this service's own (tests that build the service directly)
+        self._admission = admission if admission is not None else Admission(settings, metrics)
 
     # -- models ------------------------------------------------------------------------------
 
@@ -179,6 +243,7 @@ class GenerationService:
             n=body.n or 1,
             stop=body.stop_strings(),
             seed=body.seed,
+            user_id=principal.user_id,
         )
         return PreparedCompletion(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -188,6 +253,7 @@ class GenerationService:
             stamp=WatermarkStamp(handle.key, message, handle.name),
             key_version_id=handle.id,
             principal=principal,
+            deadline=time.monotonic() + self._settings.request_timeout_s,
         )
 
     # -- recording ---------------------------------------------------------------------------
@@ -201,7 +267,13 @@ class GenerationService:
         streamed: bool,
         linger_s: float = 0.0,
     ) -> None:
-        """Write one generations row per choice (one INSERT, committed before this returns)."""
+        """Make one generations row per choice durable before this returns: committed in the
+        database, or else in the local spool (drained into the database later).
+
+        Raises ``RecordNotDurable`` when neither took them: counted as dropped
+        (``xmark_generation_records_dropped_total``) and logged at ERROR with what identifies the
+        completion; never its text, its hash or the database's message (which may quote the row).
+        """
         retain = self._settings.retain_completions
         created_at = utcnow()
         rows = [
@@ -221,13 +293,42 @@ class GenerationService:
             }
             for choice in choices
         ]
-        await self._records.write(rows, linger_s=linger_s)
+        try:
+            await self._records.write(rows, linger_s=linger_s)
+        except RecordNotDurable as exc:
+            logger.error(
+                "generation record not written",
+                extra={
+                    "request_id": prepared.request_id,
+                    "user_id": prepared.principal.user_id,
+                    "key_version_id": prepared.key_version_id,
+                    "model": prepared.model,
+                    "streamed": streamed,
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": [choice.completion_tokens for choice in choices],
+                    "finish_reasons": [row["finish_reason"] for row in rows],
+                    "error_type": exc.error_type,
+                },
+            )
+            raise
         for row in rows:
             self._metrics.generations.labels(finish_reason=row["finish_reason"]).inc()
         self._metrics.tokens_generated.labels(kind="prompt").inc(prompt_tokens)
         self._metrics.tokens_generated.labels(kind="completion").inc(
             sum(choice.completion_tokens for choice in choices)
         )
+
+    async def _record_durably(
+        self, prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult], *, streamed: bool
+    ) -> None:
+        """``_record`` for a response that waits for its record (``record_before_response``):
+        finished even if the request is cancelled meanwhile; raises ``DatabaseUnavailableError``
+        (503) when the rows are not durable, so the completion is not sent."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._record(prepared, prompt_tokens, choices, streamed=streamed)
+            except RecordNotDurable:
+                raise DatabaseUnavailableError("The completion could not be recorded; retry shortly") from None
 
     # -- non-streamed ------------------------------------------------------------------------
 
@@ -240,53 +341,51 @@ class GenerationService:
         streamed: bool,
         linger_s: float = 0.0,
     ) -> None:
-        """Write the rows of a completion whose response has gone out; never raises.
+        """Write the rows of a completion whose response has gone out (or is going); never raises.
 
         ``linger_s`` (non-streamed completions: ``record_linger_ms``) delays the first attempt so
         that the write does not compete with the client and the next request, and rows of
         completions finishing meanwhile share its commit. A stream's rows are written at once:
-        its response ends only after them.
-
-        A failed write is retried after each of ``RECORD_RETRY_PAUSES_S``. If it still fails the
-        failure is counted (``xmark_generation_record_failures_total``) and logged at ERROR with
-        what identifies the completion; never its text, its hash or the database's message (which
-        may quote the row).
+        its response ends only after them. A record that is not durable is counted and logged
+        by ``_record``.
         """
-        attempts = 0
-        for pause in (*RECORD_RETRY_PAUSES_S, None):
-            attempts += 1
-            try:
-                await self._record(prepared, prompt_tokens, choices, streamed=streamed, linger_s=linger_s)
-                return
-            except Exception as exc:
-                error_type = type(exc).__name__
-            linger_s = 0.0  # retries go at once after their pause
-            if pause is not None:
-                await asyncio.sleep(pause)
-        self._metrics.generation_record_failures.inc()
-        logger.error(
-            "generation record not written",
-            extra={
-                "request_id": prepared.request_id,
-                "user_id": prepared.principal.user_id,
-                "key_version_id": prepared.key_version_id,
-                "model": prepared.model,
-                "streamed": streamed,
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": [choice.completion_tokens for choice in choices],
-                "finish_reasons": [choice.finish_reason or FinishReason.CANCELLED for choice in choices],
-                "attempts": attempts,
-                "error_type": error_type,
-            },
-        )
+        with contextlib.suppress(RecordNotDurable):  # counted and logged
+            await self._record(prepared, prompt_tokens, choices, streamed=streamed, linger_s=linger_s)
+
+    async def _generate(self, prepared: PreparedCompletion) -> GenerationResult:
+        """Admit and run a non-streamed generation to its end.
+
+        If it does not end normally, the backend is told to stop and what was generated is
+        recorded before the exception propagates: ``cancelled`` when this coroutine was cancelled
+        (the client went away), ``error`` for a backend failure or the deadline (the client gets
+        a 5xx). Refusals before anything was queued (limits, validation) record nothing.
+        """
+        stream = await self.open_stream(prepared)
+        choices = [ChoiceResult(i) for i in range(prepared.request.n)]
+        try:
+            async for delta in stream:
+                choice = choices[delta.index]
+                choice.text += delta.text
+                choice.completion_tokens = delta.completion_tokens
+                if delta.finish_reason is not None:
+                    choice.finish_reason = delta.finish_reason
+        except BaseException as exc:
+            stream.cancel()
+            reason = FinishReason.CANCELLED if isinstance(exc, asyncio.CancelledError) else FinishReason.ERROR
+            for choice in choices:
+                choice.finish_reason = choice.finish_reason or reason
+            with anyio.CancelScope(shield=True):
+                await self._record_after_response(prepared, stream.prompt_tokens, choices, streamed=False)
+            raise
+        return GenerationResult(prompt_tokens=stream.prompt_tokens, choices=choices)
 
     async def complete(self, prepared: PreparedCompletion) -> CompletedChat:
         started = time.perf_counter()
-        result: GenerationResult = await self._backend.generate(prepared.request, prepared.stamp)
+        result = await self._generate(prepared)
         model_ms = (time.perf_counter() - started) * 1000
         completion = self._completion(prepared, result)
         if self._settings.record_before_response:
-            await self._record(prepared, result.prompt_tokens, result.choices, streamed=False)
+            await self._record_durably(prepared, result.prompt_tokens, result.choices, streamed=False)
             return CompletedChat(completion, model_ms)
         after = functools.partial(
             self._record_after_response,
@@ -323,8 +422,36 @@ class GenerationService:
     # -- streamed ----------------------------------------------------------------------------
 
     async def open_stream(self, prepared: PreparedCompletion) -> GenerationStream:
-        """Enqueue the generation; errors (not ready, context too long) surface here, before any byte is sent."""
-        return await self._backend.stream(prepared.request, prepared.stamp)
+        """Admit and enqueue the generation; refusals (prompt too long, a limit reached, not
+        ready) surface here, before anything is queued or any byte is sent.
+
+        The prompt is counted in the model's tokens (chat template included) and refused past
+        ``max_prompt_tokens``; then the admission point takes a queue slot and the caller's
+        allowances, reserving prompt + n x max_tokens tokens (``services.admission``).
+        """
+        request = prepared.request
+        prompt_tokens = await self._backend.count_prompt_tokens(request)
+        limit = self._settings.max_prompt_tokens
+        if prompt_tokens > limit:
+            raise InvalidRequestError(
+                f"The prompt has {prompt_tokens} tokens; the limit is {limit}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        ticket = await self._admission.admit(prepared.principal, prompt_tokens + request.n * request.max_tokens)
+        timeout_s = self._settings.request_timeout_s
+        try:
+            async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())) as deadline:
+                stream = await self._backend.stream(request, prepared.stamp)
+        except TimeoutError:
+            ticket.release(0)
+            if not deadline.expired():
+                raise
+            raise RequestTimeoutError(f"The request did not finish within {timeout_s:g} seconds") from None
+        except BaseException:
+            ticket.release(0)  # nothing was generated: the tokens are not charged
+            raise
+        return AdmittedStream(stream, ticket, prepared.deadline, timeout_s, request.n)
 
     @staticmethod
     def _chunk(
@@ -340,35 +467,48 @@ class GenerationService:
         """The chunks of a streamed completion, then ``EndOfStream``; a backend failure midway is
         yielded as the error (the last item) for the client to receive in-band.
 
+        Each chunk holds one entry per choice index, as OpenAI's do: a choice's last text and
+        its finish reason travel in the same entry (a finish reason alone: an empty delta).
+
         The generation is recorded when the stream ends for any reason (close this generator when
         the client leaves: ``contextlib.aclosing``); the backend is then told to stop and the
-        record holds what was sent.
+        record holds what was sent. With ``record_before_response`` the rows of a stream that
+        ran to its end (or failed) are durable before ``EndOfStream`` (the client's ``[DONE]``)
+        or the error is yielded; rows that cannot be made durable end the stream with a
+        ``database_unavailable`` error instead of ``[DONE]``.
         """
         n = prepared.request.n
         tally = [ChoiceResult(i) for i in range(n)]
+        recorded = False
         try:
             yield self._chunk(
                 prepared, [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(n)]
             )
             try:
                 async for delta in stream:
-                    choices = []
-                    if delta.text:
-                        choices.append(ChunkChoice(index=delta.index, delta=ChunkDelta(content=delta.text)))
-                    if delta.finish_reason is not None:
-                        choices.append(
-                            ChunkChoice(index=delta.index, delta=ChunkDelta(), finish_reason=delta.finish_reason)
+                    if delta.text or delta.finish_reason is not None:
+                        entry = ChunkChoice(
+                            index=delta.index,
+                            delta=ChunkDelta(content=delta.text) if delta.text else ChunkDelta(),
+                            finish_reason=delta.finish_reason,
                         )
-                    if choices:
-                        yield self._chunk(prepared, choices)
+                        yield self._chunk(prepared, [entry])
                     choice = tally[delta.index]
                     choice.text += delta.text
                     choice.completion_tokens = delta.completion_tokens
-                    choice.finish_reason = delta.finish_reason
+                    if delta.finish_reason is not None:
+                        choice.finish_reason = delta.finish_reason
             except GatewayError as error:  # the backend failed midway: tell the client in-band
                 for choice in tally:
                     choice.finish_reason = choice.finish_reason or FinishReason.ERROR
-                yield error
+                told: GatewayError = error
+                if self._settings.record_before_response:
+                    recorded = True
+                    try:
+                        await self._record_durably(prepared, stream.prompt_tokens, tally, streamed=True)
+                    except DatabaseUnavailableError as unrecorded:
+                        told = unrecorded
+                yield told
                 return
             if include_usage:
                 completion_tokens = sum(c.completion_tokens for c in tally)
@@ -378,8 +518,16 @@ class GenerationService:
                     total_tokens=stream.prompt_tokens + completion_tokens,
                 )
                 yield self._chunk(prepared, [], usage)
+            if self._settings.record_before_response:
+                recorded = True
+                try:
+                    await self._record_durably(prepared, stream.prompt_tokens, tally, streamed=True)
+                except DatabaseUnavailableError as unrecorded:
+                    yield unrecorded
+                    return
             yield EndOfStream()
         finally:
             stream.cancel()  # no-op when the generation already finished
-            with anyio.CancelScope(shield=True):
-                await self._record_after_response(prepared, stream.prompt_tokens, tally, streamed=True)
+            if not recorded:
+                with anyio.CancelScope(shield=True):
+                    await self._record_after_response(prepared, stream.prompt_tokens, tally, streamed=True)

@@ -1,7 +1,8 @@
 """What a client is told has happened is committed: checked from a separate connection at the
 moment the response starts, against the real app with nothing rolled back. Generation records,
 which the client is not told about, are written as the response ends (before it, when
-``record_before_response`` is set), and a record that cannot be written is counted and logged.
+``record_before_response`` is set); a record the database cannot take is spooled and drained
+later, and one the spool cannot take either is counted and logged.
 
 These tests do not use the rolled-back ``db_connection``: the app's sessions commit for real, so
 every row they create is deleted again at the end.
@@ -24,6 +25,8 @@ from sqlalchemy.pool import NullPool
 from starlette.types import Message, Receive, Scope, Send
 
 from service.db import RowWriter, create_sessionmaker, session_scope
+from service.db.spool import GENERATION_KEY, RecordSpool, SpooledWriter
+from service.errors import DatabaseUnavailableError
 from service.models import ApiKey, Generation, MessageId, Trace, User
 from service.routers.chat import CompletionResponse
 from service.schemas.chat import ChatCompletionRequest
@@ -149,23 +152,26 @@ async def test_with_record_before_response_a_completion_is_committed_before_its_
     assert seen_after == [2, 4, 6]
 
 
-async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logged(
-    app: Any,
-    committed_users: dict[str, tuple[int, str]],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+async def test_a_record_the_database_cannot_take_is_spooled_and_drained_when_it_is_back(
+    app: Any, observer: AsyncEngine, committed_users: dict[str, tuple[int, str]], tmp_path: Any
 ) -> None:
     """The database is really unreachable (a database that does not exist): the client still gets
-    its completion, and the lost record is counted and logged without its text or hash."""
+    its completion, its rows wait in the spool, and a writer on the real database drains them."""
     from service.services import generation
 
-    user_id, key = committed_users["user"]
-    monkeypatch.setattr(generation, "RECORD_RETRY_PAUSES_S", (0.01, 0.01))
+    _user_id, key = committed_users["user"]
     gone = create_async_engine(
         make_url(app.state.resources.settings.database_url).set(database="xmark_no_such_database"), poolclass=NullPool
     )
     principal = await app.state.resources.authenticator.authenticate(f"Bearer {key}")
-    records = RowWriter(create_sessionmaker(gone), Generation.__table__)
+    metrics = app.state.resources.metrics
+    spool_path = tmp_path / "spool.sqlite3"
+    records = SpooledWriter(
+        RowWriter(create_sessionmaker(gone), Generation.__table__, conflict=GENERATION_KEY),
+        RecordSpool(spool_path, Generation.__table__),
+        metrics,
+    )
+    await records.open()
     assert records.direct  # the PostgreSQL path: the writer's own connection cannot be opened
     service = generation.GenerationService(
         records,
@@ -175,10 +181,10 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
         app.state.resources.metrics,
     )
     body = ChatCompletionRequest.model_validate(
-        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2}
     )
-    failures = app.state.resources.metrics.generation_record_failures
-    before = failures._value.get()
+    spooled, dropped = metrics.generation_records_spooled, metrics.generation_records_dropped
+    before = (spooled._value.get(), dropped._value.get())
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -188,19 +194,96 @@ async def test_a_record_that_cannot_be_written_is_retried_then_counted_and_logge
         return {"type": "http.disconnect"}
 
     try:
+        response = CompletionResponse.of(await service.complete(service.prepare(principal, body)))
+        await response({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
+    finally:
+        await records.close(5.0)
+        await records.writer.close()
+        await gone.dispose()
+    assert sent[0]["status"] == 200
+    request_id = json.loads(sent[1]["body"])["id"]
+    assert (spooled._value.get(), dropped._value.get()) == (before[0] + 2, before[1])
+    rows = select(func.count()).select_from(Generation).where(Generation.request_id == request_id)
+    assert await _count(observer, rows) == 0
+
+    # the database is back: what the gateway's drainer does
+    back = SpooledWriter(
+        RowWriter(app.state.resources.sessionmaker, Generation.__table__, conflict=GENERATION_KEY),
+        RecordSpool(spool_path, Generation.__table__),
+        metrics,
+    )
+    await back.open()
+    try:
+        assert await back.drain() == 2
+    finally:
+        await back.close(5.0)
+        await back.writer.close()
+    assert await _count(observer, rows) == 2
+
+
+async def test_a_record_neither_the_database_nor_the_spool_takes_is_counted_and_logged(
+    app: Any,
+    committed_users: dict[str, tuple[int, str]],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Any,
+) -> None:
+    """Logged without the completion's text, hash or the database's message; with
+    ``record_before_response`` the client gets 503 instead of an unrecorded completion."""
+    from service.services import generation
+
+    user_id, key = committed_users["user"]
+    gone = create_async_engine(
+        make_url(app.state.resources.settings.database_url).set(database="xmark_no_such_database"), poolclass=NullPool
+    )
+    principal = await app.state.resources.authenticator.authenticate(f"Bearer {key}")
+    metrics = app.state.resources.metrics
+    records = SpooledWriter(
+        RowWriter(create_sessionmaker(gone), Generation.__table__, conflict=GENERATION_KEY),
+        RecordSpool(tmp_path / "spool.sqlite3", Generation.__table__),
+        metrics,
+    )
+    await records.open()
+    await records.spool.close()  # its disk is gone, say
+    settings = app.state.resources.settings
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    )
+    dropped = metrics.generation_records_dropped
+    before = dropped._value.get()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    try:
+        service = generation.GenerationService(
+            records, settings, app.state.resources.backend, app.state.resources.keyring, metrics
+        )
         with caplog.at_level(logging.ERROR, logger="xmark.generation"):
             response = CompletionResponse.of(await service.complete(service.prepare(principal, body)))
             await response({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
+        strict = generation.GenerationService(
+            records,
+            settings.model_copy(update={"record_before_response": True}),
+            app.state.resources.backend,
+            app.state.resources.keyring,
+            metrics,
+        )
+        with pytest.raises(DatabaseUnavailableError):
+            await strict.complete(strict.prepare(principal, body))
     finally:
-        await records.close()
+        await records.writer.close()
         await gone.dispose()
     assert sent[0]["status"] == 200
     completion = json.loads(sent[1]["body"])
     content = completion["choices"][0]["message"]["content"]
-    assert failures._value.get() == before + 1
-    [record] = [r for r in caplog.records if r.getMessage() == "generation record not written"]
+    assert dropped._value.get() == before + 2
+    [record, _] = [r for r in caplog.records if r.getMessage() == "generation record not written"]
     assert record.request_id == completion["id"] and record.user_id == user_id
-    assert record.attempts == 3 and record.completion_tokens == [completion["usage"]["completion_tokens"]]
+    assert record.completion_tokens == [completion["usage"]["completion_tokens"]]
     logged = json.dumps({k: str(v) for k, v in vars(record).items()})
     assert hashlib.sha256(content.encode()).hexdigest() not in logged
     assert "xmark_no_such_database" not in logged  # not the database's own message either

@@ -13,7 +13,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, text
+from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, UniqueConstraint, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
@@ -247,3 +247,131 @@ async def test_prepared_statements_are_kept_unless_the_url_switches_their_cache_
         await uncached.close()
         await pooler_friendly.dispose()
     assert [label for label, _, _ in await _stored(admin, table)] == ["cached", "uncached", "uncached again"]
+
+
+# -- idempotent writes: a conflict key skips rows already stored ------------------------------
+
+
+def _keyed(metadata: MetaData | None = None) -> Table:
+    return Table(
+        f"row_writer_keyed_{uuid.uuid4().hex[:8]}",
+        metadata or MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("request_id", String(64), nullable=False),
+        Column("choice_index", Integer, nullable=False),
+        Column("label", String(32), nullable=False),
+        Column("at", UTCDateTime(), nullable=False),
+        UniqueConstraint("request_id", "choice_index"),
+    )
+
+
+@pytest.fixture
+async def keyed_table(admin: AsyncEngine) -> AsyncIterator[Table]:
+    keyed = _keyed()
+    async with admin.begin() as connection:
+        await connection.run_sync(keyed.create)
+    try:
+        yield keyed
+    finally:
+        async with admin.begin() as connection:
+            await connection.run_sync(keyed.drop)
+
+
+def _choice(request_id: str, index: int, label: str = "x") -> dict[str, Any]:
+    return {"request_id": request_id, "choice_index": index, "label": label, "at": datetime.now(UTC)}
+
+
+async def _keys(engine: AsyncEngine, table: Table) -> list[tuple[str, int, str]]:
+    async with engine.connect() as connection:
+        result = await connection.execute(
+            text(f"SELECT request_id, choice_index, label FROM {table.name} ORDER BY request_id, choice_index")
+        )
+        return [tuple(row) for row in result]  # type: ignore[misc]
+
+
+async def test_with_a_conflict_key_writing_the_same_rows_again_stores_them_once(
+    engine: AsyncEngine, admin: AsyncEngine, keyed_table: Table
+) -> None:
+    writer = RowWriter(create_sessionmaker(engine), keyed_table, conflict=("request_id", "choice_index"))
+    try:
+        assert writer.direct
+        rows = [_choice("r1", 0, "first"), _choice("r1", 1, "first")]
+        await writer.write(rows)
+        # the retry of a write that timed out after its commit, a spooled row drained again
+        await writer.write([_choice("r1", 0, "again"), _choice("r1", 1, "again"), _choice("r2", 0)])
+        # two concurrent writes of one row share a statement: still one row
+        await asyncio.gather(writer.write([_choice("r3", 0, "a")]), writer.write([_choice("r3", 0, "b")]))
+    finally:
+        await writer.close()
+    stored = await _keys(admin, keyed_table)
+    assert [(r, i) for r, i, _ in stored] == [("r1", 0), ("r1", 1), ("r2", 0), ("r3", 0)]
+    assert [label for _, _, label in stored][:2] == ["first", "first"]  # the first write's rows are kept
+
+
+async def test_without_a_conflict_key_a_duplicate_is_refused(
+    engine: AsyncEngine, admin: AsyncEngine, keyed_table: Table
+) -> None:
+    """The traces table has no such key: its writer inserts plainly (and a unique violation would
+    be an error, not silently skipped)."""
+    writer = RowWriter(create_sessionmaker(engine), keyed_table)
+    try:
+        await writer.write([_choice("r1", 0)])
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await writer.write([_choice("r1", 0)])
+    finally:
+        await writer.close()
+    assert len(await _keys(admin, keyed_table)) == 1
+
+
+async def test_a_refused_row_fails_only_its_own_write_in_a_shared_statement(
+    engine: AsyncEngine, admin: AsyncEngine, keyed_table: Table, executemany_calls: list[int]
+) -> None:
+    writer = RowWriter(create_sessionmaker(engine), keyed_table, conflict=("request_id", "choice_index"))
+    try:
+        await writer.write([_choice("warm", 0)])
+        executemany_calls.clear()
+        bad = {"request_id": "bad", "choice_index": 0, "label": None, "at": datetime.now(UTC)}
+        results = await asyncio.gather(
+            writer.write([_choice("a", 0)], linger_s=0.05),
+            writer.write([bad], linger_s=0.05),
+            writer.write([_choice("b", 0), _choice("b", 1)], linger_s=0.05),
+            return_exceptions=True,
+        )
+    finally:
+        await writer.close()
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], asyncpg.NotNullViolationError)
+    assert executemany_calls[0] == 4  # they shared one statement first, then went one by one
+    assert [(r, i) for r, i, _ in await _keys(admin, keyed_table)] == [("a", 0), ("b", 0), ("b", 1), ("warm", 0)]
+
+
+async def test_sqlite_with_a_conflict_key_stores_each_row_once(tmp_path: Any) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine as create
+
+    keyed = _keyed()
+    engine = create(f"sqlite+aiosqlite:///{tmp_path / 'rows.db'}")
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(keyed.create)
+        writer = RowWriter(create_sessionmaker(engine), keyed, conflict=("request_id", "choice_index"))
+        assert not writer.direct
+        await writer.write([_choice("r1", 0), _choice("r1", 1)])
+        await writer.write([_choice("r1", 1), _choice("r2", 0)])
+        assert [(r, i) for r, i, _ in await _keys(engine, keyed)] == [("r1", 0), ("r1", 1), ("r2", 0)]
+    finally:
+        await engine.dispose()
+
+
+async def test_a_connection_bound_writer_with_a_conflict_key_skips_stored_rows(
+    engine: AsyncEngine, admin: AsyncEngine, keyed_table: Table
+) -> None:
+    async with engine.connect() as connection:
+        outer = await connection.begin()
+        sessionmaker = create_sessionmaker(engine)
+        sessionmaker.configure(bind=connection, join_transaction_mode="create_savepoint")
+        writer = RowWriter(sessionmaker, keyed_table, conflict=("request_id", "choice_index"))
+        await writer.write([_choice("r1", 0)])
+        await writer.write([_choice("r1", 0), _choice("r1", 1)])
+        async with session_scope(sessionmaker) as session:
+            assert await session.scalar(text(f"SELECT count(*) FROM {keyed_table.name}")) == 2
+        await outer.rollback()
