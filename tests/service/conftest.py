@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Table
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from service.config import Settings, parse_secret_entries
+from service.db import create_engine
 
 
 @pytest.fixture
@@ -21,3 +27,35 @@ def planted_secrets(settings: Settings) -> list[str]:
 def sqlite_url(tmp_path: Path) -> str:
     """A fresh file-backed SQLite database URL (embedded mode)."""
     return f"sqlite+aiosqlite:///{tmp_path / 'var' / 'xmark.db'}"
+
+
+@pytest.fixture
+async def admin(settings: Settings, migrated_database: str) -> AsyncIterator[AsyncEngine]:
+    """An engine of its own on the test database, outside the test's transaction (DDL, inspection)."""
+    engine = create_async_engine(settings.database_url, poolclass=NullPool)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def engine(settings: Settings, migrated_database: str) -> AsyncIterator[AsyncEngine]:
+    """The gateway's own engine (as ``create_engine`` configures it) on the test database."""
+    engine = create_engine(settings)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def scratch_table(admin: AsyncEngine, table: Table) -> AsyncIterator[Table]:
+    """``table`` created on the test database for one test, dropped afterwards."""
+    async with admin.begin() as connection:
+        await connection.run_sync(table.create)
+    try:
+        yield table
+    finally:
+        async with admin.begin() as connection:
+            await connection.run_sync(table.drop)

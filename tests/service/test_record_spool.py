@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, UniqueConstraint, text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from benchmarks.launch import free_port
 from service.config import Settings
@@ -26,6 +25,7 @@ from service.db import RowWriter, create_engine, create_sessionmaker
 from service.db.spool import GENERATION_KEY, RecordNotDurable, RecordSpool, SpooledWriter
 from service.metrics import Metrics
 from service.models import UTCDateTime
+from tests.service.conftest import scratch_table
 
 
 def _table() -> Table:
@@ -42,33 +42,9 @@ def _table() -> Table:
 
 
 @pytest.fixture
-async def admin(settings: Settings, migrated_database: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_async_engine(settings.database_url, poolclass=NullPool)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
-
-
-@pytest.fixture
 async def table(admin: AsyncEngine) -> AsyncIterator[Table]:
-    probe = _table()
-    async with admin.begin() as connection:
-        await connection.run_sync(probe.create)
-    try:
+    async with scratch_table(admin, _table()) as probe:
         yield probe
-    finally:
-        async with admin.begin() as connection:
-            await connection.run_sync(probe.drop)
-
-
-@pytest.fixture
-async def engine(settings: Settings, migrated_database: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(settings)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture

@@ -16,20 +16,11 @@ import pytest
 from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, UniqueConstraint, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import NullPool
 
 from service.config import Settings
-from service.db import RowWriter, create_engine, create_sessionmaker, session_scope
+from service.db import RowWriter, create_sessionmaker, session_scope
 from service.models import UTCDateTime
-
-
-@pytest.fixture
-async def admin(settings: Settings, migrated_database: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_async_engine(settings.database_url, poolclass=NullPool)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
+from tests.service.conftest import scratch_table
 
 
 @pytest.fixture
@@ -42,22 +33,8 @@ async def table(admin: AsyncEngine) -> AsyncIterator[Table]:
         Column("flag", Boolean, nullable=False),
         Column("at", UTCDateTime(), nullable=False),
     )
-    async with admin.begin() as connection:
-        await connection.run_sync(probe.create)
-    try:
-        yield probe
-    finally:
-        async with admin.begin() as connection:
-            await connection.run_sync(probe.drop)
-
-
-@pytest.fixture
-async def engine(settings: Settings, migrated_database: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(settings)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
+    async with scratch_table(admin, probe) as created:
+        yield created
 
 
 @pytest.fixture
@@ -267,14 +244,8 @@ def _keyed(metadata: MetaData | None = None) -> Table:
 
 @pytest.fixture
 async def keyed_table(admin: AsyncEngine) -> AsyncIterator[Table]:
-    keyed = _keyed()
-    async with admin.begin() as connection:
-        await connection.run_sync(keyed.create)
-    try:
+    async with scratch_table(admin, _keyed()) as keyed:
         yield keyed
-    finally:
-        async with admin.begin() as connection:
-            await connection.run_sync(keyed.drop)
 
 
 def _choice(request_id: str, index: int, label: str = "x") -> dict[str, Any]:
