@@ -28,6 +28,7 @@ from service.backends.base import (
     collect,
 )
 from service.errors import InvalidRequestError, ServiceUnavailableError
+from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 from xmark_core import ModelScores
 
@@ -138,6 +139,8 @@ class FakeStream:
 
 class FakeBackend:
     """``service.backends.base.Backend`` without a model (see the module docstring)."""
+
+    honoured_fields = DEFAULT_HONOURED
 
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id

@@ -43,6 +43,7 @@ from service.backends.batch import (
 )
 from service.backends.scoring import score_texts
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
+from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class LocalStream:
 
 class LocalBackend:
     """The served model, run by transformers on this machine's CPU."""
+
+    honoured_fields = DEFAULT_HONOURED
 
     def __init__(
         self,

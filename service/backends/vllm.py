@@ -53,6 +53,7 @@ from service.errors import (
     UpstreamUnavailableError,
     scrub,
 )
+from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 from xmark_core.vllm_common import XARG_KEY_VERSION, XARG_MESSAGE  # the names the workers read
 
@@ -349,6 +350,8 @@ class _Lifecycle:
 
 class VllmBackend:
     """Chat completions served by one or more vLLM workers."""
+
+    honoured_fields = DEFAULT_HONOURED
 
     def __init__(
         self,

@@ -1,7 +1,9 @@
 """OpenAI chat-completions request and response bodies.
 
-Unknown request fields are ignored. That includes ``vllm_xargs`` and ``watermarking``: the
-watermark is set by the gateway from the caller's identity, never by the request.
+Request bodies keep the fields they do not declare (``extra="allow"``) so that
+:mod:`service.services.request_fields` can refuse each one by name: no field is ignored silently.
+``vllm_xargs`` and ``watermarking`` are refused there too: the watermark is set by the gateway
+from the caller's identity, never by the request.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from service.schemas.text import SURROGATE_MESSAGE, Text, has_lone_surrogate
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
@@ -49,7 +51,7 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: Text = Field(min_length=1, max_length=200)
     messages: list[ChatMessage] = Field(min_length=1)

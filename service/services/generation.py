@@ -67,6 +67,12 @@ from service.schemas.chat import (
 )
 from service.schemas.common import Principal
 from service.services.admission import Admission, Ticket
+from service.services.request_fields import (
+    DEFAULT_HONOURED,
+    refuse_message_extras,
+    refuse_unhonoured,
+    sent_fields,
+)
 from service.vocabulary import FinishReason
 from xmark_core import Message
 
@@ -214,6 +220,9 @@ class GenerationService:
         """Validate ``body`` against the gateway's limits; raises before anything is generated."""
         if body.model != self._backend.model_id:
             raise NotFoundError(f"The model '{body.model}' does not exist", param="model", code="model_not_found")
+        honoured = getattr(self._backend, "honoured_fields", DEFAULT_HONOURED)
+        refuse_unhonoured(sent_fields(body), honoured, self._settings.backend)
+        refuse_message_extras(body.messages)
         max_tokens = self._max_tokens(body)
         turns = tuple(ChatTurn(message.role, message.text()) for message in body.messages)
         prompt_chars = sum(len(turn.content) for turn in turns)

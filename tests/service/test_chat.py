@@ -311,16 +311,25 @@ async def test_backend_not_ready_is_503(
     assert await _generation_count(db_session) == before
 
 
-async def test_client_cannot_choose_the_watermark(app: Any, user_key: Any, db_session: AsyncSession) -> None:
+async def test_client_cannot_choose_the_watermark(
+    client: httpx.AsyncClient, user_key: Any, db_session: AsyncSession
+) -> None:
+    before = await _generation_count(db_session)
+    for field, value in (
+        ("vllm_xargs", {"xmark_message": "0" * 16, "xmark_disable": True}),
+        ("watermarking", {"enabled": False, "message": "1" * 16}),
+    ):
+        response = await client.post("/v1/chat/completions", json=_body(**{field: value}), headers=_auth(user_key[1]))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("unsupported_parameter", field)
+        assert "watermark" in error["message"]
+    assert await _generation_count(db_session) == before
+
+
+async def test_the_watermark_is_the_callers(app: Any, user_key: Any) -> None:
     principal, _ = user_key
-    body = ChatCompletionRequest.model_validate(
-        {
-            **_body(),
-            "vllm_xargs": {"xmark_message": "0" * 16, "xmark_disable": True},
-            "watermarking": {"enabled": False, "message": "1" * 16},
-        }
-    )
-    assert "vllm_xargs" not in body.model_dump() and "watermarking" not in body.model_dump()
+    body = ChatCompletionRequest.model_validate(_body())
     caller = Principal(
         user_id=principal["user_id"],
         name=principal["name"],
