@@ -16,6 +16,7 @@ from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, open_resources, sync_keyring
 from service.routers import admin, chat, health, trace
+from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
 
 logger = logging.getLogger("xmark.app")
@@ -76,6 +77,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         # no 307 from "/v1/models/" to "/v1/models": its Location would be built from the Host header
         redirect_slashes=False,
+        # FastAPI's own /docs and /redoc load their assets from a CDN: install_api_docs serves them
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if settings.api_docs else None,
     )
     app.state.settings = settings
     install_error_handlers(app)
@@ -90,4 +95,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(trace.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    if settings.api_docs:
+        install_api_docs(app)
     return app

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = 1_000_000
 
     log_level: str = "INFO"
+    # /docs (Swagger UI), /redoc and /openapi.json, served from assets in the package (no CDN);
+    # false switches all three off
+    api_docs: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
     bootstrap_admin_key: SecretStr | None = None

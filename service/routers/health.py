@@ -11,10 +11,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from service.db import ping
 from service.deps import MetricsDep, ResourcesDep
 from service.errors import ServiceUnavailableError
+from service.schemas.common import UNAVAILABLE_RESPONSES
 
 logger = logging.getLogger("xmark.health")
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], responses=UNAVAILABLE_RESPONSES)
 
 # /readyz answers within this long whatever the database does: a hung database must read as "not
 # ready" before an orchestrator's probe times out (commonly 1 to 2 s)

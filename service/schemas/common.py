@@ -6,7 +6,15 @@ from pydantic import BaseModel, ConfigDict
 
 from service.vocabulary import Role
 
-__all__ = ["ERROR_RESPONSES", "ErrorDetail", "ErrorEnvelope", "MessageIdOut", "Principal", "Role"]
+__all__ = [
+    "ERROR_RESPONSES",
+    "UNAVAILABLE_RESPONSES",
+    "ErrorDetail",
+    "ErrorEnvelope",
+    "MessageIdOut",
+    "Principal",
+    "Role",
+]
 
 
 class ErrorDetail(BaseModel):
@@ -56,6 +64,24 @@ class Principal(BaseModel):
         )
 
 
-ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorEnvelope} for status in (400, 401, 403, 404, 409, 413, 422, 503)
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (a field out of range, an unsupported parameter, the context too long)",
+    401: "Missing or invalid API key",
+    403: "The key's role may not use this route",
+    404: "No such model, user, key or report",
+    408: "The request body did not arrive in time",
+    409: "Conflicts with the current state (e.g. the last admin, the last key version)",
+    413: "The request body is too large",
+    422: "The body is not valid for this route",
+    429: "A limit of the caller or the gateway's queue (see Retry-After)",
+    500: "An internal error or a model failure",
+    503: "The database, the model or the workers are unavailable (see Retry-After)",
+    504: "The request deadline passed",
 }
+
+# Every error the gateway answers, in the OpenAI envelope, as documented in the OpenAPI schema.
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorEnvelope, "description": description} for status, description in _ERROR_DESCRIPTIONS.items()
+}
+# The errors of a route that reads no body and needs no key (health checks).
+UNAVAILABLE_RESPONSES: dict[int | str, dict[str, object]] = {503: ERROR_RESPONSES[503], 500: ERROR_RESPONSES[500]}
