@@ -89,4 +89,5 @@ EXPOSE 8000
 # model runner, hence the V2 processor; a V1-runner engine takes xmark_core.vllm_v1 instead.
 ENTRYPOINT ["vllm", "serve", "/models/smollm2-135m-instruct"]
 CMD ["--served-model-name", "smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8000", \
-     "--logits-processors", "xmark_core.vllm_v2:XMarkLogitsProcessor"]
+     "--logits-processors", "xmark_core.vllm_v2:XMarkLogitsProcessor", \
+     "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]

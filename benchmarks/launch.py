@@ -51,4 +51,8 @@ def vllm_serve_command(
         "--enforce-eager",
         "--logits-processors",
         processor,
+        # tools / tool_choice pass through the gateway; vLLM needs a parser for any tool choice
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
     ]

@@ -15,9 +15,10 @@ from service.keyring import Keyring, params_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, open_resources, sync_keyring
-from service.routers import admin, chat, health, trace
+from service.routers import admin, chat, completions, health, trace
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
+from service.telemetry import TracingMiddleware
 
 logger = logging.getLogger("xmark.app")
 
@@ -90,8 +91,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body_read_timeout_s=settings.body_read_timeout_s,
     )
     app.add_middleware(RequestContextMiddleware)
+    # outermost: the server span covers the whole request (a no-op unless telemetry is configured)
+    app.add_middleware(TracingMiddleware)
     # routes are matched in this order: the busiest first
     app.include_router(chat.router)
+    app.include_router(completions.router)
     app.include_router(trace.router)
     app.include_router(health.router)
     app.include_router(admin.router)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.security import ApiKeyFormatError, parse_api_key
@@ -75,6 +75,24 @@ class Settings(BaseSettings):
     # so that they do not compete with the client and the next request, and completions finishing
     # close together share one commit (0 writes at once); see docs/service.md.
     record_linger_ms: float = 20.0
+
+    # OpenTelemetry traces (service/telemetry.py): off unless an OTLP/HTTP endpoint is set, under
+    # the standard OpenTelemetry variable names
+    otel_endpoint: str | None = Field(
+        default=None, validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "otel_endpoint")
+    )
+    otel_traces_endpoint: str | None = Field(
+        default=None, validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "otel_traces_endpoint")
+    )
+    otel_service_name: str = Field(
+        default="xmark-gateway", validation_alias=AliasChoices("OTEL_SERVICE_NAME", "otel_service_name")
+    )
+
+    # Log-probabilities in responses (vLLM backend): off by default. They describe the model's
+    # distribution before the watermark bias, but with the sampled tokens they let a caller estimate
+    # which tokens were boosted in a context (docs/api.md, "Log-probabilities and the watermark").
+    allow_logprobs: bool = False
+    max_top_logprobs: int = Field(default=5, ge=0, le=20)
 
     max_prompt_chars: int = 32_000
     max_completion_tokens: int = 1024

@@ -91,7 +91,10 @@ async def resolve_principal(request: Request) -> Principal:
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None:
         resources: Resources = request.app.state.resources
-        principal = await resources.authenticator.authenticate(request.headers.get("authorization"))
+        with resources.telemetry.span("auth") as span:
+            principal = await resources.authenticator.authenticate(request.headers.get("authorization"))
+            span.set_attribute("enduser.id", str(principal.user_id))
+            span.set_attribute("enduser.role", str(principal.role))
         request.state.principal = principal
     return principal
 

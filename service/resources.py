@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -33,6 +33,7 @@ from service.services.bootstrap import ensure_first_admin
 from service.services.message_ids import backfill_message_ids
 from service.services.registry_cache import RegistryCache
 from service.services.tracing import prepare_null_distributions
+from service.telemetry import Telemetry, open_telemetry
 from xmark_core import WatermarkParams
 
 logger = logging.getLogger("xmark.app")
@@ -62,6 +63,8 @@ class Resources:
     trace_null_warmer: asyncio.Task[None] | None
     # chat requests' admission: the backend's queue bound and the per-user limits
     admission: Admission
+    # OpenTelemetry spans (a no-op tracer unless an OTLP endpoint is configured)
+    telemetry: Telemetry = field(default_factory=Telemetry)
 
 
 async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
@@ -144,6 +147,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         if value
     )
     async with AsyncExitStack() as stack:
+        telemetry = open_telemetry(settings)
+        stack.callback(telemetry.shutdown)  # last out: flushes the spans of the shutdown too
         engine = create_engine(settings)
         stack.push_async_callback(engine.dispose)
         sessionmaker = create_sessionmaker(engine)
@@ -198,4 +203,5 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,
             admission=admission,
+            telemetry=telemetry,
         )

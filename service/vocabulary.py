@@ -31,6 +31,7 @@ class FinishReason(StrEnum):
 
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
     CANCELLED = "cancelled"
     ERROR = "error"
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from service.errors import GatewayError
 from service.vocabulary import FinishReason
@@ -44,6 +44,10 @@ class GenerationRequest:
     sampling reproducible. ``stop`` holds up to four strings; the completion is cut before the first
     one produced. ``user_id`` names the caller, so that a backend that queues work can share the
     model fairly between users (None: a caller of its own, e.g. a benchmark calling the backend).
+    ``options``: the further OpenAI fields the client sent that this backend declared it honours
+    (``honoured_fields``), as sent, e.g. ``tools`` or ``logprobs`` for a vLLM worker.
+    ``prompt``: a raw text prompt (``/v1/completions``), continued as it is, without the chat
+    template; ``messages`` is then empty.
     """
 
     messages: tuple[ChatTurn, ...]
@@ -54,6 +58,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     user_id: int | None = None
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    prompt: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -75,13 +81,17 @@ class ChoiceDelta:
 
     ``completion_tokens`` counts the tokens generated for this choice so far (the text of every
     one of them is covered by this and earlier deltas, except text held back at a stop string).
-    ``finish_reason`` is set on the last delta of a choice.
+    ``finish_reason`` is set on the last delta of a choice. ``tool_calls``: OpenAI tool-call
+    deltas (``{"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}``); ``logprobs``:
+    OpenAI ``logprobs.content`` entries of the tokens of this delta.
     """
 
     index: int
     text: str
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -90,6 +100,41 @@ class ChoiceResult:
     text: str = ""
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # merged: whole calls
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI logprobs.content, when asked for
+
+    def add(self, delta: ChoiceDelta) -> None:
+        """Fold one delta of this choice in."""
+        self.text += delta.text
+        self.completion_tokens = delta.completion_tokens
+        for call in delta.tool_calls:
+            merge_tool_call(self.tool_calls, call)
+        if delta.logprobs:
+            self.logprobs = [*(self.logprobs or ()), *delta.logprobs]
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+    def generated_text(self) -> str:
+        """Everything the model generated for this choice, tool-call arguments included: what the
+        generation record hashes and /trace reads (the arguments carry the watermark too)."""
+        return self.text + "".join(str(call.get("function", {}).get("arguments") or "") for call in self.tool_calls)
+
+
+def merge_tool_call(calls: list[dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Merge one streamed tool-call delta into ``calls`` (OpenAI: the first delta of a call carries
+    its id, type and name; later ones append to ``function.arguments``)."""
+    position = int(delta.get("index", len(calls)))
+    while len(calls) <= position:
+        calls.append({"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+    call = calls[position]
+    if delta.get("id"):
+        call["id"] = delta["id"]
+    if delta.get("type"):
+        call["type"] = delta["type"]
+    function = delta.get("function") or {}
+    if function.get("name"):
+        call["function"]["name"] = function["name"]
+    call["function"]["arguments"] += function.get("arguments") or ""
 
 
 @dataclass
@@ -174,11 +219,7 @@ async def collect(stream: GenerationStream, n: int) -> GenerationResult:
     result = GenerationResult(prompt_tokens=stream.prompt_tokens, choices=[ChoiceResult(i) for i in range(n)])
     try:
         async for delta in stream:
-            choice = result.choices[delta.index]
-            choice.text += delta.text
-            choice.completion_tokens = delta.completion_tokens
-            if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
+            result.choices[delta.index].add(delta)
     except BaseException:
         stream.cancel()
         raise

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import StoppingCriteria
+from transformers import LogitsProcessor, StoppingCriteria
 
 from service.backends.base import ChoiceDelta, GenerationRequest, WatermarkStamp
 from service.backends.detokenizer import IncrementalDetokenizer
@@ -151,6 +151,35 @@ def deliver_to_loop(
     return deliver
 
 
+def logprobs_wanted(request: GenerationRequest) -> tuple[bool, int]:
+    """(whether the request asked for log-probabilities, how many alternatives per token)."""
+    wanted = bool(request.options.get("logprobs"))
+    top = request.options.get("top_logprobs") or 0
+    return wanted, int(top) if wanted and isinstance(top, int) else 0
+
+
+class LogprobCapture(LogitsProcessor):
+    """Keeps the log-probabilities of each decoding step for ``RowTracker``, changing nothing.
+
+    It runs first in the processor list, so it sees the model's own distribution: before the
+    watermark bias and before temperature and top-p (transformers applies those warpers after
+    every custom processor), as vLLM's default ``raw_logprobs`` mode reports them.
+    """
+
+    def __init__(self, top: int) -> None:
+        self._top = top
+        self.logprobs: torch.Tensor | None = None  # [rows, vocab] float32, the latest step
+        self.top_values: torch.Tensor | None = None  # [rows, top] float32
+        self.top_ids: torch.Tensor | None = None  # [rows, top] int64
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # scores: [rows, vocab] logits of the next token
+        self.logprobs = torch.log_softmax(scores.float(), dim=-1)
+        if self._top:
+            self.top_values, self.top_ids = self.logprobs.topk(self._top, dim=-1)
+        return scores
+
+
 @dataclass
 class _Row:
     job: Job
@@ -160,13 +189,22 @@ class _Row:
     stop_buffer: StopStringBuffer
     tokens: int = 0
     done: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # logprobs entries of tokens whose text has not been delivered yet
+    pending: list[dict[str, object]] = field(default_factory=list)
 
 
 class RowTracker(StoppingCriteria):
     """Per-row streaming, stop strings, limits and cancellation for one batched ``generate``."""
 
     def __init__(
-        self, jobs: Sequence[Job], tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_length: int
+        self,
+        jobs: Sequence[Job],
+        tokenizer: PreTrainedTokenizerBase,
+        eos_ids: set[int],
+        prompt_length: int,
+        capture: LogprobCapture | None = None,
     ) -> None:
         self._rows: list[_Row] = [
             _Row(
@@ -175,24 +213,52 @@ class RowTracker(StoppingCriteria):
                 max_tokens=job.request.max_tokens,
                 detokenizer=IncrementalDetokenizer(tokenizer),
                 stop_buffer=StopStringBuffer(job.request.stop),
+                logprobs=logprobs_wanted(job.request)[0],
+                top_logprobs=logprobs_wanted(job.request)[1],
             )
             for job in jobs
             for i in range(job.rows)
         ]
+        self._tokenizer = tokenizer
+        self._capture = capture
         self._eos_ids = eos_ids
         self._prompt_length = prompt_length
         self._done = torch.zeros(len(self._rows), dtype=torch.bool)
 
+    def _deliver(self, row: _Row, text: str, reason: FinishReason | None = None) -> None:
+        entries, row.pending = tuple(row.pending), []
+        row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens, reason, logprobs=entries))
+
     def _finish(self, row_number: int, row: _Row, reason: FinishReason, text: str = "") -> None:
         row.done = True
         self._done[row_number] = True
-        row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens, reason))
+        self._deliver(row, text, reason)
+
+    def _entry(self, token_id: int) -> dict[str, object]:
+        piece = cast("str", self._tokenizer.decode([token_id]))  # one id: one string
+        return {"token": piece, "bytes": list(piece.encode("utf-8"))}
+
+    def _note_logprobs(self, row_number: int, row: _Row, token_id: int) -> None:
+        """OpenAI's logprobs entry of the row's newest token (``LogprobCapture``'s latest step)."""
+        capture = self._capture
+        if capture is None or capture.logprobs is None:
+            return
+        entry = self._entry(token_id) | {"logprob": float(capture.logprobs[row_number, token_id])}
+        alternatives: list[dict[str, object]] = []
+        if row.top_logprobs and capture.top_values is not None and capture.top_ids is not None:
+            values = capture.top_values[row_number, : row.top_logprobs].tolist()
+            ids = capture.top_ids[row_number, : row.top_logprobs].tolist()
+            alternatives = [self._entry(int(t)) | {"logprob": float(v)} for t, v in zip(ids, values, strict=True)]
+        entry["top_logprobs"] = alternatives
+        row.pending.append(entry)
 
     def _step_row(self, row_number: int, row: _Row, token_id: int) -> None:
         if row.job.cancelled.is_set():
             self._finish(row_number, row, FinishReason.CANCELLED)
             return
         row.tokens += 1
+        if row.logprobs:
+            self._note_logprobs(row_number, row, token_id)
         if token_id in self._eos_ids:
             tail = row.stop_buffer.push(row.detokenizer.flush())[0] + row.stop_buffer.flush()
             self._finish(row_number, row, FinishReason.STOP, tail)
@@ -205,7 +271,7 @@ class RowTracker(StoppingCriteria):
             tail = text + tail + ("" if stopped else row.stop_buffer.flush())
             self._finish(row_number, row, FinishReason.STOP if stopped else FinishReason.LENGTH, tail)
         elif text:
-            row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens))
+            self._deliver(row, text)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object) -> torch.BoolTensor:
         # input_ids: [rows, prompt_length + generated] int64; the last column is the newest token.

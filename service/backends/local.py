@@ -35,11 +35,13 @@ from service.backends.base import (
 from service.backends.batch import (
     FairBacklog,
     Job,
+    LogprobCapture,
     RowTracker,
     StreamEnd,
     StreamEvent,
     StreamFailure,
     deliver_to_loop,
+    logprobs_wanted,
 )
 from service.backends.scoring import score_texts
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
@@ -112,7 +114,8 @@ class LocalStream:
 class LocalBackend:
     """The served model, run by transformers on this machine's CPU."""
 
-    honoured_fields = DEFAULT_HONOURED
+    # log-probabilities from the model's own distribution (``batch.LogprobCapture``)
+    honoured_fields = DEFAULT_HONOURED | {"logprobs", "top_logprobs"}
 
     def __init__(
         self,
@@ -226,6 +229,8 @@ class LocalBackend:
     def _encode_prompt(self, request: GenerationRequest) -> list[int]:
         tokenizer = self._tokenizer
         assert tokenizer is not None
+        if request.prompt is not None:  # /v1/completions: the text as it is
+            return [int(token) for token in tokenizer(request.prompt)["input_ids"]]
         conversation = [{"role": turn.role, "content": turn.content} for turn in request.messages]
         encoded: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         if hasattr(encoded, "keys"):
@@ -409,7 +414,9 @@ class LocalBackend:
         # input_ids / attention_mask: [rows, width] int64, left-padded
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-        tracker = RowTracker(jobs, tokenizer, self._eos_ids, width)
+        wanted = [logprobs_wanted(job.request) for job in jobs]
+        capture = LogprobCapture(max(top for _, top in wanted)) if any(w for w, _ in wanted) else None
+        tracker = RowTracker(jobs, tokenizer, self._eos_ids, width, capture)
         config = GenerationConfig(
             max_new_tokens=max(job.request.max_tokens for job in jobs),
             do_sample=not first.greedy,
@@ -430,7 +437,8 @@ class LocalBackend:
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=config,
-                    logits_processor=LogitsProcessorList([processor]),
+                    # the capture first: it reads the model's own distribution, before the watermark
+                    logits_processor=LogitsProcessorList([processor] if capture is None else [capture, processor]),
                     stopping_criteria=StoppingCriteriaList([tracker]),
                 )
             finally:

@@ -75,6 +75,7 @@ _CONTEXT_LENGTH = re.compile(r"maximum context length is (\d+) tokens")
 _FINISH_REASONS: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
+    "tool_calls": FinishReason.TOOL_CALLS,
     "abort": FinishReason.CANCELLED,
 }
 
@@ -138,11 +139,32 @@ class WorkerPool:
         await asyncio.gather(*(self.check(w) for w in self.workers))
 
 
+# OpenAI fields a vLLM worker honours that the gateway forwards as sent. Tool-call arguments and
+# JSON answers are generated text: the watermark covers them like any content. Log-probabilities
+# are the worker's raw ones (vLLM's default --logprobs-mode raw_logprobs: before every logits
+# processor, the watermark included).
+PASS_THROUGH_FIELDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "top_k",
+        "min_p",
+    }
+)
+
+
 def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str) -> dict[str, Any]:
     """The OpenAI request sent to a worker: the validated fields plus the gateway's watermark args."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": turn.role, "content": turn.content} for turn in request.messages],
         "max_tokens": request.max_tokens,
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -152,10 +174,18 @@ def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str)
         "return_token_ids": True,
         "vllm_xargs": {XARG_MESSAGE: stamp.message.bits, XARG_KEY_VERSION: stamp.key_version},
     }
+    if request.prompt is not None:  # POST /v1/completions
+        body["prompt"] = request.prompt
+    else:
+        body["messages"] = [{"role": turn.role, "content": turn.content} for turn in request.messages]
     if request.stop:
         body["stop"] = list(request.stop)
     if request.seed is not None:
         body["seed"] = request.seed
+    # the caller's further fields, as sent (vLLM validates them); never over the gateway's own
+    for name, value in request.options.items():
+        if name in PASS_THROUGH_FIELDS:
+            body[name] = value
     return body
 
 
@@ -309,7 +339,10 @@ class VllmStream:
             if index not in self._open:
                 continue
             self._tokens[index] += len(choice.get("token_ids") or ())
-            text = (choice.get("delta") or {}).get("content") or ""
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or choice.get("text") or ""  # chat, or /v1/completions
+            tool_calls = tuple(delta.get("tool_calls") or ())
+            logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
             raw_reason = choice.get("finish_reason")
             reason: FinishReason | None = None
             if raw_reason is not None:
@@ -317,8 +350,8 @@ class VllmStream:
                     raise UpstreamUnavailableError("The model worker failed while generating")
                 reason = _FINISH_REASONS.get(raw_reason, FinishReason.STOP)
                 self._open.discard(index)
-            if text or reason is not None or choice.get("token_ids"):
-                self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason))
+            if text or tool_calls or logprobs or reason is not None or choice.get("token_ids"):
+                self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason, tool_calls, logprobs))
 
     async def aclose(self) -> None:
         if self._closed:
@@ -351,7 +384,7 @@ class _Lifecycle:
 class VllmBackend:
     """Chat completions served by one or more vLLM workers."""
 
-    honoured_fields = DEFAULT_HONOURED
+    honoured_fields = DEFAULT_HONOURED | PASS_THROUGH_FIELDS
 
     def __init__(
         self,
@@ -469,6 +502,8 @@ class VllmBackend:
         conversation = [{"role": turn.role, "content": turn.content} for turn in request.messages]
 
         def count() -> int:
+            if request.prompt is not None:  # /v1/completions: the worker adds no template either
+                return len(tokenizer(request.prompt)["input_ids"])
             encoded: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
             if hasattr(encoded, "keys"):
                 encoded = encoded["input_ids"]
@@ -486,19 +521,19 @@ class VllmBackend:
             if worker is None:
                 raise UpstreamUnavailableError("No model worker is available; retry shortly")
             tried.add(worker.url)
-            stream = await self._open(worker, body, request.n)
+            stream = await self._open(
+                worker, body, request.n, CHAT_PATH if request.prompt is None else COMPLETIONS_PATH
+            )
             if stream is not None:
                 return stream
 
-    async def _open(self, worker: Worker, body: dict[str, Any], n: int) -> VllmStream | None:
+    async def _open(self, worker: Worker, body: dict[str, Any], n: int, path: str) -> VllmStream | None:
         """Send ``body`` to ``worker`` and read up to its first token; None: try another worker."""
         worker.in_flight += 1
         worker.served += 1
         try:
             async with asyncio.timeout(self._timeout_s):
-                response = await worker.client.send(
-                    worker.client.build_request("POST", CHAT_PATH, json=body), stream=True
-                )
+                response = await worker.client.send(worker.client.build_request("POST", path, json=body), stream=True)
         except (TimeoutError, httpx.TimeoutException):
             worker.in_flight -= 1
             raise UpstreamTimeoutError("The model worker did not answer in time") from None

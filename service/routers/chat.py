@@ -15,6 +15,7 @@ from typing import Annotated
 
 import anyio
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -42,7 +43,7 @@ class CompletionResponse(Response):
 
     def __init__(
         self,
-        completion: ChatCompletion,
+        completion: BaseModel,
         *,
         headers: dict[str, str],
         after: Callable[[], Awaitable[None]] | None = None,
@@ -74,7 +75,7 @@ def sse_payload(chunk: ChatCompletionChunk, *, include_usage: bool) -> str:
         {
             "index": c.index,
             "delta": c.delta.model_dump(mode="json", exclude_none=True),
-            "logprobs": None,
+            "logprobs": c.logprobs,
             "finish_reason": c.finish_reason,
         }
         for c in chunk.choices
@@ -83,15 +84,23 @@ def sse_payload(chunk: ChatCompletionChunk, *, include_usage: bool) -> str:
 
 
 async def sse_events(
-    service: GenerationService, prepared: PreparedCompletion, stream: GenerationStream, *, include_usage: bool
+    service: GenerationService,
+    prepared: PreparedCompletion,
+    stream: GenerationStream,
+    *,
+    include_usage: bool,
+    render: Callable[[ChatCompletionChunk], str | None] | None = None,
 ) -> AsyncIterator[str]:
-    """The ``data:`` payloads of the SSE response, ending with ``[DONE]`` (or an error envelope)."""
+    """The ``data:`` payloads of the SSE response, ending with ``[DONE]`` (or an error envelope).
+    ``render`` turns a chunk into its payload (None: nothing to send); chat's shape by default."""
     async with contextlib.aclosing(service.stream_chunks(prepared, stream, include_usage=include_usage)) as chunks:
         async for item in chunks:
             if isinstance(item, GatewayError):
                 yield json.dumps(envelope(item.message, type_=item.type, code=item.code))
             elif isinstance(item, ChatCompletionChunk):
-                yield sse_payload(item, include_usage=include_usage)
+                payload = sse_payload(item, include_usage=include_usage) if render is None else render(item)
+                if payload is not None:
+                    yield payload
             else:  # EndOfStream
                 yield "[DONE]"
 
@@ -105,6 +114,7 @@ async def _generation(resources: ResourcesDep) -> GenerationService:
         resources.keyring,
         resources.metrics,
         admission=resources.admission,
+        telemetry=resources.telemetry,
     )
 
 

@@ -34,5 +34,18 @@ TracingDep = Annotated[TracingService, Depends(_tracing)]
 
 
 @router.post("/trace", response_model=TraceReport, response_model_exclude_none=False)
-async def trace(body: TraceRequest, principal: ForensicDep, service: TracingDep) -> TraceReport:
-    return await service.trace(principal, body)
+async def trace(
+    body: TraceRequest, principal: ForensicDep, service: TracingDep, resources: ResourcesDep
+) -> TraceReport:
+    with resources.telemetry.span("trace", {"xmark.trace.decoder_requested": str(body.decoder)}) as span:
+        report = await service.trace(principal, body)
+        # the verdict, never the text or the message: enough to follow a slow or failing trace
+        span.set_attributes(
+            {
+                "xmark.trace.decoder": str(report.decoder),
+                "xmark.trace.watermarked": report.watermarked,
+                "xmark.trace.attributed": report.attribution is not None,
+                "xmark.trace.scored_tokens": report.scored_tokens,
+            }
+        )
+    return report

@@ -8,7 +8,7 @@ from the caller's identity, never by the request.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -50,13 +50,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """The fields chat and text completions share: the model, how much to generate and how."""
+
     model_config = ConfigDict(extra="allow")
 
     model: Text = Field(min_length=1, max_length=200)
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int | None = Field(default=None, ge=1, le=8)
@@ -85,6 +85,20 @@ class ChatCompletionRequest(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The token budget the client asked for (None: the gateway's default) and its field."""
+        return self.max_tokens, "max_tokens"
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:  # it wins when both are given
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
 
 class Usage(BaseModel):
     prompt_tokens: int
@@ -94,14 +108,17 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # OpenAI tool calls ({"id", "type": "function", "function": {"name", "arguments"}}), vLLM backend
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} when the request asked for logprobs
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -117,13 +134,14 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

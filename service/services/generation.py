@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
+from opentelemetry.trace import SpanKind
 
 from service.backends.base import (
     ChatTurn,
@@ -63,16 +64,21 @@ from service.schemas.chat import (
     ChunkDelta,
     ModelCard,
     ModelList,
+    SamplingRequest,
     Usage,
 )
 from service.schemas.common import Principal
+from service.schemas.completions import TEXT_COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
 from service.services.admission import Admission, Ticket
 from service.services.request_fields import (
     DEFAULT_HONOURED,
+    TEXT_COMPLETION_FIELDS,
+    check_logprobs,
     refuse_message_extras,
     refuse_unhonoured,
     sent_fields,
 )
+from service.telemetry import AttributeValue, Telemetry
 from service.vocabulary import FinishReason
 from xmark_core import Message
 
@@ -177,6 +183,24 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _operation(prepared: PreparedCompletion) -> str:
+    """The GenAI operation name: ``chat`` or ``text_completion`` (``/v1/completions``)."""
+    return "chat" if prepared.request.prompt is None else "text_completion"
+
+
+def _genai_response(
+    prepared: PreparedCompletion, prompt_tokens: int, choices: list[ChoiceResult]
+) -> dict[str, AttributeValue]:
+    """The GenAI semantic conventions' response attributes: finish reasons and token usage."""
+    return {
+        "gen_ai.response.id": prepared.request_id,
+        "gen_ai.response.model": prepared.model,
+        "gen_ai.response.finish_reasons": [str(c.finish_reason or FinishReason.CANCELLED) for c in choices],
+        "gen_ai.usage.input_tokens": prompt_tokens,
+        "gen_ai.usage.output_tokens": sum(c.completion_tokens for c in choices),
+    }
+
+
 class GenerationService:
     def __init__(
         self,
@@ -186,7 +210,9 @@ class GenerationService:
         keyring: Keyring,
         metrics: Metrics,
         admission: Admission | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
+        self._telemetry = telemetry if telemetry is not None else Telemetry()
         self._records = records
         self._settings = settings
         self._backend = backend
@@ -202,14 +228,11 @@ class GenerationService:
 
     # -- validation --------------------------------------------------------------------------
 
-    def _max_tokens(self, body: ChatCompletionRequest) -> int:
+    def _max_tokens(self, body: SamplingRequest, default: int | None = None) -> int:
         limit = self._settings.max_completion_tokens
-        if body.max_completion_tokens is not None:
-            requested, param = body.max_completion_tokens, "max_completion_tokens"
-        elif body.max_tokens is not None:
-            requested, param = body.max_tokens, "max_tokens"
-        else:
-            return limit
+        requested, param = body.requested_max_tokens()
+        if requested is None:
+            return limit if default is None else min(default, limit)
         if requested > limit:
             raise InvalidRequestError(
                 f"{param} must be at most {limit} (got {requested})", param=param, code="invalid_value"
@@ -218,20 +241,52 @@ class GenerationService:
 
     def prepare(self, principal: Principal, body: ChatCompletionRequest) -> PreparedCompletion:
         """Validate ``body`` against the gateway's limits; raises before anything is generated."""
+        self._check_model(body)
+        honoured = getattr(self._backend, "honoured_fields", DEFAULT_HONOURED)
+        sent = sent_fields(body)
+        refuse_unhonoured(sent, honoured, self._settings.backend)
+        refuse_message_extras(body.messages)
+        options = {name: value for name, value in sent.items() if name in honoured - DEFAULT_HONOURED}
+        check_logprobs(options, allowed=self._settings.allow_logprobs, max_top=self._settings.max_top_logprobs)
+        turns = tuple(ChatTurn(message.role, message.text()) for message in body.messages)
+        self._check_prompt_chars(sum(len(turn.content) for turn in turns), "messages")
+        return self._prepared(
+            principal, body, "chatcmpl", messages=turns, max_tokens=self._max_tokens(body), options=options
+        )
+
+    def prepare_text(self, principal: Principal, body: CompletionRequest) -> PreparedCompletion:
+        """``prepare`` for ``/v1/completions``: a raw text prompt, continued without the chat template."""
+        self._check_model(body)
+        refuse_unhonoured(sent_fields(body), TEXT_COMPLETION_FIELDS, self._settings.backend)
+        prompt = body.prompt_text()
+        self._check_prompt_chars(len(prompt), "prompt")
+        # OpenAI's default for this endpoint is 16 tokens
+        max_tokens = self._max_tokens(body, default=TEXT_COMPLETION_DEFAULT_MAX_TOKENS)
+        return self._prepared(principal, body, "cmpl", prompt=prompt, max_tokens=max_tokens)
+
+    def _check_model(self, body: SamplingRequest) -> None:
         if body.model != self._backend.model_id:
             raise NotFoundError(f"The model '{body.model}' does not exist", param="model", code="model_not_found")
-        honoured = getattr(self._backend, "honoured_fields", DEFAULT_HONOURED)
-        refuse_unhonoured(sent_fields(body), honoured, self._settings.backend)
-        refuse_message_extras(body.messages)
-        max_tokens = self._max_tokens(body)
-        turns = tuple(ChatTurn(message.role, message.text()) for message in body.messages)
-        prompt_chars = sum(len(turn.content) for turn in turns)
-        if prompt_chars > self._settings.max_prompt_chars:
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self._settings.max_prompt_chars:
             raise InvalidRequestError(
-                f"The messages total {prompt_chars} characters; the limit is {self._settings.max_prompt_chars}",
-                param="messages",
+                f"The {param} text has {chars} characters; the limit is {self._settings.max_prompt_chars}",
+                param=param,
                 code="context_length_exceeded",
             )
+
+    def _prepared(
+        self,
+        principal: Principal,
+        body: SamplingRequest,
+        id_prefix: str,
+        *,
+        max_tokens: int,
+        messages: tuple[ChatTurn, ...] = (),
+        prompt: str | None = None,
+        options: dict[str, object] | None = None,
+    ) -> PreparedCompletion:
         if not self._backend.ready:
             raise ServiceUnavailableError("The model is still loading; retry shortly")
         handle = self._keyring.active()
@@ -245,7 +300,7 @@ class GenerationService:
             )
         message = Message.from_bits(bits, params)
         request = GenerationRequest(
-            messages=turns,
+            messages=messages,
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -253,9 +308,11 @@ class GenerationService:
             stop=body.stop_strings(),
             seed=body.seed,
             user_id=principal.user_id,
+            options=options or {},
+            prompt=prompt,
         )
         return PreparedCompletion(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=f"{id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self._backend.model_id,
             request=request,
@@ -296,14 +353,15 @@ class GenerationService:
                 "completion_tokens": choice.completion_tokens,
                 "finish_reason": choice.finish_reason or FinishReason.CANCELLED,
                 "streamed": streamed,
-                "completion_sha256": _sha256(choice.text),
-                "completion_text": choice.text if retain else None,
+                "completion_sha256": _sha256(choice.generated_text()),
+                "completion_text": choice.generated_text() if retain else None,
                 "created_at": created_at,
             }
             for choice in choices
         ]
         try:
-            await self._records.write(rows, linger_s=linger_s)
+            with self._telemetry.span("record", {"xmark.records": len(rows), "xmark.streamed": streamed}):
+                await self._records.write(rows, linger_s=linger_s)
         except RecordNotDurable as exc:
             logger.error(
                 "generation record not written",
@@ -373,11 +431,7 @@ class GenerationService:
         choices = [ChoiceResult(i) for i in range(prepared.request.n)]
         try:
             async for delta in stream:
-                choice = choices[delta.index]
-                choice.text += delta.text
-                choice.completion_tokens = delta.completion_tokens
-                if delta.finish_reason is not None:
-                    choice.finish_reason = delta.finish_reason
+                choices[delta.index].add(delta)
         except BaseException as exc:
             stream.cancel()
             reason = FinishReason.CANCELLED if isinstance(exc, asyncio.CancelledError) else FinishReason.ERROR
@@ -388,9 +442,16 @@ class GenerationService:
             raise
         return GenerationResult(prompt_tokens=stream.prompt_tokens, choices=choices)
 
+    def _model_span_name(self, prepared: PreparedCompletion) -> str:
+        return f"{_operation(prepared)} {prepared.model}"
+
     async def complete(self, prepared: PreparedCompletion) -> CompletedChat:
         started = time.perf_counter()
-        result = await self._generate(prepared)
+        with self._telemetry.span(
+            self._model_span_name(prepared), self._genai_request(prepared), kind=SpanKind.CLIENT
+        ) as span:
+            result = await self._generate(prepared)
+            span.set_attributes(_genai_response(prepared, result.prompt_tokens, result.choices))
         model_ms = (time.perf_counter() - started) * 1000
         completion = self._completion(prepared, result)
         if self._settings.record_before_response:
@@ -416,8 +477,12 @@ class GenerationService:
             choices=[
                 Choice(
                     index=choice.index,
-                    message=AssistantMessage(content=choice.text),
+                    message=AssistantMessage(
+                        content=choice.text or (None if choice.tool_calls else ""),
+                        tool_calls=choice.tool_calls or None,
+                    ),
                     finish_reason=choice.finish_reason,
+                    logprobs=None if choice.logprobs is None else {"content": choice.logprobs},
                 )
                 for choice in result.choices
             ],
@@ -447,7 +512,8 @@ class GenerationService:
                 param="messages",
                 code="context_length_exceeded",
             )
-        ticket = await self._admission.admit(prepared.principal, prompt_tokens + request.n * request.max_tokens)
+        with self._telemetry.span("queue", {"gen_ai.usage.input_tokens": prompt_tokens}):
+            ticket = await self._admission.admit(prepared.principal, prompt_tokens + request.n * request.max_tokens)
         timeout_s = self._settings.request_timeout_s
         try:
             async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())) as deadline:
@@ -461,6 +527,24 @@ class GenerationService:
             ticket.release(0)  # nothing was generated: the tokens are not charged
             raise
         return AdmittedStream(stream, ticket, prepared.deadline, timeout_s, request.n)
+
+    def _genai_request(self, prepared: PreparedCompletion) -> dict[str, AttributeValue]:
+        """The GenAI semantic conventions' request attributes: never the prompt or the output."""
+        request = prepared.request
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": _operation(prepared),
+            "gen_ai.provider.name": f"xmark-gateway.{self._settings.backend}",
+            "gen_ai.request.model": prepared.model,
+            "gen_ai.request.max_tokens": request.max_tokens,
+            "gen_ai.request.temperature": request.temperature,
+            "gen_ai.request.top_p": request.top_p,
+            "gen_ai.request.choice.count": request.n,
+            "enduser.id": str(prepared.principal.user_id),
+            "xmark.key_version": prepared.stamp.key_version,
+        }
+        if request.seed is not None:
+            attributes["gen_ai.request.seed"] = request.seed
+        return attributes
 
     @staticmethod
     def _chunk(
@@ -489,24 +573,25 @@ class GenerationService:
         n = prepared.request.n
         tally = [ChoiceResult(i) for i in range(n)]
         recorded = False
+        # not the current span: a generator's context may not be where it is closed
+        span = self._telemetry.tracer.start_span(
+            self._model_span_name(prepared), kind=SpanKind.CLIENT, attributes=self._genai_request(prepared)
+        )
         try:
             yield self._chunk(
                 prepared, [ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(n)]
             )
             try:
                 async for delta in stream:
-                    if delta.text or delta.finish_reason is not None:
+                    if delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason is not None:
                         entry = ChunkChoice(
                             index=delta.index,
-                            delta=ChunkDelta(content=delta.text) if delta.text else ChunkDelta(),
+                            delta=ChunkDelta(content=delta.text or None, tool_calls=list(delta.tool_calls) or None),
                             finish_reason=delta.finish_reason,
+                            logprobs={"content": list(delta.logprobs)} if delta.logprobs else None,
                         )
                         yield self._chunk(prepared, [entry])
-                    choice = tally[delta.index]
-                    choice.text += delta.text
-                    choice.completion_tokens = delta.completion_tokens
-                    if delta.finish_reason is not None:
-                        choice.finish_reason = delta.finish_reason
+                    tally[delta.index].add(delta)
             except GatewayError as error:  # the backend failed midway: tell the client in-band
                 for choice in tally:
                     choice.finish_reason = choice.finish_reason or FinishReason.ERROR
@@ -537,6 +622,8 @@ class GenerationService:
             yield EndOfStream()
         finally:
             stream.cancel()  # no-op when the generation already finished
+            span.set_attributes(_genai_response(prepared, stream.prompt_tokens, tally))
+            span.end()
             if not recorded:
                 with anyio.CancelScope(shield=True):
                     await self._record_after_response(prepared, stream.prompt_tokens, tally, streamed=True)

@@ -29,6 +29,10 @@ CORE_CHAT_FIELDS = frozenset({"model", "messages", "stream", "stream_options"})
 # What both backends honour today: the sampling fields every decoder implements.
 SAMPLING_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed"})
 DEFAULT_HONOURED = CORE_CHAT_FIELDS | SAMPLING_FIELDS
+# POST /v1/completions, on either backend (max_completion_tokens is a chat field)
+TEXT_COMPLETION_FIELDS = frozenset(
+    {"model", "prompt", "echo", "stream", "stream_options"} | (SAMPLING_FIELDS - {"max_completion_tokens"})
+)
 
 # Accepted with any value: they label the request, they do not change what is generated.
 WITHOUT_EFFECT = frozenset({"user", "metadata"})
@@ -43,7 +47,10 @@ def _neutral(values: Iterable[Any]) -> tuple[Any, ...]:
 
 # Values that leave the output as if the field were absent (compared with ==; 0 == 0.0 == False).
 NEUTRAL_VALUES: Mapping[str, tuple[Any, ...]] = {
-    "logprobs": _neutral([False]),
+    "logprobs": _neutral([False, 0]),  # 0: /v1/completions' integer form
+    "suffix": _neutral([""]),
+    "best_of": _neutral([1]),
+    "echo": _neutral([False]),
     "top_logprobs": _neutral([0]),
     "tools": _neutral([[]]),
     "tool_choice": _neutral(["none"]),
@@ -120,6 +127,30 @@ def refuse_unhonoured(fields: Mapping[str, Any], honoured: frozenset[str], backe
         else:
             message = f"Unknown parameter '{name}'; remove it from the request"
         raise InvalidRequestError(message, param=name, code="unsupported_parameter")
+
+
+def check_logprobs(options: Mapping[str, Any], *, allowed: bool, max_top: int) -> None:
+    """The operator's policy on log-probabilities (``XMARK_ALLOW_LOGPROBS``, ``XMARK_MAX_TOP_LOGPROBS``)
+    for a backend that can return them: refused by name when off, ``top_logprobs`` capped."""
+    wants = {name for name in ("logprobs", "top_logprobs") if not _is_neutral(name, options.get(name))}
+    if not wants:
+        return
+    if not allowed:
+        name = "logprobs" if "logprobs" in wants else "top_logprobs"
+        raise InvalidRequestError(
+            f"'{name}' is switched off on this gateway: log-probabilities help estimate the watermark",
+            param=name,
+            code="unsupported_parameter",
+        )
+    if "top_logprobs" in wants and _is_neutral("logprobs", options.get("logprobs")):
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    top = options.get("top_logprobs")
+    if isinstance(top, int) and not isinstance(top, bool) and top > max_top:
+        raise InvalidRequestError(
+            f"'top_logprobs' is at most {max_top} on this gateway (got {top})",
+            param="top_logprobs",
+            code="invalid_value",
+        )
 
 
 def sent_fields(model: BaseModel) -> dict[str, Any]:

@@ -179,6 +179,8 @@ def gateway(
             "XMARK_MODEL_NAME": MODEL_NAME,
             "XMARK_VAR_DIR": str(var_dir),
             "XMARK_RETAIN_COMPLETIONS": "true",
+            # the pass-through tests read log-probabilities (off by default)
+            "XMARK_ALLOW_LOGPROBS": "true",
         }
     )
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]

@@ -148,15 +148,21 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
         for person in (alice, bob):
             listed = await client.get("/v1/models", headers={"Authorization": f"Bearer {person['api_key']}"})
             assert listed.status_code == 200
+        # a client-supplied vllm_xargs naming bob's message is refused before it reaches a worker
+        refused = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": story(TOPICS[0]),
+                "max_tokens": 8,
+                "vllm_xargs": {"xmark_message": bob["message_id"], "xmark_key_version": "v1"},
+            },
+            headers={"Authorization": f"Bearer {alice['api_key']}"},
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "vllm_xargs", refused.text
         poller = asyncio.create_task(running_requests(worker_base(vllm_worker), stop))
         results = await asyncio.gather(
-            # a client-supplied vllm_xargs naming bob's message must not reach the worker
-            complete(
-                client,
-                alice["api_key"],
-                TOPICS[0],
-                vllm_xargs={"xmark_message": bob["message_id"], "xmark_key_version": "v1"},
-            ),
+            complete(client, alice["api_key"], TOPICS[0]),
             complete_streamed(client, alice["api_key"], TOPICS[1]),
             complete(client, bob["api_key"], TOPICS[2]),
             complete_streamed(client, bob["api_key"], TOPICS[3]),

@@ -18,12 +18,21 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.models import ApiKey, Generation, Trace, User
 from service.security import generate_api_key
 
-PUBLIC_ROUTES = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+PUBLIC_ROUTES = {
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    # the API reference pages (the schema itself is not an APIRoute)
+    ("GET", "/docs"),
+    ("GET", "/docs/oauth2-redirect"),
+    ("GET", "/redoc"),
+}
 ALL_ROLES = frozenset({"user", "auditor", "admin"})
 ADMIN = frozenset({"admin"})
 ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/models"): ALL_ROLES,
     ("POST", "/v1/chat/completions"): ALL_ROLES,
+    ("POST", "/v1/completions"): ALL_ROLES,
     ("POST", "/trace"): frozenset({"auditor", "admin"}),
     ("POST", "/admin/users"): ADMIN,
     ("GET", "/admin/users"): ADMIN,
@@ -45,6 +54,7 @@ BODIES: dict[str, Any] = {
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 1,
     },
+    "/v1/completions": {"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 1},
     "/trace": {"text": "some suspect text"},
     "/admin/users": {"name": "mallory", "role": "admin"},
     "/admin/users/{user_id}": {"role": "admin", "requests_per_minute": 0},

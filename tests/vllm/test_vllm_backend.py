@@ -216,6 +216,73 @@ def test_upstream_body_carries_only_the_validated_request_and_the_gateways_xargs
     }
 
 
+def test_upstream_body_passes_the_honoured_options_through_and_never_the_watermark() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    options = {"tools": tools, "tool_choice": "required", "logprobs": True, "top_logprobs": 2, "top_k": 5}
+    request = GenerationRequest(messages=REQUEST.messages, max_tokens=4, options=options)
+    body = upstream_body(request, STAMP, MODEL)
+    for name, value in options.items():
+        assert body[name] == value
+    assert set(VllmBackend.honoured_fields) >= set(options)
+    # a name outside the pass-through set never reaches the worker, whatever put it in options
+    smuggled = GenerationRequest(
+        messages=REQUEST.messages, max_tokens=4, options={"vllm_xargs": {"xmark_message": "0" * 16}, "echo": True}
+    )
+    body = upstream_body(smuggled, STAMP, MODEL)
+    assert body["vllm_xargs"] == {"xmark_message": STAMP.message.bits, "xmark_key_version": "v1"}
+    assert "echo" not in body
+
+
+def tool_call_events() -> list[bytes]:
+    """vLLM's stream of one tool call whose arguments arrive in three pieces, with logprobs."""
+
+    def piece(arguments: str, first: bool = False, finish: str | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+        if first:
+            call.update({"id": "call_1", "type": "function"})
+            call["function"]["name"] = "publish"
+        lp = {"token": arguments, "logprob": -0.5, "bytes": list(arguments.encode()), "top_logprobs": []}
+        return {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [call]},
+                    "token_ids": [7],
+                    "logprobs": {"content": [lp]},
+                    "finish_reason": finish,
+                }
+            ]
+        }
+
+    return sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": PROMPT_IDS},
+        piece('{"story": ', first=True),
+        piece('"Once'),
+        piece(' upon"}', finish="tool_calls"),
+        {"choices": [], "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 3}},
+        "[DONE]",
+    )
+
+
+async def test_tool_call_deltas_are_merged_and_logprobs_kept() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_chat = lambda body: tool_call_events()
+    backend = await started(upstreams)
+    try:
+        result = await backend.generate(GenerationRequest(messages=REQUEST.messages, max_tokens=8), STAMP)
+        (choice,) = result.choices
+        assert choice.finish_reason == "tool_calls"
+        assert choice.tool_calls == [
+            {"id": "call_1", "type": "function", "function": {"name": "publish", "arguments": '{"story": "Once upon"}'}}
+        ]
+        assert choice.text == ""
+        assert choice.generated_text() == '{"story": "Once upon"}'
+        assert [entry["token"] for entry in choice.logprobs or []] == ['{"story": ', '"Once', ' upon"}']
+        assert choice.completion_tokens == 3
+    finally:
+        await backend.close()
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 
