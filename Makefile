@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -62,8 +62,12 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: venv model check-postgres
+test: venv model check-postgres browser
 	$(BIN)/pytest tests
+
+# The console's browser tests (tests/browser) drive the system Chromium; Playwright never downloads one.
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 
 # Seconds, not minutes: the tests that need no model checkpoint, vLLM, GPU or long statistical
 # simulation (the tiers are markers, see pyproject.toml); the app runs on a fake backend.

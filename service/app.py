@@ -15,7 +15,7 @@ from service.keyring import Keyring, params_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, open_resources, sync_keyring
-from service.routers import admin, chat, completions, health, trace
+from service.routers import admin, chat, completions, console, health, me, trace
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
 from service.telemetry import TracingMiddleware
@@ -97,8 +97,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(trace.router)
+    app.include_router(trace.public_router)
+    app.include_router(me.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(console.router)
     if settings.api_docs:
         install_api_docs(app)
     return app

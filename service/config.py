@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     watermark_num_keys: int = 4
     watermark_delta: float = 2.0
     api_key_pepper: SecretStr | None = None
+    # Trace reports are signed with an Ed25519 key derived from this secret (unset: from the
+    # API-key pepper, under a label of its own); see docs/api.md, "Trace reports".
+    report_signing_key: SecretStr | None = None
 
     backend: Literal["local", "vllm"] = "local"
     vllm_urls: Annotated[list[str], NoDecode] = []
@@ -303,6 +306,10 @@ class Settings(BaseSettings):
             reason = placeholder_reason(self.api_key_pepper.get_secret_value())
             if reason is not None:
                 raise ValueError(f"XMARK_API_KEY_PEPPER is {reason}")
+        if self.report_signing_key is not None:
+            reason = placeholder_reason(self.report_signing_key.get_secret_value())
+            if reason is not None:
+                raise ValueError(f"XMARK_REPORT_SIGNING_KEY is {reason}")
         if not self.embedded:
             if self.watermark_secrets is None and self.secrets_file is None:
                 raise ValueError(
@@ -334,10 +341,12 @@ class ResolvedSecrets:
     watermark: dict[str, bytes] = field(repr=False)
     api_key_pepper: bytes = field(repr=False)
     watermark_source: Literal["env", "file", "generated"] = "env"
+    # the secret the trace-report signing key is derived from (XMARK_REPORT_SIGNING_KEY or the pepper)
+    report_signing: bytes = field(default=b"", repr=False)
 
     def all_values(self) -> list[bytes]:
         """Every secret value (for log scrubbing)."""
-        return [*self.watermark.values(), self.api_key_pepper]
+        return [*self.watermark.values(), self.api_key_pepper, *([self.report_signing] if self.report_signing else [])]
 
 
 def _private_dir(path: Path) -> None:
@@ -403,7 +412,8 @@ def load_secrets(settings: Settings) -> ResolvedSecrets:
             raise ConfigurationError(f"{path}: the API-key pepper is {reason}")
     else:
         raise ConfigurationError("no API-key pepper configured")
-    return ResolvedSecrets(watermark=watermark, api_key_pepper=pepper, watermark_source=source)
+    signing = settings.report_signing_key.get_secret_value().encode() if settings.report_signing_key else pepper
+    return ResolvedSecrets(watermark=watermark, api_key_pepper=pepper, watermark_source=source, report_signing=signing)
 
 
 def generate_embedded_secret(settings: Settings, name: str) -> bytes:

@@ -166,6 +166,7 @@ class Generation(Base):
 
 class Trace(Base):
     __tablename__ = "traces"
+    __table_args__ = (Index("ix_traces_created_at", "created_at"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     requester_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), index=True)
@@ -180,3 +181,14 @@ class Trace(Base):
     attributed_user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), nullable=True)
     # which decoder decided (TraceDecoder.COUNTING or .LIKELIHOOD)
     decoder: Mapped[str] = mapped_column(String(16), server_default=TraceDecoder.COUNTING.value)
+    # the signed report (services/reports.py); NULL on traces recorded before reports were signed,
+    # except report_id, which every trace has
+    report_id: Mapped[str] = mapped_column(String(32), unique=True)
+    text_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    key_version_fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    params: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: b, d, k, delta
+    decoder_settings: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+    gateway_version: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    report_payload: Mapped[str | None] = mapped_column(Text, nullable=True)  # the canonical JSON signed
+    signature: Mapped[str | None] = mapped_column(String(128), nullable=True)  # base64 Ed25519
+    signing_key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)

@@ -32,6 +32,7 @@ from service.services.auth_cache import AuthCache
 from service.services.bootstrap import ensure_first_admin
 from service.services.message_ids import backfill_message_ids
 from service.services.registry_cache import RegistryCache
+from service.services.reports import ReportSigner
 from service.services.tracing import prepare_null_distributions
 from service.telemetry import Telemetry, open_telemetry
 from xmark_core import WatermarkParams
@@ -63,6 +64,8 @@ class Resources:
     trace_null_warmer: asyncio.Task[None] | None
     # chat requests' admission: the backend's queue bound and the per-user limits
     admission: Admission
+    # signs trace reports (its public key is served at /.well-known/xmark-report-key)
+    report_signer: ReportSigner
     # OpenTelemetry spans (a no-op tracer unless an OTLP endpoint is configured)
     telemetry: Telemetry = field(default_factory=Telemetry)
 
@@ -203,5 +206,6 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,
             admission=admission,
+            report_signer=ReportSigner.from_secret(secrets.report_signing),
             telemetry=telemetry,
         )

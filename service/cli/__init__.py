@@ -1,4 +1,5 @@
-"""The ``xmark`` command line: serve, migrate, fetch-model, create-admin, create-user, trace, users."""
+"""The ``xmark`` command line: serve, migrate, fetch-model, create-admin, create-user, trace, users,
+verify-report."""
 
 from __future__ import annotations
 
@@ -209,6 +210,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify_report(args: argparse.Namespace) -> int:
+    from service.cli.verify_report import VerifyError, verify_report_file
+
+    try:
+        return verify_report_file(args.file, public_key_b64=args.public_key, server=args.server, text_path=args.text)
+    except VerifyError as exc:
+        raise CliError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xmark",
@@ -259,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="trace a text back to a user (file, or stdin with '-')")
     trace.add_argument("file", nargs="?", default="-")
     trace.set_defaults(func=cmd_trace)
+
+    verify = sub.add_parser("verify-report", help="check a signed trace report (GET /trace/{id}), offline")
+    verify.add_argument("file", help="the report document (JSON; '-' reads stdin)")
+    verify.add_argument("--text", metavar="TEXTFILE", help="the traced text: check its hash and trace it again")
+    key = verify.add_mutually_exclusive_group(required=True)
+    key.add_argument("--public-key", metavar="B64", help="the gateway's public key (base64, 32 bytes)")
+    key.add_argument("--server", metavar="URL", help="read the public key from URL/.well-known/xmark-report-key")
+    verify.set_defaults(func=cmd_verify_report)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import ApiKey, User
@@ -27,6 +27,20 @@ class ApiKeyRepository:
     async def list_for_user(self, user_id: int) -> Sequence[ApiKey]:
         stmt = select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)
         return (await self._session.scalars(stmt)).all()
+
+    async def page_by_prefix(
+        self, prefix: str, *, user_id: int | None, limit: int, offset: int
+    ) -> tuple[Sequence[ApiKey], int]:
+        """Keys whose display prefix starts with ``prefix`` (exactly, case-sensitive on every
+        backend), of one user or of all, oldest first."""
+        filters = [func.substr(ApiKey.prefix, 1, len(prefix)) == prefix] if prefix else []
+        if user_id is not None:
+            filters.append(ApiKey.user_id == user_id)
+        rows = await self._session.scalars(
+            select(ApiKey).where(*filters).order_by(ApiKey.id).limit(limit).offset(offset)
+        )
+        total = await self._session.scalar(select(func.count()).select_from(ApiKey).where(*filters))
+        return rows.all(), int(total or 0)
 
     async def candidates(self, prefix: str) -> Sequence[tuple[ApiKey, User]]:
         """Keys sharing a display prefix, each with its user (usually exactly one)."""

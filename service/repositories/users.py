@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import User
+from service.repositories.like import escape_like
 from service.vocabulary import Role, UserStatus
 
 
@@ -34,8 +35,12 @@ class UserRepository:
         offset: int,
         status: str | None = None,
         role: str | None = None,
+        name_contains: str | None = None,
     ) -> tuple[Sequence[User], int]:
-        filters = []
+        filters: list[ColumnElement[bool]] = []
+        if name_contains:
+            # case-insensitive substring; the text's own % and _ match themselves
+            filters.append(User.name.ilike(f"%{escape_like(name_contains)}%", escape="\\"))
         if status is not None:
             filters.append(User.status == status)
         if role is not None:

@@ -16,18 +16,21 @@ from service.schemas.admin import (
     AddKeyVersionRequest,
     ApiKeyList,
     ApiKeyOut,
+    ApiKeyPage,
     CreatedUser,
     CreateUserRequest,
     IssuedKey,
     KeyVersionList,
     KeyVersionOut,
     UpdateUserRequest,
+    UsagePage,
     UserOut,
     UserPage,
 )
 from service.schemas.common import ERROR_RESPONSES
 from service.services.key_versions import KeyVersionService
 from service.services.keys import ApiKeyService
+from service.services.usage import UsageService
 from service.services.users import UserService
 from service.vocabulary import Role, UserStatus
 
@@ -67,7 +70,12 @@ async def _key_versions(session: SessionDep, resources: ResourcesDep) -> KeyVers
     )
 
 
+async def _usage(session: SessionDep) -> UsageService:
+    return UsageService(session)
+
+
 UsersDep = Annotated[UserService, Depends(_users)]
+UsageDep = Annotated[UsageService, Depends(_usage)]
 KeysDep = Annotated[ApiKeyService, Depends(_keys)]
 KeyVersionsDep = Annotated[KeyVersionService, Depends(_key_versions)]
 
@@ -85,8 +93,9 @@ async def list_users(
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
     status_: Annotated[UserStatus | None, Query(alias="status")] = None,
     role: Annotated[Role | None, Query()] = None,
+    q: Annotated[str | None, Query(max_length=200, description="case-insensitive substring of the name")] = None,
 ) -> UserPage:
-    return await users.list_users(limit=limit, offset=offset, status=status_, role=role)
+    return await users.list_users(limit=limit, offset=offset, status=status_, role=role, q=q)
 
 
 @router.get("/users/{user_id}", response_model=UserOut)
@@ -129,6 +138,30 @@ async def issue_key(user_id: UserId, keys: KeysDep) -> IssuedKey:
 @router.get("/users/{user_id}/keys", response_model=ApiKeyList)
 async def list_keys(user_id: UserId, keys: KeysDep) -> ApiKeyList:
     return await keys.list_keys(user_id)
+
+
+@router.get("/api-keys", response_model=ApiKeyPage)
+async def find_keys(
+    keys: KeysDep,
+    prefix: Annotated[str, Query(max_length=16, description="start of the keys' display prefix")] = "",
+    user_id: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="only this user's keys")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+) -> ApiKeyPage:
+    """API keys whose display prefix starts with ``prefix`` (all keys without it), of one user or all."""
+    return await keys.find_keys(prefix, user_id=user_id, limit=limit, offset=offset)
+
+
+@router.get("/usage", response_model=UsagePage)
+async def usage(
+    usage: UsageDep,
+    days: Annotated[int, Query(ge=1, le=366)] = 30,
+    user_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+) -> UsagePage:
+    """Requests, completions and tokens per user per UTC day over the last ``days`` days, newest first."""
+    return await usage.per_day(days=days, user_id=user_id, limit=limit, offset=offset)
 
 
 @router.post("/users/{user_id}/keys/{key_id}/revoke", response_model=ApiKeyOut)

@@ -173,3 +173,33 @@ class KeyVersionOut(BaseModel):
 class KeyVersionList(BaseModel):
     object: Literal["list"] = "list"
     data: list[KeyVersionOut]
+
+
+class ApiKeyPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ApiKeyOut]
+    total: int
+    limit: int
+    offset: int
+    has_more: bool
+
+
+class UsageDay(BaseModel):
+    """One user's generations of one UTC day."""
+
+    user_id: int
+    user_name: str
+    day: str = Field(description="UTC day, YYYY-MM-DD")
+    requests: int = Field(description="distinct requests")
+    completions: int = Field(description="completions (choices) recorded")
+    prompt_tokens: int = Field(description="prompt tokens, counted once per request")
+    completion_tokens: int
+
+
+class UsagePage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[UsageDay]
+    total: int
+    limit: int
+    offset: int
+    has_more: bool

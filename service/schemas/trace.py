@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.schemas.text import Text
-from service.vocabulary import TraceDecoder
+from service.vocabulary import TraceDecoder, TraceVerdict
 
 
 class TraceRequest(BaseModel):
@@ -55,9 +58,13 @@ class TokenReport(BaseModel):
     block: int | None
     shards: list[int] | None
     llr: float | None = None
+    # the token's evidence for the named or best candidate (None: not scored, or no candidate)
+    evidence: Literal["supports", "contradicts"] | None = None
 
 
 class TraceReport(BaseModel):
+    # the signed report of this trace (GET /trace/{report_id}); None only from `xmark trace`
+    report_id: str | None = None
     decoder: TraceDecoder = TraceDecoder.COUNTING  # the decoder that decided
     test: str = ""  # the test behind p_value
     temperature: float | None = None  # the likelihood decoder's assumed sampling temperature
@@ -73,3 +80,90 @@ class TraceReport(BaseModel):
     attribution: AttributionReport | None
     candidates: list[CandidateReport]
     tokens: list[TokenReport] | None = None
+
+
+class ReportParams(BaseModel):
+    """The watermark parameters of the key version a verdict used."""
+
+    b: int = Field(description="message bits")
+    d: int = Field(description="bits per message block")
+    k: int = Field(description="hash keys")
+    delta: float = Field(description="logit bias of the boosted tokens")
+    scheme: str
+
+
+class DecoderSettings(BaseModel):
+    """How the text was read: the decoder requested, the likelihood decoder's settings when it
+    decided (else null), the significance level and the test behind the p-value."""
+
+    decoder: TraceDecoder
+    temperature: float | None
+    top_k: int | None
+    alpha: float
+    test: str
+
+
+class SignedReport(BaseModel):
+    """The fields a report's signature covers (all null fields included)."""
+
+    report_id: str
+    created_at: str = Field(description="UTC, ISO 8601 with microseconds")
+    requester_id: int
+    text_sha256: str | None = Field(description="hex SHA-256 of the text's UTF-8 bytes")
+    scored_tokens: int
+    key_version: str | None
+    key_version_fingerprint: str | None
+    params: ReportParams | None
+    decoder: TraceDecoder = Field(description="the decoder that decided")
+    decoder_settings: DecoderSettings | None
+    gateway_version: str | None
+    verdict: TraceVerdict
+    p_value: float
+    statistic: float
+    attributed_user_id: int | None
+    attributed_user_name: str | None
+
+
+class ReportSignature(BaseModel):
+    alg: Literal["Ed25519"] = "Ed25519"
+    key_id: str = Field(description="short fingerprint of the public key (GET /.well-known/xmark-report-key)")
+    value: str = Field(description="base64 Ed25519 signature of the report's canonical JSON")
+
+
+class TraceReportDocument(BaseModel):
+    """GET /trace/{report_id}. ``signature`` is null for traces recorded before reports were signed."""
+
+    object: Literal["trace.report"] = "trace.report"
+    report: SignedReport
+    signature: ReportSignature | None
+
+
+class ReportKey(BaseModel):
+    """GET /.well-known/xmark-report-key: the public key that verifies trace reports."""
+
+    alg: Literal["Ed25519"] = "Ed25519"
+    key_id: str
+    public_key: str = Field(description="base64 of the raw 32-byte Ed25519 public key")
+
+
+class TraceLogEntry(BaseModel):
+    report_id: str
+    created_at: datetime
+    requester_id: int
+    requester_name: str
+    verdict: TraceVerdict
+    decoder: TraceDecoder
+    p_value: float
+    scored_tokens: int
+    key_version: str | None
+    attributed_user_id: int | None
+    attributed_user_name: str | None
+
+
+class TraceLogPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TraceLogEntry]
+    total: int
+    limit: int
+    offset: int
+    has_more: bool

@@ -15,7 +15,7 @@ from service.models import ApiKey, MessageId, User
 from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.message_ids import MessageIdRepository
 from service.repositories.users import UserRepository
-from service.schemas.admin import ApiKeyList, ApiKeyOut, IssuedKey
+from service.schemas.admin import ApiKeyList, ApiKeyOut, ApiKeyPage, IssuedKey
 from service.schemas.common import Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
 from service.services.message_ids import message_ids_out
@@ -105,6 +105,18 @@ class ApiKeyService:
         if await self._users.get(user_id) is None:
             raise NotFoundError(f"User {user_id} not found", param="user_id")
         return ApiKeyList(data=[key_out(k) for k in await self._keys.list_for_user(user_id)])
+
+    async def find_keys(self, prefix: str, *, user_id: int | None, limit: int, offset: int) -> ApiKeyPage:
+        """Keys across users by the start of their display prefix (e.g. one seen in a log),
+        optionally of one user."""
+        rows, total = await self._keys.page_by_prefix(prefix, user_id=user_id, limit=limit, offset=offset)
+        return ApiKeyPage(
+            data=[key_out(k) for k in rows],
+            total=total,
+            limit=limit,
+            offset=offset,
+            has_more=offset + len(rows) < total,
+        )
 
     async def revoke_key(self, user_id: int, key_id: int) -> ApiKeyOut:
         key = await self._keys.get(user_id, key_id)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -159,22 +159,73 @@ def _pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
     return pieces
 
 
-def _token_reports(
-    tokenizer: PreTrainedTokenizerBase, ids: list[int], result: DecodeResult, llr: np.ndarray | None = None
-) -> list[TokenReport]:
+Evidence = Literal["supports", "contradicts"]
+
+
+def candidate_blocks(bits: str, block_bits: int) -> list[int]:
+    """The block values of a candidate's message bits (``block_bits`` bits each, most significant first)."""
+    return [int(bits[i : i + block_bits], 2) for i in range(0, len(bits), block_bits)]
+
+
+def token_evidence(
+    result: DecodeResult, blocks: Sequence[int] | None = None, llr: np.ndarray | None = None
+) -> list[Evidence | None]:
+    """Each token's evidence for one candidate, so a reader sees where the text agrees with it.
+
+    With the likelihood decoder's per-token ``llr`` (NaN = not scored): its sign. Otherwise, with
+    the candidate's block values ``blocks``: a scored token supports the candidate when it lies in
+    the list the candidate's message would have boosted in its block: for xmark/loso the evergreen
+    list (its shard differs from the block value under every key), for mpac the shard numbered by
+    the block value; else it contradicts. Unscored tokens (context, special, repeated) and a text
+    without a candidate have no evidence.
+    """
     assert result.token_blocks is not None and result.token_shards is not None
+    n = result.token_blocks.shape[0]
+    if llr is not None:
+        return [
+            None if np.isnan(value) or value == 0 else ("supports" if value > 0 else "contradicts")
+            for value in llr.tolist()
+        ]
+    if blocks is None:
+        return [None] * n
+    values = np.asarray(blocks, dtype=np.int64)
+    scored = result.token_blocks >= 0
+    expected = values[np.where(scored, result.token_blocks, 0)][:, None]  # [n, 1]
+    if result.params.scheme == "mpac":
+        boosted = (result.token_shards[:, :1] == expected).all(axis=1)
+    else:
+        boosted = (result.token_shards != expected).all(axis=1)
+    return [
+        None if not is_scored else ("supports" if is_boosted else "contradicts")
+        for is_scored, is_boosted in zip(scored.tolist(), boosted.tolist(), strict=True)
+    ]
+
+
+def _token_reports(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    result: DecodeResult,
+    llr: np.ndarray | None = None,
+    candidate_bits: str | None = None,
+) -> list[TokenReport]:
+    """The per-token view of a text; ``candidate_bits``: the message of the named or best
+    candidate, whose evidence each token carries (with ``llr``, its sign decides instead)."""
+    assert result.token_blocks is not None and result.token_shards is not None
+    blocks = None if candidate_bits is None else candidate_blocks(candidate_bits, result.params.block_bits)
+    evidence = token_evidence(result, blocks, llr)
     reports = []
     pieces = _pieces(tokenizer, ids)
     for position, token in enumerate(ids):
         block = int(result.token_blocks[position])
-        evidence = None if llr is None or np.isnan(llr[position]) else float(llr[position])
+        value = None if llr is None or np.isnan(llr[position]) else float(llr[position])
         reports.append(
             TokenReport(
                 text=pieces[position],
                 id=token,
                 block=None if block < 0 else block,
                 shards=None if block < 0 else [int(s) for s in result.token_shards[position]],
-                llr=evidence,
+                llr=value,
+                evidence=evidence[position],
             )
         )
     return reports
@@ -386,7 +437,11 @@ def analyze_counting(
             )
             for c in attribution.candidates
         ],
-        tokens=_token_reports(tokenizer, ids, result) if include_tokens else None,
+        tokens=_token_reports(
+            tokenizer, ids, result, candidate_bits=attribution.candidates[0].bits if attribution.candidates else None
+        )
+        if include_tokens
+        else None,
     )
     return TraceOutcome(
         report,
@@ -443,8 +498,7 @@ def analyze_likelihood(
     top = attribution.candidates[0] if attribution.candidates else None
     llr = None
     if include_tokens and top is not None:
-        d = result.params.block_bits
-        llr = result.token_llr([int(top.bits[i : i + d], 2) for i in range(0, len(top.bits), d)])
+        llr = result.token_llr(candidate_blocks(top.bits, result.params.block_bits))
     watermarked = attribution.p_value < alpha
     p_value = attribution.p_value
     if counting is not None:  # decoder=auto: either verdict stands (each was tested at alpha / tests)

@@ -30,6 +30,8 @@ from service.schemas.trace import (
     TraceRequest,
 )
 from service.services.registry_cache import RegistryCache
+from service.services.report_records import SignedReportInput, build_signed_report
+from service.services.reports import ReportSigner
 from service.services.trace_analysis import (
     LengthGroup,
     TraceOutcome,
@@ -103,7 +105,9 @@ class TracingService:
         keyring: Keyring,
         metrics: Metrics,
         registry: RegistryCache,
+        signer: ReportSigner,
     ) -> None:
+        self._signer = signer
         self._session = session
         self._records = records
         self._settings = settings
@@ -142,6 +146,21 @@ class TracingService:
         outcome = await self._analyze(request, ids, tokenizer, groups, run)
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
+        handle = next((v for v in versions if v.id == outcome.key_version_id), None)
+        signed = build_signed_report(
+            self._signer,
+            SignedReportInput(
+                created_at=utcnow(),
+                requester_id=principal.user_id,
+                text=request.text,
+                report=report,
+                verdict=verdict,
+                handle=handle,
+                requested_decoder=request.decoder,
+                alpha=settings.trace_alpha,
+                top_k=settings.trace_top_k if report.decoder == TraceDecoder.LIKELIHOOD else None,
+            ),
+        )
         row = {
             "requester_id": principal.user_id,
             "verdict": verdict,
@@ -151,8 +170,10 @@ class TracingService:
             "key_version_id": outcome.key_version_id,
             "attributed_user_id": outcome.attributed_user_id,
             "decoder": report.decoder,
-            "created_at": utcnow(),
+            "created_at": signed.created_at,
+            **signed.columns,
         }
+        report = report.model_copy(update={"report_id": signed.report_id})
         # committed before the report is sent; concurrent traces share the round trip (RowWriter)
         await self._records.write([row])
         self._metrics.trace_verdicts.labels(

@@ -185,9 +185,15 @@ class UserService:
         return await self._out(await self._require(user_id))
 
     async def list_users(
-        self, *, limit: int, offset: int, status: str | None = None, role: str | None = None
+        self,
+        *,
+        limit: int,
+        offset: int,
+        status: str | None = None,
+        role: str | None = None,
+        q: str | None = None,
     ) -> UserPage:
-        rows, total = await self._users.page(limit=limit, offset=offset, status=status, role=role)
+        rows, total = await self._users.page(limit=limit, offset=offset, status=status, role=role, name_contains=q)
         encoding = (await lengths_in_use(self._session, self._params)).encoding
         ids = await self._ids.of_users(u.id for u in rows)
         return UserPage(

@@ -26,6 +26,12 @@ PUBLIC_ROUTES = {
     ("GET", "/docs"),
     ("GET", "/docs/oauth2-redirect"),
     ("GET", "/redoc"),
+    # the public key that verifies trace reports
+    ("GET", "/.well-known/xmark-report-key"),
+    # the console's static page and modules: they hold no data, the page calls the API with a key
+    ("GET", "/console"),
+    ("GET", "/console/"),
+    ("GET", "/console/static/{name}"),
 }
 ALL_ROLES = frozenset({"user", "auditor", "admin"})
 ADMIN = frozenset({"admin"})
@@ -34,6 +40,11 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/v1/chat/completions"): ALL_ROLES,
     ("POST", "/v1/completions"): ALL_ROLES,
     ("POST", "/trace"): frozenset({"auditor", "admin"}),
+    ("GET", "/trace/{report_id}"): frozenset({"auditor", "admin"}),
+    ("GET", "/traces"): frozenset({"auditor", "admin"}),
+    ("GET", "/me"): ALL_ROLES,
+    ("GET", "/admin/usage"): ADMIN,
+    ("GET", "/admin/api-keys"): ADMIN,
     ("POST", "/admin/users"): ADMIN,
     ("GET", "/admin/users"): ADMIN,
     ("GET", "/admin/users/{user_id}"): ADMIN,

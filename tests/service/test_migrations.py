@@ -191,3 +191,48 @@ async def test_sqlite_choice_index_backfill(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_postgres_choice_index_backfill(scratch_postgres: str) -> None:
     await _choice_index_backfill(scratch_postgres)
+
+
+async def _trace_report_backfill(url: str) -> None:
+    """0005 gives every existing trace a distinct report id (no signature); downgrading drops the
+    report columns and keeps the traces."""
+    await asyncio.to_thread(upgrade_database, url, "0004")
+    now = datetime.now(UTC).replace(tzinfo=None)
+    await _execute(
+        url,
+        "INSERT INTO users (name, role, status, message_id, created_at, updated_at) "
+        "VALUES ('auditor', 'auditor', 'active', '01', :now, :now)",
+        [{"now": now}],
+    )
+    insert = (
+        "INSERT INTO traces (requester_id, created_at, verdict, p_value, statistic, scored_tokens, decoder) "
+        "VALUES (1, :now, :verdict, 0.5, 1.0, 10, 'counting')"
+    )
+    await _execute(url, insert, [{"now": now, "verdict": v} for v in ("watermarked", "not_watermarked", "watermarked")])
+    await asyncio.to_thread(upgrade_database, url)
+    rows = await _execute(url, "SELECT report_id, signature, text_sha256 FROM traces ORDER BY id")
+    ids = [r[0] for r in rows]
+    assert len(set(ids)) == 3 and all(i.startswith("trc_") and len(i) == 28 for i in ids)
+    assert [tuple(r[1:]) for r in rows] == [(None, None)] * 3  # never signed after the fact
+    with pytest.raises(Exception, match=r"(?i)unique"):
+        await _execute(url, f"UPDATE traces SET report_id = '{ids[0]}' WHERE report_id = '{ids[1]}'")
+    _, diff = await _inspect(url)
+    assert diff == [], f"models and migrations disagree: {diff}"
+
+    await asyncio.to_thread(downgrade_database, url, "0004")
+    kept = await _execute(url, "SELECT verdict FROM traces ORDER BY id")
+    assert [r[0] for r in kept] == ["watermarked", "not_watermarked", "watermarked"]
+    with pytest.raises(Exception, match=r"(?i)report_id"):
+        await _execute(url, "SELECT report_id FROM traces")
+    await asyncio.to_thread(upgrade_database, url)
+    again = await _execute(url, "SELECT report_id FROM traces")
+    assert len({r[0] for r in again}) == 3
+
+
+async def test_sqlite_trace_report_backfill(tmp_path: Path) -> None:
+    await _trace_report_backfill(f"sqlite+aiosqlite:///{tmp_path / 'r.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_trace_report_backfill(scratch_postgres: str) -> None:
+    await _trace_report_backfill(scratch_postgres)

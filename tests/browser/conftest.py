@@ -1,0 +1,41 @@
+"""The console in a real browser: the system Chromium (``make browser`` installs it; Playwright
+never downloads one) driving a real gateway on a local port with the real model and its own
+PostgreSQL database (the fixtures of tests/e2e)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.e2e.conftest import e2e_database_url, live_server
+
+__all__ = ["ARTIFACTS", "e2e_database_url", "live_server"]
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = REPO_ROOT / "var" / "test-artifacts" / "console"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Iterator[object]:
+    """One headless Chromium for the session."""
+    executable = CHROMIUM if CHROMIUM.exists() else shutil.which("chromium")
+    if executable is None:
+        pytest.fail("Chromium is missing: run `make browser` (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(executable), headless=True, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS

@@ -1,0 +1,293 @@
+"""The forensic console in Chromium against a real gateway (real model, real PostgreSQL).
+
+An admin signs in and creates a user in the console; that user chats through the API; the admin
+traces the user's text in the console and sees the user named and the tokens coloured. An
+auditor sees no admin view and the API refuses them; hostile text renders as text; signing out
+leaves the key nowhere. Screenshots of the main pages go to var/test-artifacts/console/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from playwright.sync_api import Browser, Page, expect
+
+from service.routers.console import CONSOLE_CSP
+from service.services.reports import decode_public_key, text_sha256, verify_report
+
+pytestmark = [pytest.mark.model, pytest.mark.browser]
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS = (
+    "Write a detailed, multi-paragraph essay about the history of lighthouses and their keepers.",
+    "Explain in depth how bees build honeycombs and organise their hive through the seasons.",
+)
+HOSTILE = 'Before <script>window.__pwned=1</script> and <img src=x onerror="window.__pwned=1"> after.'
+TIMEOUT_MS = 120_000
+
+
+def _admin_headers(server: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.admin_key}"}
+
+
+def _new_page(browser: Browser, server: Any) -> Page:
+    page = browser.new_page(base_url=server.base_url, viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.on("dialog", lambda dialog: dialog.accept())  # the console's confirmations
+    return page
+
+
+def _sign_in(page: Page, key: str) -> None:
+    page.goto("/console")
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("button", name="Sign out")).to_be_visible()
+
+
+def _create_user(server: Any, name: str, role: str) -> str:
+    response = httpx.post(
+        f"{server.base_url}/admin/users", json={"name": name, "role": role}, headers=_admin_headers(server)
+    )
+    assert response.status_code == 201, response.text
+    return str(response.json()["api_key"])
+
+
+def _chat(server: Any, key: str) -> str:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=600)
+    texts = []
+    tokens = 0
+    for prompt in PROMPTS:
+        completion = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=1.0
+        )
+        assert completion.usage is not None
+        tokens += completion.usage.completion_tokens
+        texts.append(completion.choices[0].message.content or "")
+    assert tokens >= 200, f"only {tokens} completion tokens to trace"
+    return "\n\n".join(texts)
+
+
+def _trace_in_console(page: Page, text: str) -> None:
+    page.goto("/console#/trace")
+    page.get_by_label("Text to trace").fill(text)
+    page.get_by_role("button", name="Trace", exact=True).click()
+    expect(page.locator(".verdict")).to_be_visible()
+
+
+def test_admin_creates_a_user_and_traces_their_text_to_them(
+    live_server: Any, chromium: Browser, artifacts: Path
+) -> None:
+    page = _new_page(chromium, live_server)
+    _sign_in(page, live_server.admin_key)
+    for view in ("Trace", "Audit log", "Users", "API keys", "Key versions", "Usage"):
+        expect(page.locator("#nav").get_by_role("link", name=view, exact=True)).to_be_visible()
+
+    # create the user in the console: the key is shown once
+    page.goto("/console#/users")
+    page.locator("form.create input[name=name]").fill("console-alice")
+    page.get_by_role("button", name="Create user").click()
+    secret = page.locator("input[data-secret=api-key]")
+    expect(secret).to_be_visible()
+    user_key = secret.input_value()
+    assert user_key.startswith("sk-") or len(user_key) > 20
+    expect(page.locator("table.users")).to_contain_text("console-alice")
+    page.screenshot(path=str(artifacts / "users.png"), full_page=True)
+
+    text = _chat(live_server, user_key)
+    _trace_in_console(page, text)
+    expect(page.locator(".verdict-head")).to_have_text("Watermarked")
+    expect(page.locator(".named-user")).to_contain_text("console-alice")
+    expect(page.locator("table.candidates")).to_contain_text("console-alice")
+    versions = httpx.get(f"{live_server.base_url}/admin/key-versions", headers=_admin_headers(live_server)).json()
+    active = next(v for v in versions["data"] if v["status"] == "active")
+    expect(page.locator("table.blocks tbody tr")).to_have_count(active["bits"] // active["block_bits"])
+
+    tokens = page.locator(".token-text .tok")
+    total = tokens.count()
+    assert total == int(page.locator(".token-text").get_attribute("data-tokens") or -1)
+    supports = page.locator(".token-text .tok-supports").count()
+    contradicts = page.locator(".token-text .tok-contradicts").count()
+    unscored = page.locator(".token-text .tok-none").count()
+    assert supports + contradicts + unscored == total > 200
+    assert supports > contradicts > 0, (supports, contradicts)  # a watermark favours its own list
+    legend = page.locator(".legend")
+    assert legend.get_attribute("data-supports") == str(supports)
+    assert re.match(
+        r"block \d+, shards \d+(/\d+)*", page.locator(".token-text .tok-supports").first.get_attribute("title") or ""
+    )
+    # the text is the traced text, token by token
+    assert page.locator(".token-text").text_content() == text
+    page.screenshot(path=str(artifacts / "trace.png"), full_page=True)
+
+    # the signed report downloads and verifies against the gateway's published key
+    with page.expect_download() as caught:
+        page.locator("button[data-action=download-report]").click()
+    saved = caught.value
+    assert re.fullmatch(r"trc_[A-Za-z0-9_-]+\.json", saved.suggested_filename)
+    document = json.loads(Path(saved.path()).read_text())
+    published = httpx.get(f"{live_server.base_url}/.well-known/xmark-report-key").json()
+    report = verify_report(document, decode_public_key(published["public_key"]))
+    assert report["text_sha256"] == text_sha256(text)
+    assert report["verdict"] == "watermarked" and report["attributed_user_name"] == "console-alice"
+    report_id = report["report_id"]
+
+    # print layout: no navigation, no form, the report stays
+    page.emulate_media(media="print")
+    expect(page.locator("header.top")).to_be_hidden()
+    expect(page.locator("form.trace-form")).to_be_hidden()
+    expect(page.locator(".verdict")).to_be_visible()
+    page.emulate_media(media="screen")
+
+    # the audit log lists this trace, the usage view the user's generations
+    page.goto("/console#/audit")
+    audit = page.locator("table.audit")
+    expect(audit).to_contain_text(report_id)
+    expect(audit.locator("tr", has_text=report_id)).to_contain_text("console-alice")
+    page.screenshot(path=str(artifacts / "audit.png"), full_page=True)
+    page.goto("/console#/usage")
+    usage = page.locator("table.usage tr", has_text="console-alice")
+    expect(usage).to_have_count(1)
+    assert int(usage.locator("td").nth(2).text_content() or 0) == len(PROMPTS)  # requests
+    page.screenshot(path=str(artifacts / "usage.png"), full_page=True)
+    page.goto("/console#/key-versions")
+    expect(page.locator("table.versions")).to_contain_text("active")
+    page.screenshot(path=str(artifacts / "key-versions.png"), full_page=True)
+    page.close()
+
+
+def _status_of(server: Any, key: str) -> int:
+    return httpx.get(f"{server.base_url}/me", headers={"Authorization": f"Bearer {key}"}).status_code
+
+
+def test_admin_issues_and_revokes_keys_and_disables_users(live_server: Any, chromium: Browser) -> None:
+    user_key = _create_user(live_server, "console-bob", "user")
+    user_id = httpx.get(f"{live_server.base_url}/me", headers={"Authorization": f"Bearer {user_key}"}).json()["user_id"]
+    page = _new_page(chromium, live_server)
+    _sign_in(page, live_server.admin_key)
+
+    # a second key, issued in the console and shown once, then revoked there
+    page.goto("/console#/keys")
+    page.locator("form.create input[name=user_id]").fill(str(user_id))
+    page.get_by_role("button", name="Issue key").click()
+    secret = page.locator("input[data-secret=api-key]")
+    expect(secret).to_be_visible()
+    second = secret.input_value()
+    assert second != user_key and _status_of(live_server, second) == 200
+    rows = page.locator("table.keys tbody tr")
+    expect(rows).to_have_count(2)  # the filter is now this user's keys
+    rows.last.get_by_role("button", name="Revoke").click()
+    expect(rows.last).to_contain_text("revoked")
+    assert _status_of(live_server, second) == 401
+    assert _status_of(live_server, user_key) == 200
+
+    # disable, then enable, the user from the user list (searched by name)
+    page.goto("/console#/users")
+    page.locator("form.filters input[name=q]").fill("console-bob")
+    page.get_by_role("button", name="Search").click()
+    row = page.locator("table.users tbody tr", has_text="console-bob")
+    expect(row).to_have_count(1)
+    row.get_by_role("button", name="Disable").click()
+    expect(row).to_contain_text("disabled")
+    assert _status_of(live_server, user_key) in (401, 403)
+    row.get_by_role("button", name="Enable").click()
+    expect(row).to_contain_text("active")
+    assert _status_of(live_server, user_key) == 200
+    page.close()
+
+
+def test_an_auditor_sees_no_admin_view_and_the_api_refuses_them(live_server: Any, chromium: Browser) -> None:
+    key = _create_user(live_server, "console-auditor", "auditor")
+    page = _new_page(chromium, live_server)
+    _sign_in(page, key)
+    nav = page.locator("#nav")
+    expect(nav.get_by_role("link", name="Trace", exact=True)).to_be_visible()
+    expect(nav.get_by_role("link", name="Audit log", exact=True)).to_be_visible()
+    assert nav.get_by_role("link").count() == 2
+    for view in ("users", "keys", "key-versions", "usage"):
+        page.goto(f"/console#/{view}")
+        expect(page.locator(f"[data-forbidden='{view}']")).to_contain_text("this view is for admins")
+    auth = {"Authorization": f"Bearer {key}"}
+    for path in ("/admin/users", "/admin/key-versions"):
+        response = httpx.get(f"{live_server.base_url}{path}", headers=auth)
+        assert response.status_code == 403, response.text
+        assert response.json()["error"]["message"]
+    page.close()
+
+
+def test_a_plain_user_is_told_the_console_is_for_auditors(live_server: Any, chromium: Browser) -> None:
+    key = _create_user(live_server, "console-plain", "user")
+    page = _new_page(chromium, live_server)
+    _sign_in(page, key)
+    expect(page.locator("main")).to_contain_text("The console is for auditors and admins")
+    assert page.locator("#nav a").count() == 0
+    page.close()
+
+
+def test_hostile_text_renders_as_text_under_the_csp(live_server: Any, chromium: Browser) -> None:
+    page = _new_page(chromium, live_server)
+    response = page.goto("/console")
+    assert response is not None and response.ok
+    headers = response.headers
+    assert headers["content-security-policy"] == CONSOLE_CSP
+    assert headers["x-content-type-options"] == "nosniff"
+    assert headers["referrer-policy"] == "no-referrer"
+    asset = httpx.get(f"{live_server.base_url}/console/static/app.js")
+    assert asset.status_code == 200 and asset.headers["content-type"].startswith("text/javascript")
+    assert asset.headers["content-security-policy"] == CONSOLE_CSP
+    assert httpx.get(f"{live_server.base_url}/console/static/..%2Fapp.py").status_code == 404
+
+    _sign_in(page, live_server.admin_key)
+    _trace_in_console(page, HOSTILE)
+    expect(page.locator(".verdict-head")).to_have_text("Not watermarked")
+    rendered = page.locator(".token-text")
+    assert rendered.text_content() == HOSTILE
+    expect(rendered).to_contain_text("<script>window.__pwned=1</script>")
+    assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
+    page.wait_for_timeout(300)  # an onerror handler would have run by now
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    page.close()
+
+
+def test_sign_out_leaves_the_key_nowhere(live_server: Any, chromium: Browser) -> None:
+    context = chromium.new_context(base_url=live_server.base_url)
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    _sign_in(page, live_server.admin_key)
+    key = live_server.admin_key
+    assert key in page.evaluate("JSON.stringify(Object.values(sessionStorage))")
+    assert page.evaluate("localStorage.length") == 0
+    assert key not in page.url
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("button", name="Sign in")).to_be_visible()
+    assert page.evaluate("sessionStorage.length") == 0
+    assert page.evaluate("localStorage.length") == 0
+    assert context.cookies() == []
+    assert key not in page.url
+    page.reload()  # nothing left to sign in with
+    expect(page.get_by_role("button", name="Sign in")).to_be_visible()
+    expect(page.locator("#nav a")).to_have_count(0)
+    context.close()
+
+
+def test_a_long_text_stays_usable(live_server: Any, chromium: Browser) -> None:
+    """Thousands of tokens: one span each, rendered in one pass, the page still answers."""
+    page = _new_page(chromium, live_server)
+    _sign_in(page, live_server.admin_key)
+    sentences = [f"Sentence {i} of a long report on tides, harbours and the ships that use them." for i in range(400)]
+    text = " ".join(sentences)  # about 7,000 tokens
+    _trace_in_console(page, text)
+    rendered = page.locator(".token-text")
+    count = int(rendered.get_attribute("data-tokens") or 0)
+    assert count > 5_000
+    assert page.locator(".token-text .tok").count() == count
+    assert rendered.text_content() == text
+    # the page still answers: another view opens
+    page.locator("#nav").get_by_role("link", name="Audit log", exact=True).click()
+    expect(page.locator("table.audit")).to_be_visible()
+    page.close()
