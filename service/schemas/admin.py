@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from service.schemas.common import MessageIdOut
+from service.schemas.common import MessageIdOut, Page
 from service.schemas.text import reject_lone_surrogates
 from service.security import KEY_PATTERN
 from service.vocabulary import KeyVersionStatus, Role, UserStatus
@@ -116,13 +116,8 @@ class UserOut(BaseModel):
     deleted_at: datetime | None = None
 
 
-class UserPage(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[UserOut]
-    total: int
-    limit: int
-    offset: int
-    has_more: bool
+class UserPage(Page[UserOut]):
+    pass
 
 
 class IssuedKey(BaseModel):
@@ -175,13 +170,8 @@ class KeyVersionList(BaseModel):
     data: list[KeyVersionOut]
 
 
-class ApiKeyPage(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ApiKeyOut]
-    total: int
-    limit: int
-    offset: int
-    has_more: bool
+class ApiKeyPage(Page[ApiKeyOut]):
+    pass
 
 
 class UsageDay(BaseModel):
@@ -196,10 +186,5 @@ class UsageDay(BaseModel):
     completion_tokens: int
 
 
-class UsagePage(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[UsageDay]
-    total: int
-    limit: int
-    offset: int
-    has_more: bool
+class UsagePage(Page[UsageDay]):
+    pass

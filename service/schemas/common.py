@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Generic, Literal, Self, TypeVar
+
 from pydantic import BaseModel, ConfigDict
 
 from service.vocabulary import Role
+
+T = TypeVar("T")
 
 __all__ = [
     "ERROR_RESPONSES",
@@ -12,9 +17,25 @@ __all__ = [
     "ErrorDetail",
     "ErrorEnvelope",
     "MessageIdOut",
+    "Page",
     "Principal",
     "Role",
 ]
+
+
+class Page(BaseModel, Generic[T]):
+    """One page of a list endpoint (``limit``/``offset``), with the total count of matches."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    total: int
+    limit: int
+    offset: int
+    has_more: bool
+
+    @classmethod
+    def of(cls, data: Sequence[T], *, total: int, limit: int, offset: int) -> Self:
+        return cls(data=list(data), total=total, limit=limit, offset=offset, has_more=offset + len(data) < total)
 
 
 class ErrorDetail(BaseModel):

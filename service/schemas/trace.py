@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.schemas.common import Page
 from service.schemas.text import Text
 from service.vocabulary import TraceDecoder, TraceVerdict
 
@@ -160,10 +161,5 @@ class TraceLogEntry(BaseModel):
     attributed_user_name: str | None
 
 
-class TraceLogPage(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[TraceLogEntry]
-    total: int
-    limit: int
-    offset: int
-    has_more: bool
+class TraceLogPage(Page[TraceLogEntry]):
+    pass

@@ -110,13 +110,7 @@ class ApiKeyService:
         """Keys across users by the start of their display prefix (e.g. one seen in a log),
         optionally of one user."""
         rows, total = await self._keys.page_by_prefix(prefix, user_id=user_id, limit=limit, offset=offset)
-        return ApiKeyPage(
-            data=[key_out(k) for k in rows],
-            total=total,
-            limit=limit,
-            offset=offset,
-            has_more=offset + len(rows) < total,
-        )
+        return ApiKeyPage.of([key_out(k) for k in rows], total=total, limit=limit, offset=offset)
 
     async def revoke_key(self, user_id: int, key_id: int) -> ApiKeyOut:
         key = await self._keys.get(user_id, key_id)

@@ -64,4 +64,4 @@ class TraceLogService:
             )
             for r in rows
         ]
-        return TraceLogPage(data=data, total=total, limit=limit, offset=offset, has_more=offset + len(rows) < total)
+        return TraceLogPage.of(data, total=total, limit=limit, offset=offset)

@@ -35,4 +35,4 @@ class UsageService:
             )
             for r in rows
         ]
-        return UsagePage(data=data, total=total, limit=limit, offset=offset, has_more=offset + len(rows) < total)
+        return UsagePage.of(data, total=total, limit=limit, offset=offset)

@@ -196,13 +196,7 @@ class UserService:
         rows, total = await self._users.page(limit=limit, offset=offset, status=status, role=role, name_contains=q)
         encoding = (await lengths_in_use(self._session, self._params)).encoding
         ids = await self._ids.of_users(u.id for u in rows)
-        return UserPage(
-            data=[user_out(u, ids[u.id], encoding) for u in rows],
-            total=total,
-            limit=limit,
-            offset=offset,
-            has_more=offset + len(rows) < total,
-        )
+        return UserPage.of([user_out(u, ids[u.id], encoding) for u in rows], total=total, limit=limit, offset=offset)
 
     async def disable_user(self, user_id: int) -> UserOut:
         user = await self._require_guarded(user_id)
