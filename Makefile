@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -81,6 +81,9 @@ bench-service: venv model
 # prints one JSON object: records_missing and records_duplicated must be 0.
 soak: venv model
 	$(BIN)/python -m benchmarks.soak
+
+bench-local: venv model
+	$(BIN)/python -m benchmarks.local_overhead --json
 
 bench-core: venv
 	$(BIN)/python -m xmark_core.bench --json

@@ -1,16 +1,25 @@
-"""vLLM throughput with the XMark watermark on vs off, measured in one run.
+"""vLLM throughput with the XMark watermark on vs off, with a bootstrap interval on the ratio.
 
-Starts one ``vllm serve`` (the CPU engine here) with the XMark V1 logits processor loaded, sends
-rounds of ``--concurrency`` simultaneous chat completions of exactly ``--max-tokens`` tokens
-(``ignore_eos``), alternating rounds without XMark arguments (watermark off: the processor sees
-no watermarked row and returns at once) and rounds with them (watermark on: every row is
-biased), and reports completion tokens per second for each, their ratio (target >= 0.97), and
-the per-round figures. Alternating rounds on the same server keeps drift out of the ratio.
+For each concurrency (``--concurrency 1,16,64``) one ``vllm serve`` (the CPU engine here) starts
+with the XMark V1 logits processor loaded and ``--max-num-seqs`` equal to the concurrency. It
+then sends ``--rounds`` pairs of rounds, each round ``--concurrency`` simultaneous chat
+completions of exactly ``--max-tokens`` tokens (``ignore_eos``): one round without XMark
+arguments (watermark off: the processor sees no watermarked row and returns at once) and one with
+them (watermark on: every row is biased), the order alternating from pair to pair so that drift
+falls on both modes alike. Reported per concurrency:
+
+* tokens/s with the watermark off and on, their ratio (on/off, from the summed tokens and
+  seconds), and a 95 % interval on it: a bootstrap over the pairs (``scipy.stats.bootstrap``,
+  paired, BCa), so a pair's drift stays in its pair;
+* where the processor's time goes: its ``apply`` and ``update_state`` calls are timed inside the
+  engine (``XMARK_PROCESSOR_PROFILE``, see ``xmark_core.vllm_common.ProcessorProfile``), and their
+  share of the on-rounds' wall time is the share of each engine step spent in the processor;
+* whether the target holds: ratio >= 0.98 and the interval's lower bound >= 0.97.
 
     python -m benchmarks.vllm_overhead --json
 
-Needs vLLM importable (``make test-vllm`` builds that environment) and the model checkpoint
-(``make model``). The server is always shut down before the script exits.
+Needs vLLM importable (``make venv-vllm``) and the model checkpoint (``make model``). Each server
+is shut down before the next starts and before the script exits.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import secrets
 import signal
 import statistics
@@ -31,12 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+from scipy import stats
 
 from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
+from xmark_core.vllm_common import read_processor_profile
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "var" / "models" / MODEL_NAME
-TARGET_RATIO = 0.97
-MESSAGE_BITS = "0110110000011011"
+TARGET_RATIO = 0.98
+TARGET_LOWER = 0.97
+MESSAGE_BITS = "01101100000110110110110000011011"  # 32 bits: the product's default b
+KEY_VERSION = "bench"
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,8 @@ class Round:
     watermark: bool
     tokens: int
     seconds: float
+    processor_s: float  # apply + update_state inside the engine during the round
+    applies: int  # engine steps that reached the processor
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,14 +68,17 @@ class Round:
 
 
 def start_server(
-    model_path: Path, port: int, concurrency: int, log: Path, key_version: str, secret: str
+    model_path: Path, port: int, concurrency: int, log: Path, secret: str, profile: Path
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
-        "XMARK_WATERMARK_SECRETS": f"{key_version}:{secret}",
+        "XMARK_WATERMARK_SECRETS": f"{KEY_VERSION}:{secret}",
+        "XMARK_PROCESSOR_PROFILE": str(profile),
+        # every recompilation of the fused kernel is logged: one built at start-up must serve all batches
+        "TORCH_LOGS": "recompiles",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
     }
     env.pop("XMARK_SECRETS_FILE", None)
     command = vllm_serve_command(model_path, port, max_num_seqs=concurrency)
@@ -93,7 +113,7 @@ async def wait_healthy(base: str, process: subprocess.Popen[bytes], timeout_s: f
 
 
 async def run_round(
-    client: httpx.AsyncClient, *, watermark: bool, concurrency: int, max_tokens: int, key_version: str, seed: int
+    client: httpx.AsyncClient, *, watermark: bool, concurrency: int, max_tokens: int, profile: Path
 ) -> Round:
     async def one(i: int) -> int:
         body: dict[str, Any] = {
@@ -102,102 +122,171 @@ async def run_round(
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "temperature": 1.0,
-            "seed": seed + i,
         }
         if watermark:
-            body["vllm_xargs"] = {"xmark_message": MESSAGE_BITS, "xmark_key_version": key_version}
+            body["vllm_xargs"] = {"xmark_message": MESSAGE_BITS, "xmark_key_version": KEY_VERSION}
         response = await client.post("/v1/chat/completions", json=body)
         response.raise_for_status()
         return int(response.json()["usage"]["completion_tokens"])
 
+    before = read_processor_profile(profile)
     start = time.perf_counter()
     tokens = await asyncio.gather(*(one(i) for i in range(concurrency)))
-    return Round(watermark, sum(tokens), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    after = read_processor_profile(profile)
+    processor_s = (after["apply_s"] + after["update_s"]) - (before["apply_s"] + before["update_s"])
+    applies = int(after["applies"] - before["applies"])
+    return Round(watermark, sum(tokens), seconds, processor_s, applies)
 
 
-async def measure(args: argparse.Namespace, base: str) -> list[Round]:
-    key_version = "bench"
+async def measure(args: argparse.Namespace, base: str, concurrency: int, profile: Path) -> list[Round]:
     rounds: list[Round] = []
-    async with httpx.AsyncClient(base_url=base, timeout=600.0) as client:
-        for warm in (False, True):  # first requests pay for lazy initialisation
-            await run_round(
-                client, watermark=warm, concurrency=args.concurrency, max_tokens=8, key_version=key_version, seed=0
-            )
-        for r in range(args.rounds):
-            order = (False, True) if r % 2 == 0 else (True, False)
+    common = {"concurrency": concurrency, "profile": profile}
+    async with httpx.AsyncClient(base_url=base, timeout=900.0) as client:
+        for warm in (False, True, False, True):  # the first requests pay for lazy initialisation
+            await run_round(client, watermark=warm, max_tokens=16, **common)
+        for pair in range(args.rounds):
+            order = (False, True) if pair % 2 == 0 else (True, False)
             for watermark in order:
-                rounds.append(
-                    await run_round(
-                        client,
-                        watermark=watermark,
-                        concurrency=args.concurrency,
-                        max_tokens=args.max_tokens,
-                        key_version=key_version,
-                        seed=1000 * r,
-                    )
-                )
+                rounds.append(await run_round(client, watermark=watermark, max_tokens=args.max_tokens, **common))
     return rounds
 
 
-def summarise(rounds: list[Round], args: argparse.Namespace, startup_s: float) -> dict[str, Any]:
-    off = [r.tokens_per_s for r in rounds if not r.watermark]
-    on = [r.tokens_per_s for r in rounds if r.watermark]
-    off_total = sum(r.tokens for r in rounds if not r.watermark) / sum(r.seconds for r in rounds if not r.watermark)
-    on_total = sum(r.tokens for r in rounds if r.watermark) / sum(r.seconds for r in rounds if r.watermark)
-    ratio = on_total / off_total
+def ratio_of_sums(off_tokens: Any, off_s: Any, on_tokens: Any, on_s: Any, axis: int = -1) -> Any:
+    """Throughput on / off from the rounds' summed tokens and seconds (vectorised for bootstrap)."""
+    on = np.sum(on_tokens, axis=axis) / np.sum(on_s, axis=axis)
+    off = np.sum(off_tokens, axis=axis) / np.sum(off_s, axis=axis)
+    return on / off
+
+
+def summarise(
+    rounds: list[Round], concurrency: int, args: argparse.Namespace, startup_s: float, recompiles: list[str]
+) -> dict[str, Any]:
+    off = [r for r in rounds if not r.watermark]
+    on = [r for r in rounds if r.watermark]
+    columns = (
+        np.array([r.tokens for r in off], float),
+        np.array([r.seconds for r in off]),
+        np.array([r.tokens for r in on], float),
+        np.array([r.seconds for r in on]),
+    )
+    ratio = float(ratio_of_sums(*columns))
+    interval = stats.bootstrap(
+        columns,
+        ratio_of_sums,
+        paired=True,
+        vectorized=True,
+        n_resamples=args.resamples,
+        method="BCa",
+        random_state=np.random.default_rng(0),
+    ).confidence_interval
+    on_wall = sum(r.seconds for r in on)
+    off_wall = sum(r.seconds for r in off)
+    on_steps = sum(r.applies for r in on)
+    off_steps = sum(r.applies for r in off)
     return {
-        "benchmark": "vllm_overhead",
-        "engine": "vllm-cpu (V1 model runner)",
-        "model": MODEL_NAME,
-        "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
-        "rounds_per_mode": args.rounds,
-        "tokens_per_s_watermark_off": round(off_total, 2),
-        "tokens_per_s_watermark_on": round(on_total, 2),
+        "concurrency": concurrency,
+        "tokens_per_s_watermark_off": round(sum(r.tokens for r in off) / off_wall, 2),
+        "tokens_per_s_watermark_on": round(sum(r.tokens for r in on) / on_wall, 2),
         "ratio_on_over_off": round(ratio, 4),
-        "median_round_ratio": round(statistics.median(a / b for a, b in zip(on, off, strict=True)), 4),
-        "target_ratio": TARGET_RATIO,
-        "meets_target": ratio >= TARGET_RATIO,
+        "ratio_ci95": [round(float(interval.low), 4), round(float(interval.high), 4)],
+        "median_pair_ratio": round(
+            statistics.median(b.tokens_per_s / a.tokens_per_s for a, b in zip(off, on, strict=True)), 4
+        ),
+        "meets_target": ratio >= TARGET_RATIO and float(interval.low) >= TARGET_LOWER,
+        # where the time goes inside the engine: the processor's share of each step
+        "processor_share_of_wall_on": round(sum(r.processor_s for r in on) / on_wall, 5),
+        "processor_share_of_wall_off": round(sum(r.processor_s for r in off) / off_wall, 5),
+        "processor_us_per_step_on": round(1e6 * sum(r.processor_s for r in on) / max(on_steps, 1), 1),
+        "processor_us_per_step_off": round(1e6 * sum(r.processor_s for r in off) / max(off_steps, 1), 1),
+        "step_ms_on": round(1e3 * on_wall / max(on_steps, 1), 2),
+        "step_ms_off": round(1e3 * off_wall / max(off_steps, 1), 2),
         "server_startup_s": round(startup_s, 1),
-        "cpu_count": os.cpu_count(),
-        "rounds": [asdict(r) | {"tokens_per_s": round(r.tokens_per_s, 2)} for r in rounds],
+        # torch.compile recompilations logged while serving (0: the start-up kernel ran every step)
+        "kernel_recompiles_while_serving": len(recompiles),
+        "kernel_recompile_reasons": recompiles,
+        "rounds": [
+            asdict(r) | {"tokens_per_s": round(r.tokens_per_s, 2), "processor_s": round(r.processor_s, 4)}
+            for r in rounds
+        ],
     }
+
+
+def recompilations(log: Path) -> list[str]:
+    """The guard failures torch.compile logged (TORCH_LOGS=recompiles), one line each, in order."""
+    lines = log.read_text(errors="replace").splitlines()
+    return [
+        lines[i + 2].split("] ", 1)[-1].strip() if i + 2 < len(lines) else "?"
+        for i, line in enumerate(lines)
+        if "Recompiling function" in line
+    ]
+
+
+def run_concurrency(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkstemp(prefix="vllm-overhead-", suffix=".log")[1])
+    profile = Path(tempfile.mkstemp(prefix="xmark-profile-", suffix=".txt")[1])
+    started = time.monotonic()
+    process = start_server(args.model_path, port, concurrency, log, secrets.token_urlsafe(24), profile)
+    try:
+        asyncio.run(wait_healthy(base, process, args.startup_timeout))
+        startup_s = time.monotonic() - started
+        logged_at_start = len(recompilations(log))
+        rounds = asyncio.run(measure(args, base, concurrency, profile))
+        recompiles = recompilations(log)[logged_at_start:]
+    except Exception:
+        sys.stderr.write(log.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        stop_server(process)
+        profile.unlink(missing_ok=True)
+    log.unlink(missing_ok=True)
+    return summarise(rounds, concurrency, args, startup_s, recompiles)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--model-path", type=Path, default=Path(os.environ.get("XMARK_MODEL_PATH", DEFAULT_MODEL_PATH)))
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per mode (alternating)")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrencies, one server each")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=10, help="pairs of rounds (one off, one on) per concurrency")
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     if not (args.model_path / "config.json").is_file():
         parser.error(f"no model checkpoint at {args.model_path} (run `make model`)")
+    concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if args.rounds < 3:
+        parser.error("--rounds must be at least 3 for an interval")
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkstemp(prefix="vllm-overhead-", suffix=".log")[1])
-    started = time.monotonic()
-    process = start_server(args.model_path, port, args.concurrency, log, "bench", secrets.token_urlsafe(24))
-    try:
-        asyncio.run(wait_healthy(base, process, args.startup_timeout))
-        startup_s = time.monotonic() - started
-        rounds = asyncio.run(measure(args, base))
-    except Exception:
-        sys.stderr.write(log.read_text(errors="replace")[-4000:])
-        raise
-    finally:
-        stop_server(process)
-    report = summarise(rounds, args, startup_s)
+    results = []
+    for concurrency in concurrencies:
+        result = run_concurrency(args, concurrency)
+        results.append(result)
+        if not args.json:
+            low, high = result["ratio_ci95"]
+            print(
+                f"concurrency {concurrency}: off {result['tokens_per_s_watermark_off']} tok/s, "
+                f"on {result['tokens_per_s_watermark_on']} tok/s, ratio {result['ratio_on_over_off']} "
+                f"(95 % {low}-{high}), processor {100 * result['processor_share_of_wall_on']:.2f} % of the step",
+                flush=True,
+            )
+    report = {
+        "benchmark": "vllm_overhead",
+        "engine": "vllm-cpu (V1 model runner)",
+        "model": MODEL_NAME,
+        "message_bits": len(MESSAGE_BITS),
+        "max_tokens": args.max_tokens,
+        "pairs_per_concurrency": args.rounds,
+        "target": f"ratio >= {TARGET_RATIO} and 95 % lower bound >= {TARGET_LOWER}",
+        "meets_target": all(r["meets_target"] for r in results),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "results": results,
+    }
     if args.json:
         print(json.dumps(report))
-    else:
-        off, on = report["tokens_per_s_watermark_off"], report["tokens_per_s_watermark_on"]
-        ratio = report["ratio_on_over_off"]
-        print(f"watermark off {off} tok/s, on {on} tok/s, ratio {ratio} (target >= {TARGET_RATIO})")
-    log.unlink(missing_ok=True)
     return 0
 
 

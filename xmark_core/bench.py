@@ -91,7 +91,7 @@ def bench_encode(key: WatermarkKey) -> dict[str, float]:
     fast = _best_time(lambda: marker.apply(logits, context, blocks, active, inplace=True), repeat=15, number=10)
     fast_copy = _best_time(lambda: marker.apply(logits, context, blocks, active), repeat=15, number=10)
     fused_marker = TorchWatermarker(key, compile=True)
-    fused_marker.warm_up(logits.device, VOCAB)
+    fused_marker.warm_up(logits.device, VOCAB, inference_mode=False)  # timed with gradients on
     fused = _best_time(lambda: fused_marker.apply(logits, context, blocks, active, inplace=True), repeat=15, number=10)
     keys = [int(w) for w in key.words[:, 0]]
     naive = _best_time(lambda: naive_encode(logits, context, blocks, keys, params), repeat=3)

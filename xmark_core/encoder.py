@@ -115,14 +115,30 @@ def _fused_apply(
     return torch.where(mask, logits + params.delta, logits)
 
 
+def _fused_apply_(
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    active: torch.Tensor,
+    words: torch.Tensor,
+    codes: torch.Tensor,
+    *,
+    params: WatermarkParams,
+) -> None:
+    """``_fused_apply`` written back into ``logits``: compiled, the write is part of the same single
+    pass (no [B, V] temporary, no second pass to copy it back)."""
+    logits.copy_(_fused_apply(logits, context, blocks, active, words, codes, params=params))
+
+
 class TorchWatermarker:
     """Device-side key material for one key version, with the token codes cached per device and width.
 
     Adapters (transformers, vLLM) hold one of these and call :meth:`apply` once per decoding step.
     With ``compile=True`` the op runs as one fused kernel built by ``torch.compile`` (C++ on CPU
     tensors, Triton on CUDA tensors; bit-identical to the eager op, in one pass over the [B, V]
-    logits instead of several); it is compiled once, on the first call (:meth:`warm_up` does that
-    at start-up), and if compilation is unavailable the op falls back to the eager one.
+    logits that writes them in place, instead of several passes and a copy); it is compiled once,
+    on the first call (:meth:`warm_up` does that at start-up), and if compilation is unavailable
+    the op falls back to the eager one.
     """
 
     def __init__(self, key: WatermarkKey, *, compile: bool = False) -> None:
@@ -130,17 +146,23 @@ class TorchWatermarker:
         self.params = key.params
         self._words: dict[torch.device, torch.Tensor] = {}
         self._codes: dict[torch.device, torch.Tensor] = {}
-        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._compiled: Callable[..., None] | None = None
         if compile:
-            self._compiled = torch.compile(partial(_fused_apply, params=self.params), dynamic=True)
+            self._compiled = torch.compile(partial(_fused_apply_, params=self.params), dynamic=True)
 
-    def warm_up(self, device: torch.device, width: int) -> None:
+    def warm_up(self, device: torch.device, width: int, *, inference_mode: bool = True) -> None:
         """Run the op once on dummy inputs so a fused kernel is compiled before the first request."""
-        for batch in (1, 2):  # two sizes: the dynamic-shape kernel is built for any batch
-            logits = torch.zeros((batch, width), dtype=torch.float32, device=device)
-            context = torch.zeros((batch, 2), dtype=torch.int64, device=device)
-            blocks = torch.zeros((batch, self.params.num_blocks), dtype=torch.int64, device=device)
-            self.apply(logits, context, blocks, torch.ones(batch, dtype=torch.bool, device=device))
+        # Under the mode the caller samples in (vLLM: inference mode; transformers' generate:
+        # no_grad): the grad and inference modes are among the compiled kernel's guards, and a
+        # kernel built under another mode is rebuilt on the first step. Two sizes: batch 1 and a
+        # dynamic-shape kernel for any larger batch. The write in place is what serving does.
+        with torch.inference_mode() if inference_mode else torch.no_grad():
+            for batch in (1, 2):
+                logits = torch.zeros((batch, width), dtype=torch.float32, device=device)
+                context = torch.zeros((batch, 2), dtype=torch.int64, device=device)
+                blocks = torch.zeros((batch, self.params.num_blocks), dtype=torch.int64, device=device)
+                active = torch.ones(batch, dtype=torch.bool, device=device)
+                self.apply(logits, context, blocks, active, inplace=True)
 
     def words(self, device: torch.device) -> torch.Tensor:
         words = self._words.get(device)
@@ -169,18 +191,18 @@ class TorchWatermarker:
     ) -> torch.Tensor:
         device = logits.device
         if self._compiled is not None and device.type in ("cpu", "cuda"):
-            _check(logits, context, blocks, active, self.codes(device, logits.shape[1]), self.params)
+            codes = self.codes(device, logits.shape[1])
+            _check(logits, context, blocks, active, codes, self.params)
+            out = logits if inplace else logits.clone()
             try:
-                out = self._compiled(
-                    logits, context, blocks, active, self.words(device), self.codes(device, logits.shape[1])
-                )
+                self._compiled(out, context, blocks, active, self.words(device), codes)
             except Exception as exc:  # no C++ toolchain, unsupported platform: keep serving, eagerly
                 warnings.warn(
                     f"fused watermark kernel unavailable, using the eager op ({type(exc).__name__})", stacklevel=2
                 )
                 self._compiled = None
             else:
-                return logits.copy_(out) if inplace else out
+                return out
         return apply_watermark(
             logits,
             context,

@@ -22,9 +22,14 @@ class XMarkLogitsProcessor(LogitsProcessor):
     ``model.generate`` call can serve several users. When generate expands rows (num_return_sequences
     > 1) the messages are repeated accordingly. The context of the first generated tokens is the
     last two prompt tokens, as in the paper.
+
+    ``watermarker`` is the op to use, for ``key``: pass one that lives longer than a batch (a fused
+    one, compiled once at start-up) to share it; without it the eager op is built for this batch.
     """
 
-    def __init__(self, key: WatermarkKey, messages: Sequence[Message | None]) -> None:
+    def __init__(
+        self, key: WatermarkKey, messages: Sequence[Message | None], *, watermarker: TorchWatermarker | None = None
+    ) -> None:
         if not messages:
             raise ValueError("messages must name one message (or None) per batch row")
         params = key.params
@@ -37,7 +42,9 @@ class XMarkLogitsProcessor(LogitsProcessor):
             blocks[row] = message.blocks
         self._blocks = torch.from_numpy(blocks)  # [rows, r]
         self._active = torch.tensor([m is not None for m in messages], dtype=torch.bool)  # [rows]
-        self._watermarker = TorchWatermarker(key)
+        if watermarker is not None and watermarker.key.fingerprint != key.fingerprint:
+            raise ValueError("the watermarker was built for another key")
+        self._watermarker = watermarker if watermarker is not None else TorchWatermarker(key)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         batch = scores.shape[0]

@@ -24,6 +24,7 @@ import functools
 import importlib
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -56,6 +57,8 @@ ENV_BITS = "XMARK_WATERMARK_BITS"
 ENV_BLOCK_BITS = "XMARK_WATERMARK_BLOCK_BITS"
 ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
 ENV_DELTA = "XMARK_WATERMARK_DELTA"
+
+ENV_PROFILE = "XMARK_PROCESSOR_PROFILE"  # benchmarks: a file the processor's time goes to
 
 LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"  # vLLM's entry-point group for processors
 
@@ -290,6 +293,64 @@ def start_worker(vllm_config: Any, processor: type) -> WorkerKeyring:
     refuse_speculative_decoding(vllm_config)
     refuse_duplicate_load(vllm_config, processor)
     return worker_keyring()
+
+
+class ProcessorProfile:
+    """Cumulative time a processor spends per engine step, for benchmarks (never in production).
+
+    When ``XMARK_PROCESSOR_PROFILE`` names a file, the processor times its ``apply`` and
+    ``update_state`` calls and rewrites one line of counters (:attr:`FIELDS`) after each call. One
+    ``pwrite`` of a fixed-width line costs a few microseconds and needs no flush at exit (the
+    engine is killed, not shut down).
+    A benchmark reads the line between rounds (:func:`read_processor_profile`).
+    """
+
+    FIELDS = ("applies", "apply_s", "watermarked_applies", "watermarked_apply_s", "updates", "update_s")
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.applies = 0
+        self.apply_s = 0.0
+        self.watermarked_applies = 0
+        self.watermarked_apply_s = 0.0
+        self.updates = 0
+        self.update_s = 0.0
+
+    @classmethod
+    def from_environment(cls) -> ProcessorProfile | None:
+        path = os.environ.get(ENV_PROFILE)
+        return cls(path) if path else None
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def applied(self, seconds: float, *, watermarked: bool) -> None:
+        self.applies += 1
+        self.apply_s += seconds
+        if watermarked:
+            self.watermarked_applies += 1
+            self.watermarked_apply_s += seconds
+        self._write()
+
+    def updated(self, seconds: float) -> None:
+        self.updates += 1
+        self.update_s += seconds
+        self._write()
+
+    def _write(self) -> None:
+        line = " ".join(
+            f"{getattr(self, name):.9f}" if name.endswith("_s") else str(getattr(self, name)) for name in self.FIELDS
+        )
+        os.pwrite(self._fd, line.ljust(160).encode() + b"\n", 0)
+
+
+def read_processor_profile(path: str | Path) -> dict[str, float]:
+    """The counters a :class:`ProcessorProfile` last wrote (zeros before its first call)."""
+    text = Path(path).read_text().split()
+    if len(text) != len(ProcessorProfile.FIELDS):
+        return dict.fromkeys(ProcessorProfile.FIELDS, 0.0)
+    return {name: float(value) for name, value in zip(ProcessorProfile.FIELDS, text, strict=True)}
 
 
 class ValidatesXMarkArguments:

@@ -29,6 +29,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from .vllm_common import (
+    ProcessorProfile,
     RequestWatermark,
     ValidatesXMarkArguments,
     build_watermarkers,
@@ -62,6 +63,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._active = np.zeros(rows, dtype=bool)  # [rows] watermarked?
         self._prompt: list[list[int] | None] = [None] * rows
         self._output: list[list[int] | None] = [None] * rows
+        self._profile = ProcessorProfile.from_environment()
         logger.info("XMark watermark (V1 runner) ready with key versions %s", keyring.describe())
 
     def is_argmax_invariant(self) -> bool:
@@ -116,6 +118,14 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
+        if self._profile is None:
+            self._update_state(batch_update)
+            return
+        start = self._profile.now()
+        self._update_state(batch_update)
+        self._profile.updated(self._profile.now() - start)
+
+    def _update_state(self, batch_update: BatchUpdate) -> None:
         for index in batch_update.removed:
             if index < self._active.shape[0]:
                 self._clear(index)
@@ -138,6 +148,15 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: float [B, V], row i = persistent-batch row i. Modified in place and returned."""
+        if self._profile is None:
+            return self._apply(logits)
+        watermarked = bool(self._active[: logits.shape[0]].any())
+        start = self._profile.now()
+        self._apply(logits)
+        self._profile.applied(self._profile.now() - start, watermarked=watermarked)
+        return logits
+
+    def _apply(self, logits: torch.Tensor) -> torch.Tensor:
         batch = logits.shape[0]
         self._ensure_rows(batch - 1)
         rows = np.flatnonzero(self._active[:batch])

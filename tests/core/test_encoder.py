@@ -245,6 +245,33 @@ def test_fused_kernel_is_bit_identical_to_the_eager_op() -> None:
     assert fused._compiled is not None, "the fused kernel fell back to the eager op"
 
 
+@pytest.mark.slow  # compiles the kernel: seconds on two cores
+def test_the_kernel_built_at_warm_up_serves_every_batch_without_recompiling() -> None:
+    """vLLM samples under inference mode with a fresh [B, V] logits tensor (or a prefix view of a
+    buffer) whose B changes step by step: after warm_up no step may build another kernel."""
+    from torch._dynamo.utils import counters
+
+    key = _key()
+    fused = TorchWatermarker(key, compile=True)
+    width = 49152
+    fused.warm_up(torch.device("cpu"), width)
+    graphs = counters["stats"]["unique_graphs"]
+    eager = TorchWatermarker(key)
+    with torch.inference_mode():
+        buffer = torch.randn(96, width)
+        for step, batch in enumerate((1, 2, 17, 64, 3, 96, 1, 40)):
+            logits, context, blocks, active = _inputs(key.params, batch, width, seed=100 + step)
+            expected = eager.apply(logits, context, blocks, active)
+            fused.apply(logits, context, blocks, active, inplace=True)
+            assert torch.equal(logits, expected)
+            view = buffer[:batch]
+            expected = eager.apply(view, context, blocks, active)
+            fused.apply(view, context, blocks, active, inplace=True)
+            assert torch.equal(view, expected)
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled another kernel"
+    assert fused._compiled is not None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_kernel_on_cuda_is_bit_identical_to_the_eager_op_on_cpu() -> None:
     """On a CUDA device the fused op is a generated GPU kernel; it must give exactly the CPU op's logits."""

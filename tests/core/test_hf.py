@@ -63,6 +63,19 @@ def test_three_rows_three_messages_match_the_op_row_by_row(key: WatermarkKey, dt
         assert torch.equal(out, _row_by_row(key, messages, input_ids, scores))
 
 
+def test_a_shared_watermarker_gives_the_same_scores_and_must_match_the_key(key: WatermarkKey) -> None:
+    """A watermarker that outlives the batch (a fused one compiled at start-up) may be passed in;
+    one built for another key is refused."""
+    messages = [*random_messages(key.params, 2, seed=5), None]
+    input_ids, scores = _batch(3, 11, seed=6)
+    shared = TorchWatermarker(key)
+    expected = XMarkLogitsProcessor(key, messages)(input_ids, scores.clone())
+    assert torch.equal(XMarkLogitsProcessor(key, messages, watermarker=shared)(input_ids, scores.clone()), expected)
+    other = WatermarkKey.from_secret("another-key-secret-for-the-hf-test", key.params)
+    with pytest.raises(ValueError, match="another key"):
+        XMarkLogitsProcessor(key, messages, watermarker=TorchWatermarker(other))
+
+
 def test_num_return_sequences_repeats_each_message(key: WatermarkKey) -> None:
     m1, m2 = random_messages(key.params, 2, seed=3)
     messages = [m1, None, m2]

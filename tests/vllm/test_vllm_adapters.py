@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -440,3 +441,26 @@ def test_loading_through_flag_and_entry_point_is_refused(
         v1_processor(flag_only)
     v2_flag = VllmConfig(model_config=model_config_factory([V2_FQCN]))
     V2Processor(v2_flag, V2Runner(keyring).req_states)  # the V1 plugin is not a V2 processor
+
+
+def test_v1_profile_counts_steps_and_time_when_asked(
+    keyring: WorkerKeyring, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """XMARK_PROCESSOR_PROFILE (benchmarks only): every apply and update_state is counted and
+    timed into the file, watermarked steps apart; without it nothing is written."""
+    from xmark_core.vllm_common import ENV_PROFILE, read_processor_profile
+
+    assert v1_processor()._profile is None
+    path = tmp_path / "profile.txt"
+    monkeypatch.setenv(ENV_PROFILE, str(path))
+    processor = v1_processor()
+    assert read_processor_profile(path)["applies"] == 0
+    processor.apply(logits_for(2))  # no request yet: not watermarked
+    rows = [(params_for(MESSAGES[r]), list(p), list(o)) for r, (p, o) in enumerate(HISTORIES[:2])]
+    processor.update_state(BatchUpdate(batch_size=2, removed=[], added=[(i, *rows[i]) for i in range(2)], moved=[]))
+    for _ in range(3):
+        processor.apply(logits_for(2))
+    counters = read_processor_profile(path)
+    assert counters["applies"] == 4 and counters["watermarked_applies"] == 3 and counters["updates"] == 1
+    assert counters["watermarked_apply_s"] > 0 and counters["apply_s"] >= counters["watermarked_apply_s"]
+    assert counters["update_s"] > 0
