@@ -19,9 +19,11 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO_ROOT / "var" / "test-artifacts" / "console"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[object]:
-    """One headless Chromium for the session."""
+    """One headless Chromium per module. Not per session: Playwright's sync API keeps an event
+    loop running in this thread while it is open, and the asyncio tests that run after the
+    browser tests need the thread without one."""
     executable = CHROMIUM if CHROMIUM.exists() else shutil.which("chromium")
     if executable is None:
         pytest.fail("Chromium is missing: run `make browser` (apt-get install chromium)")
