@@ -153,10 +153,16 @@ class WorkerKeyring:
         return ", ".join(f"{n} ({k.fingerprint[:12]})" for n, k in zip(self.names, self.keys, strict=True))
 
 
+def worker_environment() -> Mapping[str, str]:
+    """The worker process's environment: the one place xmark_core reads it (the keyring, and the
+    benchmarks' processor profile)."""
+    return os.environ
+
+
 @functools.cache
 def worker_keyring() -> WorkerKeyring:
     """The keyring of this process, read from its environment once (start-up)."""
-    return WorkerKeyring.from_variables(os.environ)  # the worker's one read of its environment
+    return WorkerKeyring.from_variables(worker_environment())
 
 
 def build_watermarkers(keyring: WorkerKeyring, vllm_config: Any, device: Any, *, fused: bool) -> list[TorchWatermarker]:
@@ -318,7 +324,7 @@ class ProcessorProfile:
 
     @classmethod
     def from_environment(cls) -> ProcessorProfile | None:
-        path = os.environ.get(ENV_PROFILE)
+        path = worker_environment().get(ENV_PROFILE)
         return cls(path) if path else None
 
     @staticmethod
