@@ -220,15 +220,38 @@ def test_bad_shapes_and_dtypes_are_rejected(override: dict, exc: type, pattern: 
         _bad_call(_key(), **override)
 
 
+def test_wrap32_keeps_the_low_32_bits() -> None:
+    from xmark_core.encoder import wrap32
+
+    values = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 3 * 2**31 + 5, -1, -(2**31)], dtype=torch.int64)
+    wrapped = wrap32(values)
+    assert wrapped.dtype == torch.int32
+    assert torch.equal(wrapped.to(torch.int64) & 0xFFFFFFFF, values & 0xFFFFFFFF)
+    assert wrapped.tolist() == [0, 1, 2**31 - 1, -(2**31), -1, -(2**31) + 5, -1, -(2**31)]
+
+
+SCHEMES_UNDER_TEST = [
+    {"bits": 32, "num_keys": 4},
+    {"bits": 16, "num_keys": 2},
+    {"bits": 12, "block_bits": 3, "num_keys": 3},
+    {"bits": 16, "block_bits": 4, "num_keys": 1, "scheme": "mpac"},
+    {"bits": 8, "block_bits": 1, "num_keys": 1, "scheme": "loso"},
+]
+
+
 @pytest.mark.slow  # a statistical simulation: seconds on two cores
-def test_fused_kernel_is_bit_identical_to_the_eager_op() -> None:
-    """TorchWatermarker(compile=True) (one torch.compile'd pass) gives exactly the eager op's logits,
-    for several batch sizes (one dynamic-shape kernel), padded widths, float32 and bfloat16."""
+@pytest.mark.parametrize("settings", SCHEMES_UNDER_TEST, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_fused_kernel_is_bit_identical_to_the_eager_op(settings: dict[str, Any]) -> None:
+    """TorchWatermarker(compile=True) (one torch.compile'd pass; on the CPU in 32-bit lanes) gives
+    exactly the eager int64 op's logits, for several batch sizes (one dynamic-shape kernel), padded
+    widths, float32 and bfloat16, every scheme and shard width."""
     from xmark_core import TorchWatermarker, WatermarkKey, WatermarkParams
 
-    params = WatermarkParams()
+    params = WatermarkParams(**settings)
     key = WatermarkKey.from_secret("fused-kernel-secret-0001", params)
     eager, fused = TorchWatermarker(key), TorchWatermarker(key, compile=True)
+    codes = fused.codes32(torch.device("cpu"), 49160)
+    assert codes.dtype == torch.int32 and bool((codes < 0).any()), "no code with the top bit set: a weak test"
     gen = torch.Generator().manual_seed(5)
     for batch, width in ((16, 49152), (3, 49160), (1, 1000)):
         logits = torch.randn(batch, width, generator=gen)
@@ -242,7 +265,7 @@ def test_fused_kernel_is_bit_identical_to_the_eager_op() -> None:
             inplace = x.clone()
             fused.apply(inplace, context, blocks, active, inplace=True)
             assert torch.equal(inplace, expected)
-    assert fused._compiled is not None, "the fused kernel fell back to the eager op"
+    assert fused.fused(torch.device("cpu")), "the fused kernel fell back to the eager op"
 
 
 @pytest.mark.slow  # compiles the kernel: seconds on two cores
@@ -269,7 +292,7 @@ def test_the_kernel_built_at_warm_up_serves_every_batch_without_recompiling() ->
             fused.apply(view, context, blocks, active, inplace=True)
             assert torch.equal(view, expected)
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled another kernel"
-    assert fused._compiled is not None
+    assert fused.fused(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
