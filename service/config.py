@@ -119,6 +119,12 @@ class Settings(BaseSettings):
     trace_temperature: float = 0.7
     trace_top_k: int = 20
     trace_likelihood_max_tokens: int = 2048
+    # the share of a suspect text's tokens the likelihood decoder assumes were edited in (power
+    # only, never calibration); 0 reads every token as the model's
+    trace_edit_rate: float = 0.01
+    # the local backend's forward pass for /trace: bfloat16 where the CPU computes it natively
+    # (auto), else float32; generation keeps float32
+    trace_scorer_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     keyring_refresh_seconds: float = 30.0
     # `xmark serve`: gateway processes sharing the port (each with its own event loop, caches
     # and, on the local backend, its own copy of the model); see docs/service.md.
@@ -217,6 +223,13 @@ class Settings(BaseSettings):
     def _temperature_range(cls, value: float) -> float:
         if not 0.05 <= value <= 2.0:
             raise ValueError("must be between 0.05 and 2")
+        return value
+
+    @field_validator("trace_edit_rate")
+    @classmethod
+    def _edit_rate_range(cls, value: float) -> float:
+        if not 0.0 <= value <= 0.5:
+            raise ValueError("must be between 0 and 0.5")
         return value
 
     @field_validator("trace_top_k")

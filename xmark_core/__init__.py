@@ -26,6 +26,7 @@ from .errors import (
 from .hashing import block_index, context_multipliers, shard, token_codes
 from .keys import WatermarkKey
 from .likelihood import (
+    DEFAULT_EDIT_RATE,
     LikelihoodAttribution,
     LikelihoodResult,
     ModelScores,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_ALPHA",
+    "DEFAULT_EDIT_RATE",
     "DEFAULT_MIN_CONFIDENCE",
     "SCHEMES",
     "Attribution",

@@ -31,6 +31,17 @@ weight is then independent of every scored membership. That is what makes the
 p-value below valid without assuming the text came from the scoring model, and why the temperature
 tau (and the top-K approximation of P^-) changes only the power, never the calibration.
 
+A suspect text is often edited: a token put in by a person or a tool was never drawn from p, and
+a token the model would not have written (p(x_t) tiny) gets the largest weight above. With an
+edit rate eps, x_t is generated with probability 1 - eps and otherwise any of the V tokens:
+
+    LR_t(v) = [(1 - eps) p(x_t) e^a / (1 + (e^a - 1)(P^-(v) + p(x_t))) + eps / V]
+            / [(1 - eps) p(x_t)     / (1 + (e^a - 1) P^-(v))            + eps / V]
+
+which is the ratio above where p(x_t) >> eps / V and tends to 1 (no evidence) where the model
+gives x_t less than an edit would. It still depends only on p(x_t) and P^-(v), so everything below
+holds for any eps.
+
 Block scores S[i, v] = sum of llr_t(v) over the positions of block i; a registered message m
 scores L(m) = sum_i S[i, m_i], its log-likelihood ratio; the posterior over the registry is the
 softmax of L. The naming test for the best candidate m* uses U = sum_t u_t B_t(m*_{i_t}) with
@@ -60,6 +71,9 @@ from .params import WatermarkParams
 
 DEFAULT_TOP_K = 20
 DEFAULT_TEMPERATURE = 0.7
+# share of a suspect text's tokens assumed to come from edits (substitutions, insertions) rather
+# than from the model: such a token weighs nothing where the model would not have written it
+DEFAULT_EDIT_RATE = 0.01
 # grid steps per nat of the integer weights of the exact naming test
 WEIGHT_STEPS_PER_NAT = 32
 # the exact test's distribution has at most this many cells; longer texts use a coarser grid
@@ -142,6 +156,7 @@ class LikelihoodResult:
     boosted: BoolArray
     weights: FloatArray = field(repr=False)
     offsets: FloatArray = field(repr=False)
+    edit_rate: float = 0.0
 
     @property
     def scored_tokens(self) -> int:
@@ -185,12 +200,19 @@ def score_text(
     key: WatermarkKey,
     *,
     temperature: float = DEFAULT_TEMPERATURE,
+    edit_rate: float = DEFAULT_EDIT_RATE,
     skip_ids: Iterable[int] = (),
     dedup: bool = True,
 ) -> LikelihoodResult:
-    """Score one text (its token ids, as the model read them) under ``key``."""
+    """Score one text (its token ids, as the model read them) under ``key``.
+
+    ``edit_rate``: the share of tokens assumed put in by an edit rather than generated (see the
+    module's docstring); 0 reads every token as the model's.
+    """
     if not (temperature > 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
+    if not 0.0 <= edit_rate < 1.0:
+        raise ValueError(f"edit_rate must be in [0, 1) (got {edit_rate})")
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise DecodeInputError("token ids must be one 1-D sequence of integers")
@@ -253,7 +275,16 @@ def score_text(
     mass_without = np.einsum("mk,mkd->md", others, top_boosted) + (gamma * rest_p)[:, None]  # [m, D]
     a = params.delta / temperature
     boost = math.expm1(a)
-    weights = a + np.log1p(boost * mass_without) - np.log1p(boost * (mass_without + own_p[:, None]))  # [m, D]
+    if edit_rate > 0.0:
+        # x_t generated under the key (in E_v / not in E_v), or put there by an edit (any token, 1/V)
+        with np.errstate(divide="ignore"):
+            own = np.log(own_p)[:, None] + math.log1p(-edit_rate)  # [m, 1]
+        edit = math.log(edit_rate / scores.vocab_size)
+        inside = np.logaddexp(own + a - np.log1p(boost * (mass_without + own_p[:, None])), edit)  # [m, D]
+        outside = np.logaddexp(own - np.log1p(boost * mass_without), edit)  # [m, D]
+        weights = inside - outside
+    else:
+        weights = a + np.log1p(boost * mass_without) - np.log1p(boost * (mass_without + own_p[:, None]))  # [m, D]
     weights = np.clip(weights, 0.0, a)
     offsets = np.log(gamma * np.exp(weights) + (1.0 - gamma))  # [m, D]
     llr = boosted * weights - offsets  # [m, D]
@@ -270,6 +301,7 @@ def score_text(
         boosted=boosted,
         weights=weights,
         offsets=offsets,
+        edit_rate=float(edit_rate),
     )
 
 

@@ -32,6 +32,7 @@ and ``docs/results/forensic.json``; completions and model scores are cached unde
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -41,11 +42,11 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xmark_core import CandidateSet, Message, MessageAllocator, ModelScores, WatermarkParams
+from xmark_core import DEFAULT_EDIT_RATE, CandidateSet, Message, MessageAllocator, ModelScores, WatermarkParams
 
 from .attacks import copy_paste, delete_words, substitute_tokens
 from .config import UNWATERMARKED, GenSpec
@@ -95,6 +96,7 @@ class ForensicConfig:
     registry_size: int = 10_000
     alpha: float = 1e-3
     trace_temperature: float = 0.7
+    trace_edit_rate: float = DEFAULT_EDIT_RATE
     top_k: int = 20
     # (text, key) pairs per null text: the evaluation key plus this many independent keys
     null_keys: dict[float, int] | None = None
@@ -299,17 +301,18 @@ def trace(
     from service.services.trace_analysis import analyze_counting, analyze_likelihood
 
     ids, scores = scored.ids, scored.scores
-    alpha, temperature = config.alpha, config.trace_temperature
+    alpha, temperature, edit_rate = config.alpha, config.trace_temperature, config.trace_edit_rate
     if decoder == "counting":
         return analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha)
+    read = functools.partial(
+        analyze_likelihood, ids, scores, tokenizer, versions, snapshot, alpha=alpha, temperature=temperature
+    )
     if decoder == "likelihood":
-        return analyze_likelihood(ids, scores, tokenizer, versions, snapshot, alpha=alpha, temperature=temperature)
+        return read(edit_rate=edit_rate)
     first = analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha, tests=2)
     if first.named:
         return first
-    return analyze_likelihood(
-        ids, scores, tokenizer, versions, snapshot, alpha=alpha, temperature=temperature, counting=first, tests=2
-    )
+    return read(edit_rate=edit_rate, counting=first, tests=2)
 
 
 def _rate(count: int, trials: int) -> dict[str, Any]:
@@ -653,6 +656,8 @@ def _threads() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from service.backends.scoring import resolve_scorer_dtype, scoring_model
+
     from .report import render_forensic
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation.forensic", description=__doc__)
@@ -661,11 +666,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--small", action="store_true", help="a few authors (a check of the pipeline, not a result)")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="vLLM engine: rows decoded together")
+    parser.add_argument(
+        "--scorer-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the forward pass of the likelihood decoder, as XMARK_TRACE_SCORER_DTYPE",
+    )
+    parser.add_argument(
+        "--edit-rate",
+        type=float,
+        default=DEFAULT_EDIT_RATE,
+        help="the likelihood decoder's assumed share of edited tokens, as XMARK_TRACE_EDIT_RATE (0: none)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the forward pass")
     parser.add_argument("--report-only", action="store_true", help="no model: re-analyse the cache")
     parser.add_argument("--generate-only", action="store_true", help="stop once the answers are generated")
     args = parser.parse_args(argv)
-    config = SMALL if args.small else FORENSIC
+    config = replace(SMALL if args.small else FORENSIC, trace_edit_rate=args.edit_rate)
     cache_dir = args.cache_dir or Path("var/eval") / f"forensic{'-small' if args.small else ''}-seed{config.seed}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -686,7 +703,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     model, tokenizer = load_model(args.model_path)
     tokenizer.padding_side = "right"
-    scorer = Scorer(None if args.report_only else model, tokenizer, cache_dir / "scores.pickle", config.top_k)
+    dtype = resolve_scorer_dtype(args.scorer_dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    model = scoring_model(model, dtype)
+    scores_path = cache_dir / f"scores-{dtype_name}.pickle"
+    scorer = Scorer(None if args.report_only else model, tokenizer, scores_path, config.top_k)
     evaluation = Evaluation(config, population, store, scorer)
     texts = evaluation.texts()
     _log(f"scoring {sum(name not in scorer.cache for name in texts)} texts ({len(texts)} in all)")
@@ -696,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.evaluation.forensic",
         "config": config.to_dict(),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, no GPU",
+        "scorer_dtype": dtype_name,
         "quality": evaluation.quality(),
         "attribution": evaluation.attribution(),
         "robustness": evaluation.robustness(),

@@ -435,7 +435,9 @@ def render_forensic(results: dict[str, Any]) -> str:
         f"`{results['command']}` on {results['machine']}. Model SmolLM2-135M-Instruct; "
         f"{cfg['registry_size']:,} message IDs per message length from the gateway's allocator; one answer of "
         f"{cfg['max_tokens']} tokens per author; δ = 2, d = 2; α = {cfg['alpha']:g}; the likelihood decoder assumes "
-        f"temperature {cfg['trace_temperature']:g} and reads the top-{cfg['top_k']} log-probabilities. Texts are "
+        f"temperature {cfg['trace_temperature']:g} and an edit rate of {cfg.get('trace_edit_rate', 0.0):g}, and "
+        f"reads the top-{cfg['top_k']} log-probabilities of a {results.get('scorer_dtype', 'float32')} forward "
+        "pass. Texts are "
         "read as `/trace` reads them (decoded, re-tokenized, no prompt) by the gateway's own analysis. "
         "Protocol: `benchmarks/evaluation/forensic.py`. Rates: count / trials = rate (Wilson 95 % interval).",
         "",

@@ -47,6 +47,7 @@ def build_backend(settings: Settings, metrics: Metrics) -> Backend:
             settings.model_name,
             max_batch_rows=settings.max_batch_size,
             threads=settings.model_threads,
+            scorer_dtype=settings.trace_scorer_dtype,
         )
     if settings.backend == "vllm":
         from service.backends.vllm import VllmBackend

@@ -43,7 +43,7 @@ from service.backends.batch import (
     deliver_to_loop,
     logprobs_wanted,
 )
-from service.backends.scoring import score_texts
+from service.backends.scoring import ScorerDtype, resolve_scorer_dtype, score_texts, scoring_model
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
 from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
@@ -124,14 +124,17 @@ class LocalBackend:
         *,
         max_batch_rows: int = MAX_BATCH_ROWS,
         threads: int | None = None,
+        scorer_dtype: ScorerDtype = "auto",
     ) -> None:
         self.model_id = model_id
+        self._scorer_dtype: ScorerDtype = scorer_dtype
         self._threads = threads if threads is not None else default_threads()
         self._model_path = model_path
         self._max_batch_rows = max_batch_rows
         self._inbox: queue.Queue[Job | ScoreJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._model: PreTrainedModel | None = None
+        self._scorer: PreTrainedModel | None = None  # the /trace forward pass (scoring_model)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._eos_ids: set[int] = set()
         self._context_length = 0
@@ -193,6 +196,9 @@ class LocalBackend:
         self._eos_ids = eos_ids
         self._context_length = int(getattr(model.config, "max_position_embeddings", 2048))
         self._warm_up(model, tokenizer)
+        scorer = scoring_model(model, resolve_scorer_dtype(self._scorer_dtype))
+        score_texts(scorer, int(tokenizer.pad_token_id), [[int(tokenizer.pad_token_id)] * 8], 1)  # warm up
+        self._scorer = scorer
         self._model = model
 
     @staticmethod
@@ -215,7 +221,9 @@ class LocalBackend:
     def _run(self) -> None:
         try:
             self._load()
-            logger.info("local model loaded", extra={"model": self.model_id})
+            scorer = self._scorer
+            dtype = "" if scorer is None else str(next(scorer.parameters()).dtype).removeprefix("torch.")
+            logger.info("local model loaded", extra={"model": self.model_id, "scorer_dtype": dtype})
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("local model failed to load", extra={"model": self.model_id, "error": self.load_error})
@@ -392,7 +400,7 @@ class LocalBackend:
 
     def _score_batch(self, jobs: list[ScoreJob]) -> list[ModelScores]:
         """One forward pass over every job's text (``scoring.score_texts``)."""
-        model, tokenizer = self._model, self._tokenizer
+        model, tokenizer = self._scorer, self._tokenizer
         assert model is not None and tokenizer is not None
         top_k = max(job.top_k for job in jobs)
         scores = score_texts(model, int(tokenizer.pad_token_id), [job.token_ids for job in jobs], top_k)

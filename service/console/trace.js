@@ -102,6 +102,7 @@ function facts(report) {
     ["Confidence", formatNumber(report.confidence)],
   ];
   if (report.temperature !== null && report.temperature !== undefined) rows.push(["Assumed temperature", formatNumber(report.temperature, 2)]);
+  if (report.edit_rate !== null && report.edit_rate !== undefined) rows.push(["Assumed edit rate", formatNumber(report.edit_rate, 3)]);
   if (report.report_id) rows.push(["Report", report.report_id]);
   const list = el("dl", { class: "facts" });
   for (const [name, value] of rows) list.append(el("dt", { text: name }), el("dd", { text: value }));

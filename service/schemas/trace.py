@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from service.schemas.common import Page
 from service.schemas.text import Text
@@ -69,6 +69,7 @@ class TraceReport(BaseModel):
     decoder: TraceDecoder = TraceDecoder.COUNTING  # the decoder that decided
     test: str = ""  # the test behind p_value
     temperature: float | None = None  # the likelihood decoder's assumed sampling temperature
+    edit_rate: float | None = None  # the likelihood decoder's assumed share of edited tokens
     confidence: float = 0.0  # posterior of the best candidate among the registry
     margin: float | None = None  # score of the best candidate minus the runner-up's
     watermarked: bool
@@ -102,6 +103,16 @@ class DecoderSettings(BaseModel):
     top_k: int | None
     alpha: float
     test: str
+    # absent from reports signed before the likelihood decoder read edits; kept absent there so
+    # their signed bytes are served unchanged
+    edit_rate: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_edit_rate(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
+        if data.get("edit_rate") is None and "edit_rate" not in self.model_fields_set:
+            data.pop("edit_rate", None)
+        return data
 
 
 class SignedReport(BaseModel):

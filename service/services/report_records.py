@@ -79,6 +79,7 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
     settings = {
         "decoder": str(given.requested_decoder),
         "temperature": None if report.temperature is None else float(report.temperature),
+        "edit_rate": None if report.edit_rate is None else float(report.edit_rate),
         "top_k": given.top_k,
         "alpha": float(given.alpha),
         "test": report.test,

@@ -39,6 +39,7 @@ from service.schemas.trace import (
 from service.services.registry_cache import RegistrySnapshot
 from service.vocabulary import TraceDecoder
 from xmark_core import (
+    DEFAULT_EDIT_RATE,
     Attribution,
     DecodeResult,
     Detection,
@@ -331,6 +332,7 @@ def analyze_likelihood_by_length(
     *,
     alpha: float,
     temperature: float,
+    edit_rate: float = DEFAULT_EDIT_RATE,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
     tests: int = 1,
@@ -348,6 +350,7 @@ def analyze_likelihood_by_length(
                 group.snapshot,
                 alpha=alpha,
                 temperature=temperature,
+                edit_rate=edit_rate,
                 counting=counting,
                 include_tokens=include_tokens,
                 tests=tests,
@@ -467,6 +470,7 @@ def analyze_likelihood(
     *,
     alpha: float,
     temperature: float,
+    edit_rate: float = DEFAULT_EDIT_RATE,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
     tests: int = 1,
@@ -482,7 +486,7 @@ def analyze_likelihood(
     tries = _tries(versions, versions_tried, tests)
     best: _LikelihoodReading | None = None
     for handle in versions:
-        result = score_text(ids, scores, handle.key, temperature=temperature, skip_ids=special)
+        result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
         attribution = attribute_likelihood(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries)
         if best is None or attribution.p_value < best.attribution.p_value:
             best = _LikelihoodReading(handle, result, attribution)
@@ -509,6 +513,7 @@ def analyze_likelihood(
         decoder=TraceDecoder.LIKELIHOOD,
         test=LIKELIHOOD_TEST,
         temperature=result.temperature,
+        edit_rate=result.edit_rate,
         confidence=attribution.confidence,
         margin=attribution.margin if attribution.candidates else None,
         watermarked=watermarked,

@@ -214,6 +214,7 @@ class TracingService:
             groups=groups,
             alpha=settings.trace_alpha,
             temperature=settings.trace_temperature,
+            edit_rate=settings.trace_edit_rate,
             include_tokens=request.include_tokens,
         )
         limit = settings.trace_likelihood_max_tokens

@@ -57,17 +57,47 @@ def test_weighted_bernoulli_tail_matches_enumeration() -> None:
             assert weighted_bernoulli_tail(weights, observed, p) == pytest.approx(min(1.0, expected), abs=1e-12)
 
 
-def test_the_evidence_of_a_position_has_expectation_one_under_the_null() -> None:
+@pytest.mark.parametrize("edit_rate", [0.0, 0.01, 0.3])
+def test_the_evidence_of_a_position_has_expectation_one_under_the_null(edit_rate: float) -> None:
     """E[exp(llr)] = 1 when B ~ Bernoulli(gamma), whatever the position's weight: the LLR is a
     likelihood ratio against the keyed-hash null."""
     params = WatermarkParams(bits=16)
     key = WatermarkKey.from_secret(SECRET, params)
     generation = generate(key, [Message.from_bits("0110" * 4, params)], 60, seed=5, top_k=TOP_K)
-    result = score_text(generation.tokens[0], scores_of(generation, 0), key)
+    result = score_text(generation.tokens[0], scores_of(generation, 0), key, edit_rate=edit_rate)
+    assert result.edit_rate == edit_rate
     gamma = boosted_share(params)
     expectation = gamma * np.exp(result.weights - result.offsets) + (1 - gamma) * np.exp(-result.offsets)
     np.testing.assert_allclose(expectation, 1.0, rtol=1e-12)
     assert (result.weights >= 0).all() and (result.weights <= params.delta / result.temperature + 1e-12).all()
+
+
+def test_edits_weigh_nothing_where_the_model_would_not_have_written_the_token() -> None:
+    """With an edit rate, a token the model gives far less probability than an edit would (a
+    substitution) carries almost no weight; a token the model finds likely keeps the weight it has
+    without edits; without edits the weight is the closed form of the module's docstring."""
+    params = WatermarkParams(bits=16)
+    key = WatermarkKey.from_secret(SECRET, params)
+    generation = generate(key, [Message.from_bits("0110" * 4, params)], 80, seed=7, top_k=TOP_K)
+    tokens, scores = generation.tokens[0].copy(), scores_of(generation, 0)
+    rng = np.random.default_rng(2)
+    swapped = np.arange(2, tokens.size, 3)  # every third token replaced, told the model never wrote it
+    tokens[swapped] = rng.integers(0, LM_VOCAB, size=swapped.size)
+    own = scores.token_logprobs.copy()
+    own[swapped] = math.log(1e-6 / LM_VOCAB)
+    scores = ModelScores(own, scores.top_ids, scores.top_logprobs, LM_VOCAB)
+    plain = score_text(tokens, scores, key, edit_rate=0.0, dedup=False)
+    edited = score_text(tokens, scores, key, edit_rate=0.01, dedup=False)
+    a = params.delta / plain.temperature
+    is_swapped = np.isin(plain.positions, swapped)
+    assert plain.weights[is_swapped].min() > a - 1e-3  # read as full evidence without edits
+    assert edited.weights[is_swapped].max() < 1e-3
+    likely = ~is_swapped & (np.exp(own[plain.positions]) > 0.05)
+    assert likely.sum() > 10
+    np.testing.assert_allclose(edited.weights[likely], plain.weights[likely], atol=0.05)
+    assert (edited.weights <= plain.weights + 1e-9).all()
+    with pytest.raises(ValueError, match="edit_rate"):
+        score_text(tokens, scores, key, edit_rate=1.0)
 
 
 def _null_p_values(generation: Generation, key: WatermarkKey, blocks: np.ndarray, *, shuffle: bool) -> list[float]:

@@ -191,19 +191,34 @@ def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) ->
             _settings(database_url="sqlite+aiosqlite:///x.db", **bad)
 
 
+def test_the_likelihood_decoder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = _settings(database_url="sqlite+aiosqlite:///x.db")
+    assert (defaults.trace_edit_rate, defaults.trace_scorer_dtype) == (0.01, "auto")
+    monkeypatch.setenv("XMARK_TRACE_EDIT_RATE", "0")
+    monkeypatch.setenv("XMARK_TRACE_SCORER_DTYPE", "float32")
+    configured = _settings(database_url="sqlite+aiosqlite:///x.db")
+    assert (configured.trace_edit_rate, configured.trace_scorer_dtype) == (0.0, "float32")
+    for bad in ({"trace_edit_rate": -0.1}, {"trace_edit_rate": 0.6}, {"trace_scorer_dtype": "float16"}):
+        with pytest.raises(ValidationError):
+            _settings(database_url="sqlite+aiosqlite:///x.db", **bad)
+
+
 def test_the_local_backend_takes_its_threads_and_batch_size_from_the_settings(tmp_path: Path) -> None:
     from service.backends import build_backend
     from service.backends.local import LocalBackend, default_threads
     from service.metrics import Metrics
 
     configured = build_backend(
-        _settings(database_url="sqlite+aiosqlite:///x.db", model_threads=3, max_batch_size=2), Metrics()
+        _settings(
+            database_url="sqlite+aiosqlite:///x.db", model_threads=3, max_batch_size=2, trace_scorer_dtype="float32"
+        ),
+        Metrics(),
     )
     assert isinstance(configured, LocalBackend)
-    assert (configured._threads, configured._max_batch_rows) == (3, 2)
+    assert (configured._threads, configured._max_batch_rows, configured._scorer_dtype) == (3, 2, "float32")
     default = build_backend(_settings(database_url="sqlite+aiosqlite:///x.db"), Metrics())
     assert isinstance(default, LocalBackend)
-    assert (default._threads, default._max_batch_rows) == (default_threads(), 8)
+    assert (default._threads, default._max_batch_rows, default._scorer_dtype) == (default_threads(), 8, "auto")
 
 
 @pytest.mark.parametrize("secret", ["changeme-changeme-changeme", "tiny-one", "aaaaaaaaaaaaaaaaaaaaaaaa"])

@@ -3,6 +3,7 @@ model's own distribution (before the watermark bias), capped alternatives, strea
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -64,7 +65,11 @@ async def test_logprobs_describe_the_model_before_the_watermark(
     prompt = await backend._prompt_ids(
         GenerationRequest(messages=(ChatTurn("user", PROMPT[0]["content"]),), max_tokens=1)
     )
-    scores = await backend.score([*prompt, 0], 3)
+    # the generation model in float32 (``backend.score`` may run a bfloat16 copy for /trace)
+    from service.backends.scoring import score_texts
+
+    pad = int(backend._tokenizer.pad_token_id)
+    (scores,) = await asyncio.to_thread(score_texts, backend._model, pad, [[*prompt, 0]], 3)
     expected = scores.top_logprobs[len(prompt)]
     got = np.array([a["logprob"] for a in entries[0]["top_logprobs"]])
     assert np.allclose(got, expected, atol=2e-3), (got, expected)

@@ -43,13 +43,22 @@ async def test_scores_are_the_models_log_probabilities(app: Any, ready: None) ->
     assert scores.top_ids.shape == (len(ids), 20) and scores.token_logprobs.shape == (len(ids),)
     assert np.isnan(scores.token_logprobs[0]) and np.isfinite(scores.token_logprobs[1:]).all()
     assert (np.diff(scores.top_logprobs[1:], axis=1) <= 0).all()  # descending
-    with torch.inference_mode():
-        logits = backend._model(input_ids=torch.tensor([ids])).logits[0]  # [n, V]
-    expected = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    np.testing.assert_allclose(scores.token_logprobs[1:], expected.double().numpy(), atol=1e-4)
+    following = torch.tensor(ids[1:])[:, None]
+
+    def own_logprobs(model: Any) -> np.ndarray:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0]  # [n, V]
+        return torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, following)[:, 0].double().numpy()
+
+    # exactly the scoring model's forward pass (float32, or bfloat16 where the CPU has it: auto)
+    np.testing.assert_allclose(scores.token_logprobs[1:], own_logprobs(backend._scorer), atol=1e-4)
+    # and within bfloat16's rounding of the served float32 model
+    gap = np.abs(scores.token_logprobs[1:] - own_logprobs(backend._model))
+    assert gap.max() < 0.5 and float(np.median(gap)) < 0.1, (gap.max(), np.median(gap))
+    bf16 = next(backend._scorer.parameters()).dtype == torch.bfloat16
     # a text scored beside a longer one (right padding) reads the same as its own prefix
-    np.testing.assert_allclose(alone.token_logprobs[1:], scores.token_logprobs[1:12], atol=1e-4)
-    assert (alone.top_ids[1:] == scores.top_ids[1:12]).mean() > 0.99
+    np.testing.assert_allclose(alone.token_logprobs[1:], scores.token_logprobs[1:12], atol=0.05 if bf16 else 1e-4)
+    assert (alone.top_ids[1:] == scores.top_ids[1:12]).mean() > (0.9 if bf16 else 0.99)
     assert scores.vocab_size == len(backend.tokenizer)
 
 
@@ -66,6 +75,7 @@ async def test_likelihood_decoder_names_the_author_and_explains_each_token(
     report = response.json()
     assert report["decoder"] == "likelihood" and report["test"].startswith("likelihood")
     assert report["temperature"] == app.state.resources.settings.trace_temperature
+    assert report["edit_rate"] == app.state.resources.settings.trace_edit_rate == 0.01
     assert report["attribution"] is not None and report["attribution"]["user_id"] == author["user_id"]
     assert report["watermarked"] is True and report["p_value"] < 1e-3
     assert report["confidence"] >= 0.99 and report["margin"] > 0

@@ -1,0 +1,58 @@
+"""The served form of a signed report is the signed form: a report signed before a decoder setting
+existed is served without it, so its signature still verifies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.schemas.trace import TraceReportDocument
+from service.services.reports import ReportSigner, verify_report
+
+
+def _payload(settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "report_id": "trc_0123456789abcdef01234567",
+        "created_at": "2026-01-02T03:04:05.000006+00:00",
+        "requester_id": 7,
+        "text_sha256": "ab" * 32,
+        "scored_tokens": 148,
+        "key_version": "v1",
+        "key_version_fingerprint": "cd" * 8,
+        "params": {"b": 32, "d": 2, "k": 4, "delta": 2.0, "scheme": "xmark"},
+        "decoder": "likelihood",
+        "decoder_settings": settings,
+        "gateway_version": "0.0.0",
+        "verdict": "watermarked",
+        "p_value": 1.5e-9,
+        "statistic": 41.25,
+        "attributed_user_id": 12,
+        "attributed_user_name": "ada",
+    }
+
+
+def _served(payload: dict[str, Any], signer: ReportSigner) -> dict[str, Any]:
+    """What GET /trace/{id} answers for a stored payload (validated, then dumped as JSON)."""
+    document = TraceReportDocument.model_validate(
+        {"report": payload, "signature": {"key_id": signer.key_id, "value": signer.sign(payload)}}
+    )
+    served: dict[str, Any] = document.model_dump(mode="json")
+    return served
+
+
+def test_a_report_signed_before_the_edit_rate_existed_is_served_as_signed() -> None:
+    signer = ReportSigner.from_secret(b"s" * 32)
+    old = _payload({"decoder": "likelihood", "temperature": 0.7, "top_k": 20, "alpha": 0.001, "test": "likelihood"})
+    served = _served(old, signer)
+    assert "edit_rate" not in served["report"]["decoder_settings"]
+    assert served["report"] == old
+    assert verify_report(served, signer.public_key) == old
+
+
+def test_a_report_with_the_edit_rate_serves_it_null_or_not() -> None:
+    signer = ReportSigner.from_secret(b"s" * 32)
+    for rate in (0.01, None):
+        settings = {"decoder": "auto", "temperature": 0.7, "edit_rate": rate, "top_k": 20, "alpha": 0.001, "test": "t"}
+        new = _payload(settings)
+        served = _served(new, signer)
+        assert served["report"]["decoder_settings"]["edit_rate"] == rate
+        assert verify_report(served, signer.public_key) == new
