@@ -37,7 +37,10 @@ decoders) with 10,000 users.
    runs against one worker (``one_worker``, ``speedup_vs_one_worker``), in the same run.
 4. /trace with the likelihood decoder (``trace_likelihood``): the same traced users' texts of
    ~150 (``short``) and ~300 (``long``) tokens, ``decoder: likelihood`` (one forward pass of the
-   model per trace in each worker), against the production gateway with all its workers.
+   model per trace in each worker), against the production gateway with all its workers. Where
+   the forward pass runs in bfloat16 (``XMARK_TRACE_SCORER_DTYPE=auto`` on a CPU with native
+   bfloat16), the short load is run again with float32 (``short_float32``,
+   ``short_speedup_vs_float32``), in the same run.
 
 Both gateways are measured once their start-up work is done (the model loaded, the trace null
 distributions prepared). Everything runs against a dedicated PostgreSQL database that is created
@@ -80,6 +83,7 @@ from benchmarks.pg_admin import create_database, drop_database
 from service.app import create_app
 from service.backends import Backend
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
+from service.backends.scoring import resolve_scorer_dtype
 from service.config import Settings, load_secrets
 from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
 from service.keyring import params_from_settings
@@ -177,6 +181,7 @@ def _gateway_settings(settings: Settings, secret_env: str, pepper: str) -> dict[
         "XMARK_KEYRING_REFRESH_SECONDS": "0",
         "XMARK_RECORD_BEFORE_RESPONSE": str(settings.record_before_response).lower(),
         "XMARK_WORKERS": str(settings.workers),
+        "XMARK_TRACE_SCORER_DTYPE": settings.trace_scorer_dtype,
         # one user sends every overhead sample back to back: far above the default requests per
         # minute, which would otherwise refuse them (the admission checks still run and are measured)
         "XMARK_USER_REQUESTS_PER_MINUTE": "1000000",
@@ -588,10 +593,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             trace = await _trace_load(base_url, seeded.auditor_key, texts, owners, args.concurrency, args.seconds)
             trace.update({"registered_users": args.users + 2, "text_tokens": text_tokens, "workers": settings.workers})
-            likelihood = {}
-            for label, chosen, lengths in (("short", short_texts, short_tokens), ("long", texts, text_tokens)):
+
+            async def likelihood_load(url: str, chosen: list[str], lengths: list[int]) -> dict[str, Any]:
                 load = await _trace_load(
-                    base_url,
+                    url,
                     seeded.auditor_key,
                     chosen,
                     owners,
@@ -601,7 +606,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     target_rps=10,
                 )
                 load["text_tokens"] = lengths
-                likelihood[label] = load
+                return load
+
+            likelihood = {}
+            for label, chosen, lengths in (("short", short_texts, short_tokens), ("long", texts, text_tokens)):
+                likelihood[label] = await likelihood_load(base_url, chosen, lengths)
+            scorer_dtype = str(resolve_scorer_dtype(settings.trace_scorer_dtype)).removeprefix("torch.")
+            likelihood["scorer_dtype"] = scorer_dtype
+            if scorer_dtype != "float32":  # the same short load with a float32 forward pass
+                _stop(process)
+                exact = settings.model_copy(update={"trace_scorer_dtype": "float32"})
+                process, base_url = await _start_and_wait(exact, secret_env, pepper, log_path)
+                baseline = await likelihood_load(base_url, short_texts, short_tokens)
+                likelihood["short_float32"] = baseline
+                likelihood["short_speedup_vs_float32"] = round(
+                    likelihood["short"]["throughput_rps"] / baseline["throughput_rps"], 2
+                )
             if settings.workers > 1:  # the same load on one worker: what the extra processes bring
                 _stop(process)
                 single = settings.model_copy(update={"workers": 1})
