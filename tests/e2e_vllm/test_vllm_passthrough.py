@@ -68,25 +68,33 @@ async def test_a_tool_call_is_watermarked_and_traced_to_the_caller(
 ) -> None:
     carol, auditor = people["carol"], people["auditor"]
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
-        body = await _chat(
-            client,
-            carol["api_key"],
-            max_tokens=320,
-            n=4,  # the model may close the JSON early: four calls make enough text to trace
-            tools=[TOOL],
-            tool_choice={"type": "function", "function": {"name": "publish_story"}},
-        )
-        calls = []
-        for choice in body["choices"]:
-            message = choice["message"]
-            assert message["tool_calls"], message
-            (call,) = message["tool_calls"]
-            assert call["function"]["name"] == "publish_story"
-            assert isinstance(call["function"]["arguments"], str)
-            calls.append((message["content"] or "") + call["function"]["arguments"])
-        assert body["usage"]["completion_tokens"] >= 150, calls
+        calls: list[str] = []
+        completion_tokens = 0
+        # the model may close the JSON early: calls are gathered until there is enough text to
+        # trace with confidence (about 150 tokens name the user 97-99 % of the time; 400 leave no doubt)
+        for _ in range(4):
+            body = await _chat(
+                client,
+                carol["api_key"],
+                max_tokens=320,
+                n=4,
+                tools=[TOOL],
+                tool_choice={"type": "function", "function": {"name": "publish_story"}},
+            )
+            for choice in body["choices"]:
+                message = choice["message"]
+                assert message["tool_calls"], message
+                (call,) = message["tool_calls"]
+                assert call["function"]["name"] == "publish_story"
+                assert isinstance(call["function"]["arguments"], str)
+                calls.append((message["content"] or "") + call["function"]["arguments"])
+            completion_tokens += body["usage"]["completion_tokens"]
+            if completion_tokens >= 400:
+                break
+        assert completion_tokens >= 400, calls
         report = await trace(client, auditor["api_key"], "\n\n".join(calls))
-        assert report["attribution"] is not None, report["candidates"]
+        verdict = {field: report[field] for field in ("decoder", "test", "p_value", "scored_tokens", "candidates")}
+        assert report["attribution"] is not None, verdict
         assert report["attribution"]["user_id"] == carol["id"]
         assert report["attribution"]["p_value"] < ALPHA
     rows = await generation_rows(e2e_config.database_url, [carol["id"]])
@@ -103,14 +111,18 @@ async def test_a_json_schema_answer_is_valid_and_traced_to_the_caller(
             client,
             carol["api_key"],
             max_tokens=320,
+            n=2,  # two answers: enough text to name the caller even when the model closes the JSON early
             response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}},
         )
-        content = body["choices"][0]["message"]["content"]
-        if body["choices"][0]["finish_reason"] == "stop":
-            assert isinstance(json.loads(content)["story"], str)
-        else:  # cut at max_tokens: still the schema's opening
-            assert re.match(r'\s*\{\s*"story"\s*:', content), content
-        report = await trace(client, auditor["api_key"], content)
+        answers = []
+        for choice in body["choices"]:
+            content = choice["message"]["content"]
+            if choice["finish_reason"] == "stop":
+                assert isinstance(json.loads(content)["story"], str)
+            else:  # cut at max_tokens: still the schema's opening
+                assert re.match(r'\s*\{\s*"story"\s*:', content), content
+            answers.append(content)
+        report = await trace(client, auditor["api_key"], "\n\n".join(answers))
         assert report["attribution"] is not None, report["candidates"]
         assert report["attribution"]["user_id"] == carol["id"]
 
