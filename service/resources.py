@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
+from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from service.backends import Backend, build_backend
 from service.config import ConfigurationError, Settings, load_secrets
-from service.db import RowWriter, create_engine, create_sessionmaker, session_scope
+from service.db import MAINTENANCE_TIMEOUT_S, RowWriter, create_engine, create_sessionmaker, session_scope
 from service.db.spool import SpooledWriter, open_generation_records
 from service.errors import ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
@@ -79,10 +80,36 @@ async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncS
             await keyring.sync(session)
         await backfill_message_ids(sessionmaker)
     except (OperationalError, ProgrammingError) as exc:
+        cause = exc.orig if isinstance(exc, DBAPIError) else exc
+        if isinstance(cause, (TimeoutError, OSError)):  # a statement past its bound, a lost connection
+            raise ConfigurationError(
+                f"the database did not answer during start-up ({type(cause).__name__}): "
+                "is it reachable and not overloaded?"
+            ) from None
         raise ConfigurationError(
-            "the database schema is missing or outdated: run `xmark migrate` "
-            f"({type(exc.orig).__name__ if isinstance(exc, DBAPIError) else type(exc).__name__})"
+            f"the database schema is missing or outdated: run `xmark migrate` ({type(cause).__name__})"
         ) from None
+
+
+@asynccontextmanager
+async def startup_sessions(
+    settings: Settings, sessionmaker: async_sessionmaker[AsyncSession]
+) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """Sessions for the start-up writes (key versions, the message-ID backfill, the first admin).
+
+    They are maintenance, not a request: on PostgreSQL a statement of a backfill over a large
+    registry may outlast ``XMARK_DATABASE_TIMEOUT_S`` (the bound of every request's statements), so
+    they get an engine of their own under :data:`MAINTENANCE_TIMEOUT_S`, closed again once they are
+    done. SQLite bounds only the wait for its lock, never a statement: the process's sessions serve.
+    """
+    if make_url(settings.database_url).get_backend_name() == "sqlite":
+        yield sessionmaker
+        return
+    engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
+    try:
+        yield create_sessionmaker(engine)
+    finally:
+        await engine.dispose()
 
 
 async def bootstrap_admin(
@@ -164,8 +191,12 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         )
         params = params_from_settings(settings)
         keyring = Keyring(params, secrets.watermark)
-        await sync_keyring(keyring, sessionmaker)
         hasher = ApiKeyHasher(secrets.api_key_pepper)
+        # `xmark serve` has done these writes before starting its workers (service.app.prepare_database);
+        # an app served another way (an ASGI server of its own, a benchmark) does them here
+        async with startup_sessions(settings, sessionmaker) as startup:
+            await sync_keyring(keyring, startup)
+            await bootstrap_admin(settings, startup, params, hasher)
         authenticator = Authenticator(
             sessionmaker,
             hasher,
@@ -173,7 +204,6 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
                 settings.auth_cache_ttl_s, settings.auth_cache_size, refusal_ttl=settings.auth_negative_cache_ttl_s
             ),
         )
-        await bootstrap_admin(settings, sessionmaker, params, hasher)
         backend = build_backend(settings, metrics)
         stack.push_async_callback(backend.close)
         await backend.start()

@@ -16,15 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from benchmarks.pg_admin import create_database, drop_database, sibling_url
-from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
+from service.config import ConfigurationError
+from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker, session_scope, upgrade_database
 from service.errors import ServiceUnavailableError
 from service.keyring import Keyring
 from service.models import Generation, KeyVersion, MessageId, Trace, User
-from service.resources import sync_keyring
+from service.resources import startup_sessions, sync_keyring
 from service.schemas.admin import CreatedUser
 from service.schemas.chat import ChatCompletionRequest
 from service.schemas.common import MessageIdOut, Principal
@@ -330,6 +331,47 @@ async def test_start_up_registration_of_a_32_bit_version_backfills_every_user(sc
         async with sessionmaker() as session:
             assert await session.scalar(select(func.count()).select_from(MessageId)) == count
     finally:
+        await engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("scratch_url", ["postgres"], indirect=True)
+async def test_start_up_writes_wait_past_the_request_bound(scratch_url: str, tmp_path: Path) -> None:
+    """A start-up statement that waits longer than XMARK_DATABASE_TIMEOUT_S (here for a lock another
+    session holds on key_versions; in production a backfill over a large registry) fails under a
+    request's bound with an error that says the database did not answer (not "run migrate"), and
+    is served in ``startup_sessions``, under the maintenance bound."""
+    settings = make_test_settings(tmp_path, database_url=scratch_url, database_timeout_s=0.3)
+    engine = create_engine(settings)
+    locker = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
+
+    async def hold_lock(locked: asyncio.Event, seconds: float) -> None:
+        async with locker.begin() as connection:
+            await connection.execute(text("LOCK TABLE key_versions IN ACCESS EXCLUSIVE MODE"))
+            locked.set()
+            await asyncio.sleep(seconds)
+
+    try:
+        sessionmaker = create_sessionmaker(engine)
+        locked = asyncio.Event()
+        holder = asyncio.create_task(hold_lock(locked, 1.5))
+        await asyncio.wait_for(locked.wait(), 10)
+        with pytest.raises(ConfigurationError, match="did not answer during start-up") as refused:
+            await sync_keyring(Keyring(P32, {"v1": S1}), sessionmaker)
+        assert "migrate" not in str(refused.value)
+        await holder
+
+        locked = asyncio.Event()
+        holder = asyncio.create_task(hold_lock(locked, 1.5))
+        await asyncio.wait_for(locked.wait(), 10)
+        keyring = Keyring(P32, {"v1": S1})
+        async with startup_sessions(settings, sessionmaker) as startup:
+            assert startup is not sessionmaker  # an engine of its own
+            await sync_keyring(keyring, startup)
+        await holder
+        assert [(h.name, h.status) for h in keyring.usable()] == [("v1", "active")]
+    finally:
+        await locker.dispose()
         await engine.dispose()
 
 
