@@ -141,7 +141,11 @@ def run(fpr_trials: int = 5000) -> dict[str, object]:
     params = WatermarkParams(bits=16, block_bits=2, num_keys=2, delta=2.0)
     key = WatermarkKey.from_secret(SECRET, params)
     rng = np.random.default_rng(0)
+    import torch
+
     out: dict[str, object] = {"params": params.to_dict(), "machine": platform.machine(), "vocab": VOCAB}
+    # the vector instructions the CPU kernels are built for (AVX2 and AVX-512 hosts differ several-fold)
+    out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     decode_stats = bench_decode(key, rng)
     out.update(decode_stats)
     out.update(bench_naive_decode(key, rng, decode_stats["decode_tokens_per_s"]))

@@ -147,18 +147,33 @@ def _fused_apply32_(
 ) -> None:
     """``_fused_apply_`` in 32-bit lanes (the CPU kernel): a shard needs only the low 32 bits of
     multiplier x code, which an int32 product keeps (two's complement wraps modulo 2**32), so the
-    [B, V] pass multiplies 16 lanes per 512-bit vector instead of 8, and reads half the codes.
+    [B, V] pass multiplies twice as many lanes per vector as in int64, and reads half the codes.
     The top d bits of the 32-bit product are ``(x >> (32 - d)) & (2**d - 1)`` (the shift of a
-    signed int fills with the sign bit, which the mask drops). Bit-identical to the int64 op."""
+    signed int fills with the sign bit, which the mask drops). Bit-identical to the int64 op.
+
+    Two things keep the [B, V] loop to vector arithmetic on every x86 vector width:
+
+    * ``codes32`` is the int32 codes' bit pattern viewed as float32 and viewed back here (a
+      bitcast, no conversion). The generated loop then reads them with the float vector load; on
+      AVX2 (no AVX-512) ATen's int32 vector load of a counted block goes through a stack copy,
+      which made the kernel about four times slower there.
+    * the per-row operands (k context multipliers and the row's block value) are gathered into one
+      small [B, k + 1] buffer first, so the loop reads them instead of recomputing the block index
+      (a division) every eight tokens.
+    """
     vocab = logits.shape[1]
+    codes = codes32.view(torch.int32)  # [k, >= V]
     prev2, prev1 = context[:, 0], context[:, 1]
-    value = blocks.gather(1, ((prev2 + prev1) % params.num_blocks)[:, None]).to(torch.int32)  # [B, 1]
-    multipliers = context_multipliers(words, prev2, prev1).to(torch.int32)  # [B, k], < 2**31
+    value = blocks.gather(1, ((prev2 + prev1) % params.num_blocks)[:, None])  # [B, 1]
+    multipliers = context_multipliers(words, prev2, prev1)  # [B, k], < 2**31
+    k = params.num_keys
+    row = torch.cat([multipliers, value], dim=1).to(torch.int32)  # [B, k + 1]
+    value32 = row[:, k:]  # [B, 1]
     shift, low = 32 - params.block_bits, (1 << params.block_bits) - 1
     mask = active[:, None]
-    for j in range(params.num_keys):
-        shard = ((multipliers[:, j : j + 1] * codes32[j, None, :vocab]) >> shift) & low  # [B, V] int32
-        mask = mask & ((shard == value) if params.scheme == "mpac" else (shard != value))
+    for j in range(k):
+        shard = ((row[:, j : j + 1] * codes[j, None, :vocab]) >> shift) & low  # [B, V] int32
+        mask = mask & ((shard == value32) if params.scheme == "mpac" else (shard != value32))
     logits.copy_(torch.where(mask, logits + params.delta, logits))
 
 
@@ -231,6 +246,10 @@ class TorchWatermarker:
             self._codes32[device] = codes
         return codes
 
+    def codes32_bits(self, device: torch.device, width: int) -> torch.Tensor:
+        """:meth:`codes32`'s bit pattern viewed as float32 [k, >= width] (what the CPU kernel reads)."""
+        return self.codes32(device, width).view(torch.float32)
+
     def apply(
         self,
         logits: torch.Tensor,
@@ -248,7 +267,7 @@ class TorchWatermarker:
             codes = self.codes(device, logits.shape[1])
             _check(logits, context, blocks, active, codes, self.params)
             out = logits if inplace else logits.clone()
-            operands = self.codes32(device, logits.shape[1]) if narrow else codes
+            operands = self.codes32_bits(device, logits.shape[1]) if narrow else codes
             try:
                 kernel(out, context, blocks, active, self.words(device), operands)
             except Exception as exc:  # no C++ toolchain, unsupported platform: keep serving, eagerly
