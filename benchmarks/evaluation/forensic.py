@@ -76,12 +76,13 @@ class Setting:
     temperature: float
     authors: int
     headline: bool = False
+    delta: float = 2.0
 
     @property
     def spec(self) -> GenSpec:
         if self.bits == 0:
             return GenSpec(UNWATERMARKED, temperature=self.temperature)
-        return GenSpec("xmark", self.bits, self.num_keys, 2.0, self.temperature)
+        return GenSpec("xmark", self.bits, self.num_keys, self.delta, self.temperature)
 
     @property
     def name(self) -> str:
@@ -131,6 +132,20 @@ FORENSIC = ForensicConfig(
     null_keys={0.7: 29, 1.0: 29},
 )
 
+# Stronger watermarks than the gateway's default (b=32, k=4, δ=2) at temperature 0.7, where the
+# default names 97 % at T=150: more hash keys (a smaller boosted list) or a larger bias, with the
+# same authors, prompts, registry and null texts as FORENSIC (its cache is not shared: the answers
+# are generated again). Larger registries only at 100,000 (the analysis of 1,000,000 is the longest).
+STRENGTH = ForensicConfig(
+    settings=(
+        Setting(32, 6, 0.7, 300, headline=True),
+        Setting(32, 4, 0.7, 300, headline=True, delta=2.5),
+        Setting(0, 0, 0.7, 100),
+    ),
+    null_keys={0.7: 29},
+    scaling_sizes={32: (100_000,)},
+)
+
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -139,6 +154,9 @@ SMALL = ForensicConfig(
     attack_authors=4,
     scaling_sizes={32: (20_000,)},
 )
+
+
+PRESETS = {"forensic": FORENSIC, "strength": STRENGTH, "small": SMALL}
 
 
 def _log(message: str) -> None:
@@ -431,6 +449,7 @@ class Evaluation:
                         "setting": setting.name,
                         "bits": setting.bits,
                         "num_keys": setting.num_keys,
+                        "delta": setting.delta,
                         "temperature": setting.temperature,
                         "registry": size,
                         "T": t,
@@ -496,6 +515,7 @@ class Evaluation:
                             "setting": setting.name,
                             "bits": setting.bits,
                             "num_keys": setting.num_keys,
+                            "delta": setting.delta,
                             "temperature": setting.temperature,
                             "T": t,
                             "decoder": decoder,
@@ -549,6 +569,7 @@ class Evaluation:
                             "texts_temperature": base.temperature,
                             "bits": params.bits,
                             "num_keys": params.num_keys,
+                            "delta": params.delta,
                             "T": t,
                             "decoder": decoder,
                             "pairs": pairs,
@@ -582,6 +603,7 @@ class Evaluation:
                             "setting": setting.name,
                             "bits": setting.bits,
                             "num_keys": setting.num_keys,
+                            "delta": setting.delta,
                             "temperature": setting.temperature,
                             "T": t,
                             "attack": attack,
@@ -610,6 +632,7 @@ class Evaluation:
                     "setting": setting.name,
                     "bits": setting.bits or None,
                     "num_keys": setting.num_keys or None,
+                    "delta": setting.delta if setting.bits else None,
                     "temperature": setting.temperature,
                     "texts": len(values),
                     "ppl_mean": round(statistics.fmean(values), 3),
@@ -664,7 +687,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", type=Path, default=Path("var/models/smollm2-135m-instruct"))
     parser.add_argument("--output-dir", type=Path, default=Path("docs/results"))
     parser.add_argument("--cache-dir", type=Path)
-    parser.add_argument("--small", action="store_true", help="a few authors (a check of the pipeline, not a result)")
+    parser.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="forensic",
+        help="forensic: the gateway's settings (FORENSIC.md); strength: stronger watermarks at temperature 0.7 "
+        "(FORENSIC-STRENGTH.md); small: a few authors (a check of the pipeline, not a result)",
+    )
+    parser.add_argument("--small", action="store_true", help="the same as --preset small")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="vLLM engine: rows decoded together")
     parser.add_argument(
         "--scorer-dtype",
@@ -682,8 +712,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="no model: re-analyse the cache")
     parser.add_argument("--generate-only", action="store_true", help="stop once the answers are generated")
     args = parser.parse_args(argv)
-    config = replace(SMALL if args.small else FORENSIC, trace_edit_rate=args.edit_rate)
-    cache_dir = args.cache_dir or Path("var/eval") / f"forensic{'-small' if args.small else ''}-seed{config.seed}"
+    preset = "small" if args.small else args.preset
+    suffix = "" if preset == "forensic" else f"-{preset}"
+    config = replace(PRESETS[preset], trace_edit_rate=args.edit_rate)
+    cache_dir = args.cache_dir or Path("var/eval") / f"forensic{suffix}-seed{config.seed}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -714,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     scorer.score_all(texts)
     started = time.monotonic()
     results: dict[str, Any] = {
-        "command": "python -m benchmarks.evaluation.forensic",
+        "command": "python -m benchmarks.evaluation.forensic" + ("" if preset == "forensic" else f" --preset {preset}"),
         "config": config.to_dict(),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, no GPU",
         "scorer_dtype": dtype_name,
@@ -735,7 +767,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "-small" if args.small else ""
     (out / f"forensic{suffix}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     (out / f"FORENSIC{suffix.upper()}.md").write_text(render_forensic(results), encoding="utf-8")
     _log(f"wrote {out / f'FORENSIC{suffix.upper()}.md'}")

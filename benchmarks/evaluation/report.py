@@ -422,8 +422,14 @@ def _rate_cell(rate: Row) -> str:
     return f"{rate['count']}/{rate['of']} = {100 * rate['rate']:.1f} % ({100 * lo:.1f}–{100 * hi:.1f})"
 
 
+def _key_label(row: Row) -> str:
+    delta = row.get("delta") or 2.0  # the gateway's δ (rows written before δ was recorded)
+    strength = "" if delta == 2.0 else f" δ={delta:g}"
+    return f"b={row['bits']} k={row['num_keys']}{strength}"
+
+
 def _setting_label(row: Row) -> str:
-    return f"b={row['bits']} k={row['num_keys']} τ={row['temperature']:g}"
+    return f"{_key_label(row)} τ={row['temperature']:g}"
 
 
 def render_forensic(results: dict[str, Any]) -> str:
@@ -434,7 +440,8 @@ def render_forensic(results: dict[str, Any]) -> str:
         "",
         f"`{results['command']}` on {results['machine']}. Model SmolLM2-135M-Instruct; "
         f"{cfg['registry_size']:,} message IDs per message length from the gateway's allocator; one answer of "
-        f"{cfg['max_tokens']} tokens per author; δ = 2, d = 2; α = {cfg['alpha']:g}; the likelihood decoder assumes "
+        f"{cfg['max_tokens']} tokens per author; δ = 2 unless a setting says otherwise, d = 2; "
+        f"α = {cfg['alpha']:g}; the likelihood decoder assumes "
         f"temperature {cfg['trace_temperature']:g} and an edit rate of {cfg.get('trace_edit_rate', 0.0):g}, and "
         f"reads the top-{cfg['top_k']} log-probabilities of a {results.get('scorer_dtype', 'float32')} forward "
         "pass. Texts are "
@@ -471,7 +478,7 @@ def render_forensic(results: dict[str, Any]) -> str:
     ]
     body = [
         [
-            f"b={row['bits']} k={row['num_keys']}",
+            _key_label(row),
             f"{row['texts_temperature']:g}",
             str(row["T"]),
             row["decoder"],
@@ -515,7 +522,7 @@ def render_forensic(results: dict[str, Any]) -> str:
     out += ["", "## Text quality", "", "Perplexity of the answers under the same model (raw log-probs):", ""]
     body = [
         [
-            "unwatermarked" if row["bits"] is None else f"b={row['bits']} k={row['num_keys']}",
+            "unwatermarked" if row["bits"] is None else _key_label(row),
             f"{row['temperature']:g}",
             str(row["texts"]),
             _num(row["ppl_mean"]),

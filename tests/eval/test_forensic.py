@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from benchmarks.evaluation.forensic import (
     FORENSIC,
+    STRENGTH,
     ForensicConfig,
     Population,
     Setting,
@@ -69,15 +71,32 @@ def test_jobs_give_each_author_one_prompt_shared_with_the_null_text() -> None:
     assert len({row.prompt for row in marked}) == 12  # 124 prompts: no repeats among 12 authors
 
 
-def test_the_committed_protocol_has_the_counts_its_claims_need() -> None:
-    headline = [s for s in FORENSIC.settings if s.headline]
+@pytest.mark.parametrize("config", [FORENSIC, STRENGTH], ids=["forensic", "strength"])
+def test_the_committed_protocol_has_the_counts_its_claims_need(config: ForensicConfig) -> None:
+    headline = [s for s in config.settings if s.headline]
     assert headline and all(s.authors >= 300 for s in headline)  # 300/300 -> 95 % lower bound > 98.7 %
     for setting in headline:
-        null = next(s for s in FORENSIC.settings if s.bits == 0 and s.temperature == setting.temperature)
-        pairs = null.authors * (1 + FORENSIC.null_key_count(setting.temperature))
+        null = next(s for s in config.settings if s.bits == 0 and s.temperature == setting.temperature)
+        pairs = null.authors * (1 + config.null_key_count(setting.temperature))
         assert pairs >= 3000  # 0 of 3,000 -> upper bound about 0.13 %
-    assert {s.temperature for s in headline if s.bits == 32 and s.num_keys == 4} == {0.7, 1.0}
-    assert FORENSIC.registry_size == 10_000 and 150 in FORENSIC.t_grid and 100 in FORENSIC.t_grid
+    assert config.registry_size == 10_000
+
+
+def test_the_strength_preset_generates_its_settings_with_their_own_bias() -> None:
+    # a smaller registry than the protocol's (allocating 10,000 IDs takes minutes), the same for both
+    strength, forensic = (replace(config, registry_size=400) for config in (STRENGTH, FORENSIC))
+    rows = jobs(strength, Population(strength), load_prompts())
+    deltas = {row.spec_name: row.key.params.delta for row in rows if row.key is not None}
+    assert deltas == {"xmark-b32-k6-d2-t0.7": 2.0, "xmark-b32-k4-d2.5-t0.7": 2.5}
+    # the same authors and prompts as the gateway's settings: the answers differ only by the watermark
+    default = {(row.user, row.prompt, row.message) for row in jobs(forensic, Population(forensic), load_prompts())}
+    assert {(row.user, row.prompt, row.message) for row in rows} <= default
+
+
+def test_the_forensic_preset_has_the_gateway_settings() -> None:
+    headline = [s for s in FORENSIC.settings if s.headline]
+    assert {s.temperature for s in headline if s.bits == 32 and s.num_keys == 4 and s.delta == 2.0} == {0.7, 1.0}
+    assert 150 in FORENSIC.t_grid and 100 in FORENSIC.t_grid
 
 
 def _rate(count: int, trials: int) -> dict:
@@ -137,3 +156,29 @@ def test_report_renders_every_section_with_counts_and_intervals() -> None:
     assert "0/3000 = 0.0 % (0.0–0.1)" in text
     assert "copy paste 30 %" in text and "unwatermarked" in text
     assert "forward pass 0.200 s" in text
+    assert "| b=32 k=4 τ=0.7 | 150 | auto |" in text  # the gateway's δ is not repeated per row
+
+
+def test_report_names_a_stronger_bias_in_every_table() -> None:
+    row = {"bits": 32, "num_keys": 4, "delta": 2.5, "temperature": 0.7}
+    results = {
+        "command": "python -m benchmarks.evaluation.forensic --preset strength",
+        "machine": "x86_64 CPU, 2 cores, no GPU",
+        "config": SMALL.to_dict(),
+        "attribution": [
+            {**row, "T": 150, "decoder": "auto", "named": _rate(300, 300), "wrong": _rate(0, 300)}
+            | {"top1": _rate(300, 300), "median_confidence": 1.0}
+        ],
+        "null": [
+            {"texts_temperature": 0.7, "bits": 32, "num_keys": 4, "delta": 2.5, "T": 150, "decoder": "auto"}
+            | {"named": _rate(0, 3000)}
+        ],
+        "robustness": [],
+        "quality": [{**row, "texts": 300, "ppl_mean": 6.1, "ppl_median": 6.0}],
+        "timing": {"generation_s": 1.0, "scoring_s": 1.0, "scored_tokens": 10, "analysis_s": 1.0},
+    }
+    text = render_forensic(results)
+    assert "| b=32 k=4 δ=2.5 τ=0.7 | 150 | auto |" in text
+    assert "| b=32 k=4 δ=2.5 | 0.7 | 150 | auto |" in text
+    assert "| b=32 k=4 δ=2.5 | 0.7 | 300 |" in text
+    assert "--preset strength" in text
