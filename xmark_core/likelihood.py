@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -320,14 +321,18 @@ def _scored_elsewhere(p2: IntArray, p1: IntArray, tok: IntArray, top_ids: IntArr
     return out
 
 
-def weighted_bernoulli_tail(weights: Sequence[int] | IntArray, observed: int, probability: float) -> float:
-    """P(sum_t w_t B_t >= observed) for independent B_t ~ Bernoulli(probability), integer w_t >= 0.
+def weighted_bernoulli_tail(
+    weights: Sequence[int] | IntArray, observed: int, probability: float | Sequence[float] | FloatArray
+) -> float:
+    """P(sum_t w_t B_t >= observed) for independent B_t ~ Bernoulli(p_t), integer w_t >= 0;
+    ``probability`` is one p for every t or one per weight.
 
     Exact (a convolution over the attainable sums, O(len(w) * sum(w)) in float64).
     """
     w = np.asarray(weights, dtype=np.int64)
     if w.size and w.min() < 0:
         raise ValueError("weights must be >= 0")
+    probs = np.broadcast_to(np.asarray(probability, dtype=np.float64), w.shape)
     if observed <= 0:
         return 1.0
     total = int(w.sum())
@@ -336,14 +341,33 @@ def weighted_bernoulli_tail(weights: Sequence[int] | IntArray, observed: int, pr
     dist = np.zeros(total + 1)
     dist[0] = 1.0
     reach = 0
-    q = 1.0 - probability
-    for step in w[w > 0]:
-        s = int(step)
-        moved = dist[: reach + 1] * probability
-        dist[: reach + 1] *= q
-        dist[s : s + reach + 1] += moved
-        reach += s
+    for step, p in zip(w.tolist(), probs.tolist(), strict=True):
+        if step <= 0:
+            continue
+        moved = dist[: reach + 1] * p
+        dist[: reach + 1] *= 1.0 - p
+        dist[step : step + reach + 1] += moved
+        reach += step
     return float(min(1.0, dist[observed:].sum()))
+
+
+def rival_shares(params: WatermarkParams) -> tuple[float, float]:
+    """(q_in, q_out): on a text that carries block value v' at a position, the probability that its
+    token is in E_v for another value v, given that it is in E_v' (q_in) or not (q_out).
+
+    The text was generated seeing only E_v' (a token's membership in it), and the keyed hash puts
+    each token's k shards uniformly over the patterns consistent with that membership, whatever the
+    model did. XMark / LoSo (E_v: every shard differs from v): in E_v' every shard is one of the
+    D - 1 other values, so q_in = ((D - 2) / (D - 1))^k; out of it, among the D^k - (D - 1)^k
+    patterns with a shard equal to v', (D - 1)^k - (D - 2)^k avoid v. MPAC (E_v: the shard is v):
+    q_in = 0, q_out = 1 / (D - 1).
+    """
+    shards, k = params.num_shards, params.num_keys
+    if params.scheme == "mpac":
+        return 0.0, 1.0 / (shards - 1)
+    q_in = ((shards - 2) / (shards - 1)) ** k
+    q_out = ((shards - 1) ** k - (shards - 2) ** k) / (shards**k - (shards - 1) ** k)
+    return q_in, q_out
 
 
 @dataclass(frozen=True)
@@ -359,23 +383,98 @@ class LikelihoodAttribution:
     margin: float
     statistic: int
     bound: str = "exact weighted-Bernoulli tail under the keyed-hash null, Bonferroni over the registry"
+    # ``identity_test`` of the best against every other registered message (None: not run)
+    identity_p_value: float | None = None
 
 
-def naming_test(result: LikelihoodResult, blocks: Sequence[int] | IntArray) -> tuple[float, int]:
-    """The exact p-value (one candidate, uncorrected) that the text carries the message with these
-    block values, and the observed statistic U on its integer grid."""
+def _units(result: LikelihoodResult, blocks: Sequence[int] | IntArray) -> tuple[IntArray, BoolArray, float]:
+    """The integer weights u_t of the message with these block values, its memberships B_t, and
+    the grid's steps per nat."""
     values = np.asarray(blocks, dtype=np.int64)[result.rows]  # [m]
     picked = np.arange(result.rows.size)
     weights = result.weights[picked, values]  # [m]
-    hits = result.boosted[picked, values]  # [m]
+    hits: BoolArray = result.boosted[picked, values]  # [m]
     a = result.params.delta / result.temperature
     steps = float(WEIGHT_STEPS_PER_NAT)
     cells = max(1.0, weights.size * a * steps)
     if cells > MAX_TEST_CELLS:  # coarser grid: the test stays exact for its (rounded) statistic
         steps = max(1.0, steps * MAX_TEST_CELLS / cells)
-    units = np.ceil(weights * steps).astype(np.int64)  # [m]
+    units: IntArray = np.ceil(weights * steps).astype(np.int64)  # [m]
+    return units, hits, steps
+
+
+def naming_test(result: LikelihoodResult, blocks: Sequence[int] | IntArray) -> tuple[float, int]:
+    """The exact p-value (one candidate, uncorrected) that the text carries the message with these
+    block values, and the observed statistic U on its integer grid."""
+    units, hits, _ = _units(result, blocks)
     observed = int(units[hits].sum())
     return weighted_bernoulli_tail(units, observed, boosted_share(result.params)), observed
+
+
+# the Chernoff bound's exponents, per nat of the weights
+_CHERNOFF_LAMBDAS = np.geomspace(0.02, 8.0, 28)
+# candidates the bound leaves are tested exactly; beyond this many the identity is not established
+MAX_EXACT_RIVALS = 64
+_RIVAL_CHUNK = 16_384
+
+
+def identity_test(
+    result: LikelihoodResult, named: Sequence[int] | IntArray, rivals: npt.NDArray[np.integer[Any]]
+) -> float:
+    """The p-value that the text carries one of ``rivals`` (int [C, r] block values) rather than
+    ``named``: the largest, over the rivals, of the exact p-value of "the text carries m'".
+
+    Against rival m', the statistic is U = sum of u_t B_t(named) over the positions of the blocks
+    where m' differs from ``named`` (u_t: the named message's integer weights). If the text
+    carries m', then given each B_t(m') those B_t(named) are independent Bernoulli(q_in or q_out)
+    (``rival_shares``: the keyed hash alone fixes them, whatever the model or the text), so
+    P(U >= observed) is exact. A wrong name needs the true message's test to reject, so naming
+    only when this p-value is at most alpha names a wrong registered user with probability at most
+    alpha, on any watermarked text, with no correction for the registry's size.
+
+    Every rival is first bounded by Chernoff (vectorised over the registry); the at most
+    ``MAX_EXACT_RIVALS`` the bound does not settle below the largest so far are tested exactly.
+    """
+    values = np.asarray(named, dtype=np.int64)
+    if rivals.shape[0] == 0:
+        return 0.0
+    params = result.params
+    r, shards = params.num_blocks, params.num_shards
+    units, hits, steps = _units(result, values)
+    q_in, q_out = rival_shares(params)
+    q = np.where(result.boosted, q_in, q_out)  # [m, D]: P(B_t(named) = 1) if the text carries v here
+    observed = np.zeros(r)
+    np.add.at(observed, result.rows, units * hits)  # [r] O_i
+    lam = _CHERNOFF_LAMBDAS / steps  # [L] per unit of the integer grid
+    growth = np.expm1(lam[None, :] * units[:, None])  # [m, L]
+    cumulant = np.zeros((r, shards, lam.size))  # [r, D, L]: sum_t log E exp(lam u_t B_t) in block i
+    np.add.at(cumulant, result.rows, np.log1p(q[:, :, None] * growth[:, None, :]))
+    cumulant[np.arange(r), values] = 0.0  # a rival's equal blocks are not in its statistic
+    worst = 0.0
+    unsettled: list[tuple[float, int]] = []
+    blocks = np.arange(r)
+    for first in range(0, rivals.shape[0], _RIVAL_CHUNK):
+        part = rivals[first : first + _RIVAL_CHUNK].astype(np.int64)  # [c, r]
+        differs = part != values[None, :]
+        u_obs = (differs * observed[None, :]).sum(axis=1)  # [c]
+        log_mgf = cumulant[blocks[None, :], part].sum(axis=1)  # [c, L]
+        bound = np.exp(np.minimum(0.0, (log_mgf - lam[None, :] * u_obs[:, None]).min(axis=1)))  # [c]
+        for found in np.flatnonzero(bound > worst):
+            unsettled.append((float(bound[found]), first + int(found)))
+        if len(unsettled) > 4 * MAX_EXACT_RIVALS:  # keep the largest bounds only
+            unsettled = sorted(unsettled, reverse=True)[: MAX_EXACT_RIVALS + 1]
+    unsettled.sort(reverse=True)
+    for rank, (bound_value, index) in enumerate(unsettled):
+        if bound_value <= worst:
+            break
+        if rank >= MAX_EXACT_RIVALS:
+            return max(worst, bound_value)  # not settled exactly: the bound stands
+        rival = rivals[index].astype(np.int64)
+        inside = (rival != values)[result.rows]  # [m] positions in the differing blocks
+        rival_q = q[np.arange(result.rows.size), rival[result.rows]]
+        exact = weighted_bernoulli_tail(units[inside], int(units[inside & hits].sum()), rival_q[inside])
+        worst = max(worst, min(exact, bound_value))
+    return worst
 
 
 def attribute_likelihood(
@@ -386,9 +485,17 @@ def attribute_likelihood(
     alpha: float = DEFAULT_ALPHA,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     tries: int = 1,
+    identity_level: float | None = None,
 ) -> LikelihoodAttribution:
     """Score every registered message; name the best only if its corrected p-value is below
-    ``alpha`` and its posterior at least ``min_confidence`` (``tries``: key versions tried)."""
+    ``alpha`` and its posterior at least ``min_confidence`` (``tries``: key versions tried).
+
+    ``identity_level``: also require ``identity_test`` against every other registered message at
+    most this (a wrong registered user is then named with probability at most ``identity_level``
+    on any watermarked text, whatever the model's calibration). Off by default: it costs naming
+    (see docs/xmark_core.md)."""
+    if identity_level is not None and not 0.0 < identity_level < 1.0:
+        raise ValueError(f"identity_level must be in (0, 1) (got {identity_level})")
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
     if top < 1 or tries < 1:
@@ -424,4 +531,12 @@ def attribute_likelihood(
             CandidateScore(candidates.ids[idx], candidates.bits_of(int(idx)), float(totals[idx]), p_value, hamming)
         )
     named = p_best < alpha and margin > 0 and confidence >= min_confidence
-    return LikelihoodAttribution(out, out[0] if named else None, p_best, confidence, margin, statistic)
+    identity = None
+    if named and identity_level is not None:  # the best explains the text; does no other user?
+        best = int(order[0])
+        rivals = np.delete(candidates.blocks, best, axis=0)
+        identity = identity_test(result, candidates.blocks[best].astype(np.int64), rivals)
+        named = identity <= identity_level
+    return LikelihoodAttribution(
+        out, out[0] if named else None, p_best, confidence, margin, statistic, identity_p_value=identity
+    )

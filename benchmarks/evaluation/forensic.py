@@ -98,6 +98,8 @@ class ForensicConfig:
     alpha: float = 1e-3
     trace_temperature: float = 0.7
     trace_edit_rate: float = DEFAULT_EDIT_RATE
+    # the likelihood decoder's identity test (xmark_core.likelihood.identity_test); None: off, as /trace
+    trace_identity_level: float | None = None
     top_k: int = 20
     # (text, key) pairs per null text: the evaluation key plus this many independent keys
     null_keys: dict[float, int] | None = None
@@ -323,7 +325,15 @@ def trace(
     if decoder == "counting":
         return analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha)
     read = functools.partial(
-        analyze_likelihood, ids, scores, tokenizer, versions, snapshot, alpha=alpha, temperature=temperature
+        analyze_likelihood,
+        ids,
+        scores,
+        tokenizer,
+        versions,
+        snapshot,
+        alpha=alpha,
+        temperature=temperature,
+        identity_level=config.trace_identity_level,
     )
     if decoder == "likelihood":
         return read(edit_rate=edit_rate)
@@ -708,13 +718,18 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_EDIT_RATE,
         help="the likelihood decoder's assumed share of edited tokens, as XMARK_TRACE_EDIT_RATE (0: none)",
     )
+    parser.add_argument(
+        "--identity-level",
+        type=float,
+        help="the likelihood decoder also requires its identity test at most this (default: off, as /trace)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the forward pass")
     parser.add_argument("--report-only", action="store_true", help="no model: re-analyse the cache")
     parser.add_argument("--generate-only", action="store_true", help="stop once the answers are generated")
     args = parser.parse_args(argv)
     preset = "small" if args.small else args.preset
     suffix = "" if preset == "forensic" else f"-{preset}"
-    config = replace(PRESETS[preset], trace_edit_rate=args.edit_rate)
+    config = replace(PRESETS[preset], trace_edit_rate=args.edit_rate, trace_identity_level=args.identity_level)
     cache_dir = args.cache_dir or Path("var/eval") / f"forensic{suffix}-seed{config.seed}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

@@ -444,7 +444,14 @@ def render_forensic(results: dict[str, Any]) -> str:
         f"α = {cfg['alpha']:g}; the likelihood decoder assumes "
         f"temperature {cfg['trace_temperature']:g} and an edit rate of {cfg.get('trace_edit_rate', 0.0):g}, and "
         f"reads the top-{cfg['top_k']} log-probabilities of a {results.get('scorer_dtype', 'float32')} forward "
-        "pass. Texts are "
+        "pass"
+        + (
+            f"; it names only when its identity test against every other registered ID is at most "
+            f"{cfg['trace_identity_level']:g}"
+            if cfg.get("trace_identity_level")
+            else ""
+        )
+        + ". Texts are "
         "read as `/trace` reads them (decoded, re-tokenized, no prompt) by the gateway's own analysis. "
         "Protocol: `benchmarks/evaluation/forensic.py`. Rates: count / trials = rate (Wilson 95 % interval).",
         "",

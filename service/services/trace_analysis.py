@@ -475,19 +475,23 @@ def analyze_likelihood(
     include_tokens: bool = False,
     tests: int = 1,
     versions_tried: int | None = None,
+    identity_level: float | None = None,
 ) -> TraceOutcome:
     """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
     verdict counts too (both were tested at ``alpha / tests``). ``versions_tried``: as for
-    :func:`analyze_counting`.
+    :func:`analyze_counting`. ``identity_level``: as for ``xmark_core.attribute_likelihood``
+    (off: the gateway does not use it yet).
     """
     special = tokenizer.all_special_ids
     tries = _tries(versions, versions_tried, tests)
     best: _LikelihoodReading | None = None
     for handle in versions:
         result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
-        attribution = attribute_likelihood(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries)
+        attribution = attribute_likelihood(
+            result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries, identity_level=identity_level
+        )
         if best is None or attribution.p_value < best.attribution.p_value:
             best = _LikelihoodReading(handle, result, attribution)
     assert best is not None

@@ -23,7 +23,14 @@ from xmark_core import (
     decode,
     score_text,
 )
-from xmark_core.likelihood import boosted_share, naming_test, weighted_bernoulli_tail
+from xmark_core.likelihood import (
+    WEIGHT_STEPS_PER_NAT,
+    boosted_share,
+    identity_test,
+    naming_test,
+    rival_shares,
+    weighted_bernoulli_tail,
+)
 
 TOP_K = 20
 
@@ -248,3 +255,91 @@ def test_likelihood_names_more_authors_than_counting_and_no_wrong_one(bits: int)
         for row in range(len(authors))
     )
     assert foreign_named <= 1
+
+
+@pytest.mark.parametrize(
+    ("scheme", "shards_bits", "keys"),
+    [("xmark", 2, 1), ("xmark", 2, 4), ("xmark", 1, 3), ("xmark", 3, 2), ("mpac", 2, 1)],
+)
+def test_rival_shares_count_the_shard_patterns(scheme: str, shards_bits: int, keys: int) -> None:
+    """q_in / q_out by enumerating every pattern of a token's k shards (uniform under the keyed hash)."""
+    params = WatermarkParams(bits=4 * shards_bits, block_bits=shards_bits, num_keys=keys, scheme=scheme)  # type: ignore[arg-type]
+    shards = params.num_shards
+    carried, other = 0, 1
+
+    def boosted(pattern: tuple[int, ...], value: int) -> bool:
+        return pattern[0] == value if scheme == "mpac" else all(s != value for s in pattern)
+
+    patterns = list(itertools.product(range(shards), repeat=keys))
+    inside = [p for p in patterns if boosted(p, carried)]
+    outside = [p for p in patterns if not boosted(p, carried)]
+    q_in, q_out = rival_shares(params)
+    assert q_in == pytest.approx(sum(boosted(p, other) for p in inside) / len(inside))
+    assert q_out == pytest.approx(sum(boosted(p, other) for p in outside) / len(outside))
+
+
+def test_the_identity_test_is_exact_against_one_rival() -> None:
+    """Against a single rival the returned p-value is the exact tail over the differing blocks."""
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    carried = Message.from_bits("1100101001110001", params)
+    rival = Message.from_bits("1100101001110010", params)  # differs in the last block only
+    generation = generate(key, [carried], 120, seed=4, top_k=TOP_K, temperature=0.7)
+    result = score_text(generation.tokens[0], scores_of(generation, 0), key)
+    p_value = identity_test(result, carried.blocks, rival.blocks[None, :])
+    values = carried.blocks[result.rows]
+    picked = np.arange(result.rows.size)
+    steps = float(WEIGHT_STEPS_PER_NAT)
+    units = np.ceil(result.weights[picked, values] * steps).astype(np.int64)
+    hits = result.boosted[picked, values]
+    inside = result.rows == params.num_blocks - 1
+    q_in, q_out = rival_shares(params)
+    probs = np.where(result.boosted[picked, rival.blocks[result.rows]], q_in, q_out)
+    exact = weighted_bernoulli_tail(units[inside], int(units[inside & hits].sum()), probs[inside])
+    assert p_value == pytest.approx(exact, rel=1e-12)
+    assert identity_test(result, carried.blocks, np.zeros((0, params.num_blocks), np.uint8)) == 0.0
+
+
+@pytest.mark.slow  # a statistical simulation: seconds on two cores
+def test_identity_p_values_are_super_uniform_when_the_text_carries_the_rival() -> None:
+    """400 texts of 100 tokens watermarked with m (the true author); the identity test of another
+    message m* against the rival m: P(p <= x) <= x at x = 0.01, 0.05, 0.2 up to sampling error,
+    whichever messages are near or far (1, 4 or 8 blocks apart). This is what bounds the chance of
+    naming a wrong registered user without trusting the model."""
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    truth = Message.from_bits("1001110001011010", params)
+    count = 400
+    generation = generate(key, [truth] * count, 100, seed=23, top_k=TOP_K, temperature=0.7)
+    results = [score_text(generation.tokens[row], scores_of(generation, row), key) for row in range(count)]
+    rng = np.random.default_rng(5)
+    for distance in (1, 4, 8):
+        named = truth.blocks.copy()
+        for block in rng.choice(params.num_blocks, size=distance, replace=False):
+            named[block] = (named[block] + rng.integers(1, params.num_shards)) % params.num_shards
+        p_values = np.array([identity_test(result, named, truth.blocks[None, :]) for result in results])
+        for level in (0.01, 0.05, 0.2):
+            observed = float((p_values <= level).mean())
+            bound = level + 3.1 * math.sqrt(level * (1 - level) / count)
+            assert observed <= bound, f"{distance} blocks apart: P(p <= {level}) = {observed:.3f}"
+        # and the test has power: the carried message is told from the same rivals
+        own = np.array([identity_test(result, truth.blocks, named[None, :]) for result in results])
+        assert float(np.median(own)) < 0.05, (distance, float(np.median(own)))
+
+
+def test_an_identity_level_names_only_whom_no_other_registered_user_explains() -> None:
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    author = Message.from_bits("1100101001110001", params)
+    near = Message.from_bits("1100101001110010", params)
+    candidates = CandidateSet([author.bits, near.bits], ["author", "near"], params)
+    generation = generate(key, [author], 300, seed=8, top_k=TOP_K, temperature=0.7)
+    result = score_text(generation.tokens[0], scores_of(generation, 0), key)
+    plain = attribute_likelihood(result, candidates)
+    assert plain.best is not None and plain.best.id == "author" and plain.identity_p_value is None
+    guarded = attribute_likelihood(result, candidates, identity_level=1e-3)
+    assert guarded.identity_p_value is not None
+    assert guarded.identity_p_value == pytest.approx(identity_test(result, author.blocks, near.blocks[None, :]))
+    assert (guarded.best is not None) == (guarded.identity_p_value <= 1e-3)
+    with pytest.raises(ValueError, match="identity_level"):
+        attribute_likelihood(result, candidates, identity_level=0.0)

@@ -181,4 +181,6 @@ def test_report_names_a_stronger_bias_in_every_table() -> None:
     assert "| b=32 k=4 δ=2.5 τ=0.7 | 150 | auto |" in text
     assert "| b=32 k=4 δ=2.5 | 0.7 | 150 | auto |" in text
     assert "| b=32 k=4 δ=2.5 | 0.7 | 300 |" in text
-    assert "--preset strength" in text
+    assert "--preset strength" in text and "identity test" not in text
+    results["config"] = replace(SMALL, trace_identity_level=0.01).to_dict()
+    assert "identity test against every other registered ID is at most 0.01" in render_forensic(results)
