@@ -430,7 +430,8 @@ def identity_test(
     (``rival_shares``: the keyed hash alone fixes them, whatever the model or the text), so
     P(U >= observed) is exact. A wrong name needs the true message's test to reject, so naming
     only when this p-value is at most alpha names a wrong registered user with probability at most
-    alpha, on any watermarked text, with no correction for the registry's size.
+    alpha, on any unedited watermarked text, with no correction for the registry's size (an edit
+    or a mix of two users' texts voids the bound: see docs/xmark_core.md).
 
     Every rival is first bounded by Chernoff (vectorised over the registry); the at most
     ``MAX_EXACT_RIVALS`` the bound does not settle below the largest so far are tested exactly.
@@ -450,7 +451,7 @@ def identity_test(
     cumulant = np.zeros((r, shards, lam.size))  # [r, D, L]: sum_t log E exp(lam u_t B_t) in block i
     np.add.at(cumulant, result.rows, np.log1p(q[:, :, None] * growth[:, None, :]))
     cumulant[np.arange(r), values] = 0.0  # a rival's equal blocks are not in its statistic
-    worst = 0.0
+    keep = MAX_EXACT_RIVALS + 1  # the largest bounds of each chunk: one more than are tested exactly
     unsettled: list[tuple[float, int]] = []
     blocks = np.arange(r)
     for first in range(0, rivals.shape[0], _RIVAL_CHUNK):
@@ -459,11 +460,10 @@ def identity_test(
         u_obs = (differs * observed[None, :]).sum(axis=1)  # [c]
         log_mgf = cumulant[blocks[None, :], part].sum(axis=1)  # [c, L]
         bound = np.exp(np.minimum(0.0, (log_mgf - lam[None, :] * u_obs[:, None]).min(axis=1)))  # [c]
-        for found in np.flatnonzero(bound > worst):
-            unsettled.append((float(bound[found]), first + int(found)))
-        if len(unsettled) > 4 * MAX_EXACT_RIVALS:  # keep the largest bounds only
-            unsettled = sorted(unsettled, reverse=True)[: MAX_EXACT_RIVALS + 1]
+        largest = np.argpartition(-bound, keep - 1)[:keep] if bound.size > keep else np.arange(bound.size)
+        unsettled.extend((float(bound[i]), first + int(i)) for i in largest)
     unsettled.sort(reverse=True)
+    worst = 0.0
     for rank, (bound_value, index) in enumerate(unsettled):
         if bound_value <= worst:
             break

@@ -300,6 +300,29 @@ def test_the_identity_test_is_exact_against_one_rival() -> None:
     assert identity_test(result, carried.blocks, np.zeros((0, params.num_blocks), np.uint8)) == 0.0
 
 
+def test_the_identity_test_over_many_rivals_is_the_largest_exact_p_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over 300 rivals in chunks of 7, with at most 5 tested exactly, the test returns the largest
+    of their exact p-values (computed one by one here) whenever it settles them, and never less."""
+    import xmark_core.likelihood as likelihood
+
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    carried = Message.from_bits("1100101001110001", params)
+    generation = generate(key, [carried], 120, seed=4, top_k=TOP_K, temperature=0.7)
+    result = score_text(generation.tokens[0], scores_of(generation, 0), key)
+    rng = np.random.default_rng(11)
+    rivals = np.repeat(carried.blocks[None, :], 300, axis=0).astype(np.int64)
+    for row in range(300):  # 1 to 3 blocks changed
+        for block in rng.choice(params.num_blocks, size=1 + row % 3, replace=False):
+            rivals[row, block] = (rivals[row, block] + rng.integers(1, params.num_shards)) % params.num_shards
+    exact = max(identity_test(result, carried.blocks, rival[None, :]) for rival in rivals)
+    assert identity_test(result, carried.blocks, rivals) == pytest.approx(exact, rel=1e-12)
+    monkeypatch.setattr(likelihood, "_RIVAL_CHUNK", 7)
+    assert identity_test(result, carried.blocks, rivals) == pytest.approx(exact, rel=1e-12)
+    monkeypatch.setattr(likelihood, "MAX_EXACT_RIVALS", 5)
+    assert identity_test(result, carried.blocks, rivals) >= exact * (1 - 1e-12)
+
+
 @pytest.mark.slow  # a statistical simulation: seconds on two cores
 def test_identity_p_values_are_super_uniform_when_the_text_carries_the_rival() -> None:
     """400 texts of 100 tokens watermarked with m (the true author); the identity test of another
