@@ -8,9 +8,11 @@ For each message length b: ``--registry`` message IDs are allocated by the produ
 ``--temperature``), re-tokenized as ``/trace`` sees it, and read by both decoders exactly as the
 gateway reads it (``analyze_counting`` / ``analyze_likelihood``, one key version). The same number
 of unwatermarked answers (the same prompts, no watermark) are read against the registry too: any
-name there is a false attribution. Prints named / wrong rates with Wilson 95 % intervals and the
-time the likelihood decoder took per text (the forward pass included). An answer the model ends
-early is drawn again (up to six times), so the texts have the asked length (``text_tokens`` says).
+name there is a false attribution. With ``--identity-level`` the same scores are also read as
+``/trace`` reads them under that identity level (``likelihood_identity``). Prints named / wrong
+rates with Wilson 95 % intervals and the time the likelihood decoder took per text (the forward
+pass included). An answer the model ends early is drawn again (up to six times), so the texts
+have the asked length (``text_tokens`` says).
 
 A measurement on a small sample, not the evaluation (``make eval``): the interval says how much.
 """
@@ -74,7 +76,7 @@ async def _texts(
 
 
 async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -> dict[str, Any]:
-    params = WatermarkParams(bits=bits, num_keys=args.num_keys)
+    params = WatermarkParams(bits=bits, num_keys=args.num_keys, delta=args.delta)
     key = WatermarkKey.from_secret(SECRET, params)
     allocator = MessageAllocator([], params, rng=random.Random(bits))
     registry = [allocator.allocate() for _ in range(args.registry)]
@@ -91,9 +93,8 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
     plain = await _texts(backend, key, [None] * args.users, args.tokens, args.temperature)
     generation_s = time.perf_counter() - started
     print(f"b={bits}: {2 * args.users} answers generated in {generation_s:.0f} s", file=sys.stderr, flush=True)
-    outcome: dict[str, dict[str, int]] = {
-        name: {"named": 0, "wrong": 0, "null_named": 0} for name in ("counting", "likelihood")
-    }
+    readers = ["counting", "likelihood"] + ([] if args.identity_level is None else ["likelihood_identity"])
+    outcome: dict[str, dict[str, int]] = {name: {"named": 0, "wrong": 0, "null_named": 0} for name in readers}
     seconds: list[float] = []
     lengths: list[int] = []
     for texts, owners in ((marked, authors), (plain, [None] * args.users)):
@@ -107,7 +108,20 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
                 ids, scores, tokenizer, versions, snapshot, alpha=ALPHA, temperature=args.trace_temperature
             )
             seconds.append(time.perf_counter() - begun)
-            for name, result in (("counting", counted), ("likelihood", likely)):
+            readings = [("counting", counted), ("likelihood", likely)]
+            if args.identity_level is not None:  # the same scores, named only after the identity test
+                guarded = analyze_likelihood(
+                    ids,
+                    scores,
+                    tokenizer,
+                    versions,
+                    snapshot,
+                    alpha=ALPHA,
+                    temperature=args.trace_temperature,
+                    identity_level=args.identity_level,
+                )
+                readings.append(("likelihood_identity", guarded))
+            for name, result in readings:
                 named = result.attributed_user_id
                 if named is None:
                     continue
@@ -121,6 +135,7 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
     return {
         "bits": bits,
         "num_keys": args.num_keys,
+        "delta": args.delta,
         "registry": args.registry,
         "authors": n,
         "unwatermarked_texts": n,
@@ -157,6 +172,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "trace_temperature": args.trace_temperature,
         "top_k": args.top_k,
         "alpha": ALPHA,
+        "identity_level": args.identity_level,
         "results": results,
     }
 
@@ -170,6 +186,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=150, help="tokens per generated answer")
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--num-keys", type=int, default=4, help="hash keys (the gateway default)")
+    parser.add_argument("--delta", type=float, default=2.0, help="the watermark's bias δ (the gateway default)")
+    parser.add_argument(
+        "--identity-level",
+        type=float,
+        default=None,
+        help="also read each text as /trace does under this identity level (likelihood_identity)",
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the answers")
     parser.add_argument("--trace-temperature", type=float, default=0.7, help="the likelihood decoder's assumption")
     parser.add_argument("--top-k", type=int, default=20)

@@ -122,6 +122,11 @@ class Settings(BaseSettings):
     # the share of a suspect text's tokens the likelihood decoder assumes were edited in (power
     # only, never calibration); 0 reads every token as the model's
     trace_edit_rate: float = 0.01
+    # the likelihood decoder's identity test (xmark_core.identity_test): when set, a user is named
+    # only if every other registered user is rejected at this level, which bounds the chance of
+    # naming a wrong registered user on an unedited watermarked text without trusting the model;
+    # it costs naming on short texts (docs/xmark_core.md). None: off unless a request asks for it.
+    trace_identity_level: float | None = None
     # the local backend's forward pass for /trace: bfloat16 where the CPU computes it natively
     # (auto), else float32; generation keeps float32
     trace_scorer_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -230,6 +235,13 @@ class Settings(BaseSettings):
     def _edit_rate_range(cls, value: float) -> float:
         if not 0.0 <= value <= 0.5:
             raise ValueError("must be between 0 and 0.5")
+        return value
+
+    @field_validator("trace_identity_level")
+    @classmethod
+    def _identity_level_range(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value < 1.0:
+            raise ValueError("must be a number between 0 and 1 (exclusive), or unset")
         return value
 
     @field_validator("trace_top_k")

@@ -10,6 +10,12 @@ const DECODERS = [
   ["counting", "counting"],
   ["likelihood", "likelihood"],
 ];
+// the identity test: name a user only if every other registered user is rejected at this level
+const IDENTITY_LEVELS = [
+  ["", "off (the gateway's setting)"],
+  ["0.01", "0.01"],
+  ["0.001", "0.001"],
+];
 
 export function renderTrace(root) {
   const text = el("textarea", {
@@ -17,6 +23,7 @@ export function renderTrace(root) {
   });
   const file = el("input", { attrs: { type: "file", name: "file", accept: ".txt,text/plain" } });
   const decoder = select("decoder", DECODERS, "auto");
+  const identity = select("identity_level", IDENTITY_LEVELS, "");
   const submit = el("button", { text: "Trace", attrs: { type: "submit", class: "primary" } });
   const status = el("div", { class: "status-line" });
   const result = el("section", { class: "trace-result", attrs: { "aria-live": "polite" } });
@@ -31,7 +38,7 @@ export function renderTrace(root) {
     "form",
     { class: "trace-form no-print" },
     field("Text", text),
-    el("div", { class: "row" }, field("Or a .txt file", file), field("Decoder", decoder), submit),
+    el("div", { class: "row" }, field("Or a .txt file", file), field("Decoder", decoder), field("Identity test", identity), submit),
     status,
   );
   form.addEventListener("submit", async (event) => {
@@ -43,7 +50,9 @@ export function renderTrace(root) {
     submit.disabled = true;
     clear(status).append(message("notice", "Tracing…"));
     try {
-      const report = await call("POST", "/trace", { text: text.value, include_tokens: true, decoder: decoder.value });
+      const body = { text: text.value, include_tokens: true, decoder: decoder.value };
+      if (identity.value) body.identity_level = Number(identity.value);
+      const report = await call("POST", "/trace", body);
       clear(status);
       showReport(result, report);
     } catch (error) {
@@ -80,6 +89,13 @@ function verdictBox(report) {
     append(who, "Named: ", el("strong", { class: "named-user", text: userLabel(named) }), `, confidence ${formatNumber(named.confidence)}, p ${formatP(named.p_value)}`);
   } else if (!report.watermarked) {
     append(who, "Named: ", el("strong", { class: "named-user", text: "no one" }), " — the text shows no significant watermark.");
+  } else if (identityWithheld(report)) {
+    append(
+      who,
+      "Named: ",
+      el("strong", { class: "named-user", text: "no one" }),
+      ` — another registered user could explain the text too (identity test p ${formatP(report.identity_p_value)}, above the level ${report.identity_level}).`,
+    );
   } else {
     append(
       who,
@@ -93,6 +109,13 @@ function verdictBox(report) {
   return box;
 }
 
+/** The identity test ran on the best candidate and kept its name back. */
+function identityWithheld(report) {
+  const level = report.identity_level;
+  const p = report.identity_p_value;
+  return level !== null && level !== undefined && p !== null && p !== undefined && p > level;
+}
+
 function facts(report) {
   const rows = [
     ["Test", report.test],
@@ -103,6 +126,10 @@ function facts(report) {
   ];
   if (report.temperature !== null && report.temperature !== undefined) rows.push(["Assumed temperature", formatNumber(report.temperature, 2)]);
   if (report.edit_rate !== null && report.edit_rate !== undefined) rows.push(["Assumed edit rate", formatNumber(report.edit_rate, 3)]);
+  if (report.identity_level !== null && report.identity_level !== undefined) {
+    const p = report.identity_p_value;
+    rows.push(["Identity test", p === null || p === undefined ? `level ${report.identity_level}, not run` : `p ${formatP(p)} at level ${report.identity_level}`]);
+  }
   if (report.report_id) rows.push(["Report", report.report_id]);
   const list = el("dl", { class: "facts" });
   for (const [name, value] of rows) list.append(el("dt", { text: name }), el("dd", { text: value }));

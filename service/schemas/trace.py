@@ -13,13 +13,17 @@ from service.vocabulary import TraceDecoder, TraceVerdict
 
 
 class TraceRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # any other field is refused by name (TracingService.trace), never dropped
+    model_config = ConfigDict(extra="allow")
 
     text: Text = Field(min_length=1)
     model: Text | None = Field(default=None, max_length=200)
     include_tokens: bool = False
     # auto: counting first, the likelihood decoder when counting names nobody (see docs/api.md)
     decoder: TraceDecoder = TraceDecoder.AUTO
+    # name a user only if the identity test rejects every other registered user at this level
+    # (the likelihood decoder decides any name); stricter than the gateway's own level, if it has one
+    identity_level: float | None = Field(default=None, gt=0.0, lt=1.0)
 
 
 class BlockReport(BaseModel):
@@ -82,6 +86,10 @@ class TraceReport(BaseModel):
     attribution: AttributionReport | None
     candidates: list[CandidateReport]
     tokens: list[TokenReport] | None = None
+    # the identity test's level in force (None: not asked for) and its p-value for the best
+    # candidate (None: not run, e.g. when the text shows no watermark or no one explains it)
+    identity_level: float | None = None
+    identity_p_value: float | None = None
 
 
 class ReportParams(BaseModel):
@@ -106,13 +114,21 @@ class DecoderSettings(BaseModel):
     # absent from reports signed before the likelihood decoder read edits; kept absent there so
     # their signed bytes are served unchanged
     edit_rate: float | None = None
+    # the identity test's level; present only in reports of traces that asked for it
+    identity_level: float | None = None
 
+    # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
     @model_serializer(mode="wrap")
-    def _without_absent_edit_rate(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        data: dict[str, object] = handler(self)
-        if data.get("edit_rate") is None and "edit_rate" not in self.model_fields_set:
-            data.pop("edit_rate", None)
-        return data
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
+        return _drop_absent(handler(self), self, ("edit_rate", "identity_level"))
+
+
+def _drop_absent(data: dict[str, object], model: BaseModel, names: tuple[str, ...]) -> dict[str, object]:
+    """``data`` without the null fields of ``names`` the signed payload did not hold."""
+    for name in names:
+        if data.get(name) is None and name not in model.model_fields_set:
+            data.pop(name, None)
+    return data
 
 
 class SignedReport(BaseModel):
@@ -134,6 +150,13 @@ class SignedReport(BaseModel):
     statistic: float
     attributed_user_id: int | None
     attributed_user_name: str | None
+    # the identity test's p-value for the best candidate; present only where the test ran
+    identity_p_value: float | None = None
+
+    # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
+    @model_serializer(mode="wrap")
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
+        return _drop_absent(handler(self), self, ("identity_p_value",))
 
 
 class ReportSignature(BaseModel):

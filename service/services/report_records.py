@@ -84,6 +84,8 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
         "alpha": float(given.alpha),
         "test": report.test,
     }
+    if report.identity_level is not None:  # only where asked for: older reports never held it
+        settings["identity_level"] = float(report.identity_level)
     attribution = report.attribution
     payload: dict[str, Any] = {
         "report_id": new_report_id(),
@@ -103,6 +105,8 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
         "attributed_user_id": None if attribution is None else int(attribution.user_id),
         "attributed_user_name": None if attribution is None else attribution.name,
     }
+    if report.identity_level is not None:
+        payload["identity_p_value"] = None if report.identity_p_value is None else float(report.identity_p_value)
     signature = signer.sign(payload)
     columns = {
         "report_id": payload["report_id"],

@@ -336,6 +336,7 @@ def analyze_likelihood_by_length(
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
     tests: int = 1,
+    identity_level: float | None = None,
 ) -> TraceOutcome:
     """``analyze_likelihood`` of each length group, corrected for every key version of every
     group; the outcome with the smallest p-value."""
@@ -355,6 +356,7 @@ def analyze_likelihood_by_length(
                 include_tokens=include_tokens,
                 tests=tests,
                 versions_tried=tried,
+                identity_level=identity_level,
             )
             for group in groups
         ]
@@ -481,8 +483,8 @@ def analyze_likelihood(
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
     verdict counts too (both were tested at ``alpha / tests``). ``versions_tried``: as for
-    :func:`analyze_counting`. ``identity_level``: as for ``xmark_core.attribute_likelihood``
-    (off: the gateway does not use it yet).
+    :func:`analyze_counting`. ``identity_level``: as for ``xmark_core.attribute_likelihood``; the
+    report gives the level and the best candidate's identity p-value.
     """
     special = tokenizer.all_special_ids
     tries = _tries(versions, versions_tried, tests)
@@ -542,5 +544,7 @@ def analyze_likelihood(
             for c in attribution.candidates
         ],
         tokens=_token_reports(tokenizer, ids, counted, llr) if include_tokens else None,
+        identity_level=identity_level,
+        identity_p_value=attribution.identity_p_value,
     )
     return TraceOutcome(report, handle.id, None if named is None else _user_id(named.id), strength=attribution.p_value)

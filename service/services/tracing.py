@@ -118,6 +118,13 @@ class TracingService:
 
     async def trace(self, principal: Principal, request: TraceRequest) -> TraceReport:
         settings = self._settings
+        for name in request.model_extra or {}:
+            raise InvalidRequestError(
+                f"Unknown parameter '{name}'; /trace reads text, model, decoder, include_tokens and identity_level",
+                param=name,
+                code="unsupported_parameter",
+            )
+        identity_level = self._identity_level(request)
         if len(request.text) > settings.max_trace_chars:
             raise PayloadTooLargeError(f"text is longer than {settings.max_trace_chars} characters", param="text")
         if request.model is not None and request.model != self._backend.model_id:
@@ -143,7 +150,7 @@ class TracingService:
         async def run(work: Callable[[], T]) -> T:  # texts long in tokens are analysed off the event loop
             return work() if inline else await asyncio.to_thread(work)
 
-        outcome = await self._analyze(request, ids, tokenizer, groups, run)
+        outcome = await self._analyze(request, ids, tokenizer, groups, run, identity_level)
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
         handle = next((v for v in versions if v.id == outcome.key_version_id), None)
@@ -182,6 +189,32 @@ class TracingService:
         self._metrics.trace_decoders.labels(decoder=report.decoder).inc()
         return report
 
+    def _identity_level(self, request: TraceRequest) -> float | None:
+        """The identity test's level for this trace: the request's, the gateway's
+        (``XMARK_TRACE_IDENTITY_LEVEL``), or the stricter of the two; None when neither asks.
+
+        A request may make the gateway's level stricter, never looser, and cannot drop it. The
+        test needs the likelihood decoder, so ``decoder: counting`` is refused while one is set.
+        """
+        gateway = self._settings.trace_identity_level
+        asked = request.identity_level
+        if asked is not None and gateway is not None and asked > gateway:
+            raise InvalidRequestError(
+                f"'identity_level' may only be stricter than this gateway's {gateway:g} (got {asked:g})",
+                param="identity_level",
+                code="invalid_value",
+            )
+        level = asked if asked is not None else gateway
+        if level is not None and request.decoder == TraceDecoder.COUNTING:
+            source = "the request's 'identity_level'" if asked is not None else "this gateway's identity level"
+            raise InvalidRequestError(
+                f"decoder 'counting' cannot honour {source}: the identity test needs the likelihood "
+                "decoder (use decoder 'auto' or 'likelihood')",
+                param="identity_level" if asked is not None else "decoder",
+                code="unsupported_parameter" if asked is not None else "invalid_value",
+            )
+        return level
+
     async def _analyze(
         self,
         request: TraceRequest,
@@ -189,6 +222,7 @@ class TracingService:
         tokenizer: PreTrainedTokenizerBase,
         groups: Sequence[LengthGroup],
         run: Callable[[Callable[[], TraceOutcome]], Awaitable[TraceOutcome]],
+        identity_level: float | None = None,
     ) -> TraceOutcome:
         """Counting, likelihood, or counting then likelihood (``auto``), as the request asks; every
         message length's key versions are read, corrected for all the versions tried.
@@ -197,6 +231,10 @@ class TracingService:
         decoder's forward pass runs on the backend (the local model's thread, or a worker), and its
         analysis (~0.15 ms a token) always on a worker thread: it follows a forward pass that costs
         far more than the hand-over.
+
+        With an ``identity_level`` only the likelihood decoder names (after its identity test):
+        ``auto`` always goes on to it, and a text it cannot read is refused rather than left to
+        counting's name.
         """
         settings = self._settings
         counting = functools.partial(
@@ -216,20 +254,25 @@ class TracingService:
             temperature=settings.trace_temperature,
             edit_rate=settings.trace_edit_rate,
             include_tokens=request.include_tokens,
+            identity_level=identity_level,
         )
         limit = settings.trace_likelihood_max_tokens
         if request.decoder == TraceDecoder.COUNTING or len(ids) < 3:
             return await run(counting)
-        if request.decoder == TraceDecoder.LIKELIHOOD:
+        if request.decoder == TraceDecoder.LIKELIHOOD or (identity_level is not None and len(ids) > limit):
             if len(ids) > limit:
                 raise InvalidRequestError(
                     f"The text has {len(ids)} tokens; the likelihood decoder reads at most {limit} "
-                    "(use decoder counting or auto)",
+                    + ("(use decoder counting or auto)" if identity_level is None else "(the identity test needs it)"),
                     param="decoder",
                     code="text_too_long_for_decoder",
                 )
             scores = await self._backend.score(ids, settings.trace_top_k)
             return await asyncio.to_thread(likelihood, scores)
+        if identity_level is not None:  # auto: counting's verdict counts, the likelihood decoder names
+            first = await run(functools.partial(counting, tests=2))
+            scores = await self._backend.score(ids, settings.trace_top_k)
+            return await asyncio.to_thread(likelihood, scores, counting=first, tests=2)
         # auto: the likelihood decoder may run too, so both are tested at alpha / 2
         escalate = len(ids) <= limit and self._backend.ready
         tests = 2 if escalate else 1

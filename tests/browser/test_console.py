@@ -144,6 +144,16 @@ def test_admin_creates_a_user_and_traces_their_text_to_them(
     expect(page.locator(".verdict")).to_be_visible()
     page.emulate_media(media="screen")
 
+    # the same text under the identity test: the likelihood decoder names her only after it
+    page.goto("/console#/trace")
+    page.get_by_label("Text to trace").fill(text)
+    page.locator("select[name=identity_level]").select_option("0.01")
+    page.get_by_role("button", name="Trace", exact=True).click()
+    expect(page.locator(".facts")).to_contain_text("Identity test")
+    expect(page.locator(".verdict-p")).to_contain_text("likelihood decoder")
+    expect(page.locator(".named-user")).to_contain_text("console-alice")
+    expect(page.locator(".facts")).to_contain_text(re.compile(r"p \S+ at level 0\.01"))
+
     # the audit log lists this trace, the usage view the user's generations
     page.goto("/console#/audit")
     audit = page.locator("table.audit")

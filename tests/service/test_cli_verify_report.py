@@ -20,13 +20,12 @@ from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.cli import main
 from service.db import session_scope
 from service.models import ApiKey, MessageId, User
 from service.services.reports import ReportSigner
 from service.services.users import UserService
-from xmark_core import Message
+from tests.service.test_trace import _watermarked_text as watermarked_text
 
 
 @pytest.fixture
@@ -56,13 +55,8 @@ async def committed_users(app: Any, settings: Any) -> AsyncIterator[dict[str, An
 
 
 async def _watermarked_text(app: Any, message_id: str) -> str:
-    resources = app.state.resources
-    assert await resources.backend.wait_ready(180), "the local model did not load"
-    handle = resources.keyring.active()
-    stamp = WatermarkStamp(handle.key, Message.from_bits(message_id, handle.key.params))
-    essay = "Write a detailed essay about the history of sailing ships, with many facts."
-    request = GenerationRequest((ChatTurn("user", essay),), max_tokens=400, temperature=0.8, seed=7)
-    return (await resources.backend.generate(request, stamp)).choices[0].text
+    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
+    return await watermarked_text(app, message_id)
 
 
 def _run(*args: Any) -> int:

@@ -194,11 +194,20 @@ def test_auth_cache_and_local_model_settings(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_likelihood_decoder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = _settings(database_url="sqlite+aiosqlite:///x.db")
     assert (defaults.trace_edit_rate, defaults.trace_scorer_dtype) == (0.01, "auto")
+    assert defaults.trace_identity_level is None
     monkeypatch.setenv("XMARK_TRACE_EDIT_RATE", "0")
     monkeypatch.setenv("XMARK_TRACE_SCORER_DTYPE", "float32")
+    monkeypatch.setenv("XMARK_TRACE_IDENTITY_LEVEL", "0.01")
     configured = _settings(database_url="sqlite+aiosqlite:///x.db")
     assert (configured.trace_edit_rate, configured.trace_scorer_dtype) == (0.0, "float32")
-    for bad in ({"trace_edit_rate": -0.1}, {"trace_edit_rate": 0.6}, {"trace_scorer_dtype": "float16"}):
+    assert configured.trace_identity_level == 0.01
+    for bad in (
+        {"trace_edit_rate": -0.1},
+        {"trace_edit_rate": 0.6},
+        {"trace_scorer_dtype": "float16"},
+        {"trace_identity_level": 0.0},
+        {"trace_identity_level": 1.0},
+    ):
         with pytest.raises(ValidationError):
             _settings(database_url="sqlite+aiosqlite:///x.db", **bad)
 

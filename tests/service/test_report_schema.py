@@ -56,3 +56,25 @@ def test_a_report_with_the_edit_rate_serves_it_null_or_not() -> None:
         served = _served(new, signer)
         assert served["report"]["decoder_settings"]["edit_rate"] == rate
         assert verify_report(served, signer.public_key) == new
+
+
+def test_the_identity_fields_are_served_exactly_where_they_were_signed() -> None:
+    signer = ReportSigner.from_secret(b"s" * 32)
+    settings = {"decoder": "auto", "temperature": 0.7, "edit_rate": 0.01, "top_k": 20, "alpha": 0.001, "test": "t"}
+    without = _payload(settings)
+    served = _served(without, signer)
+    assert "identity_p_value" not in served["report"] and "identity_level" not in served["report"]["decoder_settings"]
+    assert verify_report(served, signer.public_key) == without
+    for p_value in (3.5e-4, None):  # None: the level was in force, the test did not run (no one explained it)
+        signed = {**_payload({**settings, "identity_level": 0.01}), "identity_p_value": p_value}
+        served = _served(signed, signer)
+        assert served["report"]["identity_p_value"] == p_value
+        assert served["report"]["decoder_settings"]["identity_level"] == 0.01
+        assert verify_report(served, signer.public_key) == signed
+
+
+def test_the_report_schema_lists_its_fields() -> None:
+    """The served document's schema (OpenAPI) names every field, not a bare object."""
+    schema = TraceReportDocument.model_json_schema(mode="serialization")["$defs"]
+    assert {"identity_p_value", "decoder_settings", "attributed_user_id"} <= set(schema["SignedReport"]["properties"])
+    assert {"edit_rate", "identity_level", "alpha"} <= set(schema["DecoderSettings"]["properties"])

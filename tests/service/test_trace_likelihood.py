@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import InvalidRequestError, ServiceUnavailableError
 from service.models import Trace
+from service.services.reports import decode_public_key, verify_report
 from service.services.trace_analysis import tokenize
 from tests.service.test_trace import _auth, _watermarked_text
 
@@ -163,3 +164,73 @@ async def test_auto_falls_back_to_counting_when_the_model_cannot_score(
         assert auto.status_code == 200 and auto.json()["decoder"] == "counting"
         explicit = await client.post("/trace", json={"text": PLAIN, "decoder": "likelihood"}, headers=_auth(auditor))
         assert explicit.status_code == error.status_code
+
+
+async def test_an_identity_level_names_after_the_identity_test_and_is_signed(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
+) -> None:
+    """A request's identity level: the likelihood decoder names after the identity test, and the
+    signed report holds the level and the p-value (and verifies)."""
+    _, auditor = await make_user("auditor")
+    author, _ = await make_user("user")
+    for _ in range(3):
+        await make_user("user")
+    text = await _watermarked_text(app, author["message_id"], tokens=200)
+    response = await client.post("/trace", json={"text": text, "identity_level": 0.01}, headers=_auth(auditor))
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["decoder"] == "likelihood"  # auto: only the likelihood decoder names under the test
+    assert report["identity_level"] == 0.01
+    assert report["identity_p_value"] is not None and report["identity_p_value"] <= 0.01
+    assert report["attribution"] is not None and report["attribution"]["user_id"] == author["user_id"]
+    document = (await client.get(f"/trace/{report['report_id']}", headers=_auth(auditor))).json()
+    signed = document["report"]
+    assert signed["decoder_settings"]["identity_level"] == 0.01
+    assert signed["identity_p_value"] == report["identity_p_value"]
+    key = (await client.get("/.well-known/xmark-report-key")).json()
+    assert verify_report(document, decode_public_key(key["public_key"])) == signed
+    plain = (await client.post("/trace", json={"text": text, "decoder": "likelihood"}, headers=_auth(auditor))).json()
+    assert plain["identity_level"] is None and plain["identity_p_value"] is None
+    unsigned_fields = (await client.get(f"/trace/{plain['report_id']}", headers=_auth(auditor))).json()["report"]
+    assert "identity_p_value" not in unsigned_fields and "identity_level" not in unsigned_fields["decoder_settings"]
+
+
+async def test_the_gateways_identity_level_can_be_tightened_never_loosened_or_dropped(
+    app: Any, client: httpx.AsyncClient, make_user: Any, ready: None
+) -> None:
+    _, auditor = await make_user("auditor")
+    author, _ = await make_user("user")
+    text = await _watermarked_text(app, author["message_id"])  # 400 tokens: counting alone names the author
+    resources = app.state.resources
+    default = resources.settings
+    resources.settings = default.model_copy(update={"trace_identity_level": 0.05})
+    try:
+        gateway = await client.post("/trace", json={"text": text}, headers=_auth(auditor))
+        stricter = await client.post("/trace", json={"text": text, "identity_level": 0.001}, headers=_auth(auditor))
+        looser = await client.post("/trace", json={"text": text, "identity_level": 0.2}, headers=_auth(auditor))
+        counting = await client.post("/trace", json={"text": text, "decoder": "counting"}, headers=_auth(auditor))
+    finally:
+        resources.settings = default
+    assert gateway.status_code == 200, gateway.text
+    assert gateway.json()["decoder"] == "likelihood" and gateway.json()["identity_level"] == 0.05
+    assert gateway.json()["attribution"]["user_id"] == author["user_id"]
+    assert stricter.status_code == 200 and stricter.json()["identity_level"] == 0.001
+    assert looser.status_code == 400 and looser.json()["error"]["param"] == "identity_level"
+    assert "stricter" in looser.json()["error"]["message"]
+    assert counting.status_code == 400 and counting.json()["error"]["param"] == "decoder"
+
+
+async def test_an_identity_level_without_the_model_is_a_503_not_counting_s_name(
+    app: Any, client: httpx.AsyncClient, make_user: Any, monkeypatch: pytest.MonkeyPatch, ready: None
+) -> None:
+    _, auditor = await make_user("auditor")
+    author, _ = await make_user("user")
+    text = await _watermarked_text(app, author["message_id"])
+
+    async def gone(token_ids: Any, top_k: int) -> Any:
+        raise ServiceUnavailableError("The model backend is unavailable")
+
+    monkeypatch.setattr(app.state.resources.backend, "score", gone)
+    response = await client.post("/trace", json={"text": text, "identity_level": 0.01}, headers=_auth(auditor))
+    assert response.status_code == 503, response.text
+    assert (await client.post("/trace", json={"text": text}, headers=_auth(auditor))).json()["decoder"] == "counting"
