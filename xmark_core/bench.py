@@ -114,11 +114,13 @@ def bench_encode(key: WatermarkKey) -> dict[str, float]:
 
 
 def bench_encode_cold(key: WatermarkKey) -> dict[str, float]:
-    """The fused kernel as a vLLM CPU worker calls it: one thread (vLLM binds its worker to one core
+    """The CPU step as a vLLM CPU worker calls it: one thread (vLLM binds its worker to one core
     and keeps the other for the API server), each call right after a pass over 64 MiB that evicts
     the caches, as the model's forward pass does between two sampling steps. Mean of 100 calls,
-    warm (back to back) and cold, at batch 1, 16 and 64; and the same for a compiled one-line op, the
-    fixed cost of calling any compiled function (guards, the generated wrapper) with cold caches.
+    warm (back to back) and cold, at batch 1, 16 and 64, for the C++ op that serves float32 logits
+    (``encode_1thread_*``) and the torch.compile'd kernel (``encode_compiled_1thread_*``); and the
+    same for a compiled one-line op, the fixed cost of calling any compiled function (guards, the
+    generated wrapper) with cold caches.
     """
     import torch
 
@@ -141,18 +143,22 @@ def bench_encode_cold(key: WatermarkKey) -> dict[str, float]:
 
     out: dict[str, float] = {}
     try:
-        marker = TorchWatermarker(key, compile=True)
+        native = TorchWatermarker(key, compile=True)  # float32 on the C++ op (xmark_core.cpu_op)
+        compiled = TorchWatermarker(key, compile=True, native_on_cpu=False)  # the torch.compile'd kernel
         gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            marker.warm_up(torch.device("cpu"), VOCAB)
+            for marker in (native, compiled):
+                marker.warm_up(torch.device("cpu"), VOCAB)
+            out["encode_cpp_op"] = float(native.uses_cpp_op())
             for batch in (1, 16, 64):
                 logits = torch.randn(batch, VOCAB, generator=gen)
                 context = torch.randint(0, VOCAB, (batch, 2), generator=gen)
                 blocks = torch.randint(0, params.num_shards, (batch, params.num_blocks), generator=gen)
                 active = torch.ones(batch, dtype=torch.bool)
-                step = partial(marker.apply, logits, context, blocks, active, inplace=True)
-                out[f"encode_1thread_ms_batch{batch}_warm"] = mean_ms(step, cold=False)
-                out[f"encode_1thread_ms_batch{batch}_cold"] = mean_ms(step, cold=True)
+                for name, marker in (("", native), ("compiled_", compiled)):
+                    step = partial(marker.apply, logits, context, blocks, active, inplace=True)
+                    out[f"encode_{name}1thread_ms_batch{batch}_warm"] = mean_ms(step, cold=False)
+                    out[f"encode_{name}1thread_ms_batch{batch}_cold"] = mean_ms(step, cold=True)
             one = torch.zeros(2, 8)
             add_one = torch.compile(lambda x: x.add_(1.0), dynamic=True)
             add_one(torch.zeros(1, 8))

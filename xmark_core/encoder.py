@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -185,13 +186,22 @@ class TorchWatermarker:
     tensors, Triton on CUDA tensors; bit-identical to the eager op, in one pass over the [B, V]
     logits that writes them in place, instead of several passes and a copy); it is compiled once,
     on the first call (:meth:`warm_up` does that at start-up), and if compilation is unavailable
-    the op falls back to the eager one.
+    the op falls back to the eager one. On the CPU, float32 logits go through a C++ op instead
+    (``xmark_core.cpu_op``, the same single pass, built on first use): it is called like an eager op,
+    without the compiled function's per-call cost, which dominates small batches when the model's
+    forward pass has left the caches cold (``native_on_cpu=False`` keeps the compiled kernel).
     """
 
-    def __init__(self, key: WatermarkKey, *, compile: bool = False, narrow_on_cpu: bool = True) -> None:
+    def __init__(
+        self, key: WatermarkKey, *, compile: bool = False, narrow_on_cpu: bool = True, native_on_cpu: bool = True
+    ) -> None:
         self.key = key
         # the CPU kernel in 32-bit lanes (False: the int64 kernel, for comparison in benchmarks)
         self._narrow_on_cpu = narrow_on_cpu
+        # float32 CPU logits: the C++ op (xmark_core.cpu_op) where it builds, called without the
+        # compiled function's per-call cost (False: the compiled kernel, for comparison)
+        self._native_on_cpu = compile and narrow_on_cpu and native_on_cpu
+        self._native: Any = None  # the built op, once loaded
         self.params = key.params
         self._words: dict[torch.device, torch.Tensor] = {}
         self._codes: dict[torch.device, torch.Tensor] = {}
@@ -216,6 +226,52 @@ class TorchWatermarker:
                 active = torch.ones(batch, dtype=torch.bool, device=device)
                 self.apply(logits, context, blocks, active, inplace=True)
 
+    def uses_cpp_op(self) -> bool:
+        """Whether float32 CPU logits go through the C++ op (``xmark_core.cpu_op``; built on first use)."""
+        return self._native_op() is not None
+
+    def _native_op(self) -> Any:
+        """The C++ op where this marker uses it and it builds here (built on first use), else None."""
+        if not self._native_on_cpu:
+            return None
+        if self._native is None:
+            from . import cpu_op
+
+            self._native = cpu_op.load()
+            if self._native is None:
+                self._native_on_cpu = False
+        return self._native
+
+    def _apply_native(
+        self,
+        native: Any,
+        logits: torch.Tensor,
+        context: torch.Tensor,
+        blocks: torch.Tensor,
+        active: torch.Tensor,
+        *,
+        inplace: bool,
+    ) -> torch.Tensor:
+        from . import cpu_op
+
+        device = logits.device
+        codes = self.codes32(device, logits.shape[1])
+        _check(logits, context, blocks, active, self.codes(device, logits.shape[1]), self.params)
+        out = logits if inplace else logits.clone()
+        cpu_op.apply_(
+            native,
+            out,
+            context.contiguous(),
+            blocks.contiguous(),
+            active.contiguous(),
+            self.words(device),
+            codes,
+            delta=self.params.delta,
+            block_bits=self.params.block_bits,
+            match=self.params.scheme == "mpac",
+        )
+        return out
+
     def words(self, device: torch.device) -> torch.Tensor:
         words = self._words.get(device)
         if words is None:
@@ -235,7 +291,7 @@ class TorchWatermarker:
     def fused(self, device: torch.device) -> bool:
         """Whether :meth:`apply` on ``device`` runs the fused kernel (not the eager fallback)."""
         if device.type == "cpu" and self._narrow_on_cpu:
-            return self._compiled32 is not None
+            return self._compiled32 is not None or self._native_op() is not None
         return device.type in ("cpu", "cuda") and self._compiled is not None
 
     def codes32(self, device: torch.device, width: int) -> torch.Tensor:
@@ -260,6 +316,10 @@ class TorchWatermarker:
         inplace: bool = False,
     ) -> torch.Tensor:
         device = logits.device
+        if device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            native = self._native_op()
+            if native is not None:
+                return self._apply_native(native, logits, context, blocks, active, inplace=inplace)
         # CPU: 32-bit lanes (bit-identical, tested); CUDA keeps the int64 kernel
         narrow = device.type == "cpu" and self._narrow_on_cpu
         kernel = self._compiled32 if narrow else self._compiled

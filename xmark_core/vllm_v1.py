@@ -51,9 +51,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         keyring = self._keyring = start_worker(vllm_config, XMarkLogitsProcessor)
         self._device = device
         self._pin = is_pin_memory and device.type != "cpu"
-        # The op runs as one fused kernel (torch.compile: C++ on CPU workers, Triton on CUDA): one
-        # pass over the logits instead of the eager op's several. It is compiled here, at start-up,
-        # so that no request waits for the compilation; benchmarks/encode_gpu.py measures both ops.
+        # The op runs as one fused pass over the logits instead of the eager op's several (CPU
+        # workers: the C++ op of xmark_core.cpu_op; CUDA: a torch.compile'd Triton kernel). It is
+        # built here, at start-up, so that no request waits for it; benchmarks/encode_gpu.py
+        # measures the GPU ops, `make bench-core` the CPU ones.
         self._watermarkers = build_watermarkers(keyring, vllm_config, device, fused=device.type in ("cpu", "cuda"))
         rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
         r = keyring.params.num_blocks
@@ -142,6 +143,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
     def _to_device(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
         """A small host array on the logits' device; pinned + non-blocking on GPUs (no host sync)."""
         host = torch.from_numpy(np.ascontiguousarray(array))
+        if device.type == "cpu":
+            return host
         if not self._pin:
             return host.to(device)
         return host.pin_memory().to(device, non_blocking=True)  # the pinned copy lives until copied
@@ -170,6 +173,9 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         device = logits.device
         context_t = self._to_device(context, device)
         blocks_t = self._to_device(self._blocks[:batch], device)
+        if len(self._watermarkers) == 1:  # one key version (the usual case): every active row uses it
+            self._watermarkers[0].apply(logits, context_t, blocks_t, self._to_device(active, device), inplace=True)
+            return logits
         for key_index in np.unique(keys[active]):
             rows_of_key = active & (keys == key_index)
             self._watermarkers[int(key_index)].apply(

@@ -240,16 +240,22 @@ SCHEMES_UNDER_TEST = [
 
 
 @pytest.mark.slow  # a statistical simulation: seconds on two cores
-@pytest.mark.parametrize("settings", SCHEMES_UNDER_TEST, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
-def test_fused_kernel_is_bit_identical_to_the_eager_op(settings: dict[str, Any]) -> None:
-    """TorchWatermarker(compile=True) (one torch.compile'd pass; on the CPU in 32-bit lanes) gives
-    exactly the eager int64 op's logits, for several batch sizes (one dynamic-shape kernel), padded
-    widths, float32 and bfloat16, every scheme and shard width."""
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-op", "compiled"])
+@pytest.mark.parametrize(
+    "settings",
+    [*SCHEMES_UNDER_TEST, {"bits": 16, "num_keys": 8}],
+    ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()),
+)
+def test_fused_kernel_is_bit_identical_to_the_eager_op(settings: dict[str, Any], native: bool) -> None:
+    """TorchWatermarker(compile=True) gives exactly the eager int64 op's logits, for several batch
+    sizes, padded widths, float32 and bfloat16, every scheme and shard width, and a row whose context
+    holds a negative id: float32 on the C++ op (xmark_core.cpu_op), bfloat16 (and float32 with
+    ``native_on_cpu=False``) on the torch.compile'd kernel, both in 32-bit lanes."""
     from xmark_core import TorchWatermarker, WatermarkKey, WatermarkParams
 
     params = WatermarkParams(**settings)
     key = WatermarkKey.from_secret("fused-kernel-secret-0001", params)
-    eager, fused = TorchWatermarker(key), TorchWatermarker(key, compile=True)
+    eager, fused = TorchWatermarker(key), TorchWatermarker(key, compile=True, native_on_cpu=native)
     codes = fused.codes32(torch.device("cpu"), 49160)
     assert codes.dtype == torch.int32 and bool((codes < 0).any()), "no code with the top bit set: a weak test"
     gen = torch.Generator().manual_seed(5)
@@ -258,6 +264,8 @@ def test_fused_kernel_is_bit_identical_to_the_eager_op(settings: dict[str, Any])
         context = torch.randint(0, width, (batch, 2), generator=gen)
         blocks = torch.randint(0, params.num_shards, (batch, params.num_blocks), generator=gen)
         active = torch.rand(batch, generator=gen) > 0.3
+        active[0] = True
+        context[0, 0] = -7  # the block index of a negative sum follows Python's modulo
         for dtype in (torch.float32, torch.bfloat16):
             x = logits.to(dtype)
             expected = eager.apply(x, context, blocks, active)
@@ -266,6 +274,7 @@ def test_fused_kernel_is_bit_identical_to_the_eager_op(settings: dict[str, Any])
             fused.apply(inplace, context, blocks, active, inplace=True)
             assert torch.equal(inplace, expected)
     assert fused.fused(torch.device("cpu")), "the fused kernel fell back to the eager op"
+    assert fused.uses_cpp_op() is native, "the C++ op did not build here (a C++ compiler and ninja)"
 
 
 @pytest.mark.slow  # compiles the kernel: seconds on two cores

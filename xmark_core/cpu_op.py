@@ -1,0 +1,179 @@
+"""The CPU watermark step as a C++ op, called like an eager torch op.
+
+A vLLM CPU worker samples right after the model's forward pass, which leaves the caches cold. The
+fused ``torch.compile`` kernel is fast over the logits, but calling a compiled function (its guards
+and generated Python wrapper) costs about ten times more cold than warm; at small batches that call
+is most of the step (``make bench-core``: ``compiled_call_ms_cold``). This op does the same work in
+one C++ call: the context multipliers and block value of each row, then one pass over the logits in
+32-bit lanes, bit-identical to :func:`xmark_core.encoder.apply_watermark` (tested).
+
+It is built once per machine at first use (``torch.utils.cpp_extension``: a C++ compiler and
+ninja, cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's vector width, and :func:`load` returns
+None where it cannot be built, so callers keep the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("xmark_core")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+
+namespace {
+
+constexpr uint64_t kMask32 = 0xFFFFFFFFull;
+constexpr uint64_t kMask31 = 0x7FFFFFFFull;
+constexpr uint64_t kMul = 0x045D9F3Bull;
+
+// xmark_core.hashing.mix32 on a value in [0, 2**32)
+inline uint64_t mix32(uint64_t x) {
+  x ^= x >> 16;
+  x = (x * kMul) & kMask32;
+  x ^= x >> 16;
+  x = (x * kMul) & kMask32;
+  x ^= x >> 16;
+  return x;
+}
+
+template <int K>
+void rows(float* logits, int64_t row_stride, int64_t begin, int64_t end, int64_t vocab,
+          const int64_t* context, const int64_t* blocks, int64_t num_blocks, const bool* active,
+          const int64_t* words, const int32_t* codes, int64_t code_stride, float delta, int shift,
+          uint32_t low, bool match) {
+  for (int64_t b = begin; b < end; ++b) {
+    if (!active[b]) continue;
+    const int64_t prev2 = context[2 * b], prev1 = context[2 * b + 1];
+    int64_t index = (prev2 + prev1) % num_blocks;  // Python's modulo: never negative
+    if (index < 0) index += num_blocks;
+    const uint32_t value = static_cast<uint32_t>(blocks[b * num_blocks + index]);
+    const uint64_t p2 = static_cast<uint64_t>(prev2) & kMask32, p1 = static_cast<uint64_t>(prev1) & kMask32;
+    uint32_t multiplier[K];  // xmark_core.hashing.context_multipliers, < 2**31
+    for (int j = 0; j < K; ++j) {
+      const uint64_t* w = reinterpret_cast<const uint64_t*>(words + 5 * j);
+      uint64_t h = mix32(w[0] ^ p2);
+      h = mix32(h ^ w[1] ^ p1) ^ w[2];
+      multiplier[j] = static_cast<uint32_t>((h & kMask31) | 1);
+    }
+    float* x = logits + b * row_stride;
+    if (match) {  // mpac: the token's shard is the block value
+      #pragma omp simd
+      for (int64_t v = 0; v < vocab; ++v) {
+        bool boost = true;
+        for (int j = 0; j < K; ++j)
+          boost &= (((multiplier[j] * static_cast<uint32_t>(codes[j * code_stride + v])) >> shift) & low) == value;
+        x[v] = boost ? x[v] + delta : x[v];
+      }
+    } else {  // xmark, loso: the token's shard differs from the block value under every key
+      #pragma omp simd
+      for (int64_t v = 0; v < vocab; ++v) {
+        bool boost = true;
+        for (int j = 0; j < K; ++j)
+          boost &= (((multiplier[j] * static_cast<uint32_t>(codes[j * code_stride + v])) >> shift) & low) != value;
+        x[v] = boost ? x[v] + delta : x[v];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void apply_(torch::Tensor logits, torch::Tensor context, torch::Tensor blocks, torch::Tensor active,
+            torch::Tensor words, torch::Tensor codes32, double delta, int64_t block_bits, bool match) {
+  const int64_t batch = logits.size(0), vocab = logits.size(1), k = codes32.size(0);
+  float* x = logits.data_ptr<float>();
+  const int64_t row_stride = logits.stride(0), code_stride = codes32.stride(0), num_blocks = blocks.size(1);
+  const int64_t* ctx = context.data_ptr<int64_t>();
+  const int64_t* blk = blocks.data_ptr<int64_t>();
+  const bool* act = active.data_ptr<bool>();
+  const int64_t* w = words.data_ptr<int64_t>();
+  const int32_t* c = codes32.data_ptr<int32_t>();
+  const float d = static_cast<float>(delta);
+  const int shift = static_cast<int>(32 - block_bits);
+  const uint32_t low = (1u << block_bits) - 1u;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    switch (k) {
+#define XMARK_CASE(K) \
+      case K: \
+        rows<K>(x, row_stride, begin, end, vocab, ctx, blk, num_blocks, act, w, c, code_stride, d, shift, low, \
+                match); \
+        break;
+      XMARK_CASE(1) XMARK_CASE(2) XMARK_CASE(3) XMARK_CASE(4) XMARK_CASE(5) XMARK_CASE(6) XMARK_CASE(7) XMARK_CASE(8)
+#undef XMARK_CASE
+      default: TORCH_CHECK(false, "num_keys must be 1..8");
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("apply_", &apply_); }
+"""
+
+# the vector instructions the op is built for, by torch's own reading of the CPU (a build for one
+# host's -march=native could fault on another that shares the cache directory)
+_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def load() -> Any | None:
+    """The built op (a module with ``apply_``), or None where it cannot be built here; built once
+    per process (and per machine: later processes load the cached build)."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module = None
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            if shutil.which("ninja") is None:  # the ninja package's binary, not on PATH in a bare venv
+                import ninja
+
+                os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+            capability = torch.backends.cpu.get_cpu_capability()
+            flags = ["-O3", *_FLAGS.get(capability, [])]
+            digest = hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:12]
+            module = load_inline(  # type: ignore[no-untyped-call]
+                name=f"xmark_cpu_op_{capability.lower()}_{digest}",
+                cpp_sources=_SOURCE,
+                extra_cflags=flags,
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler or ninja here: the compiled kernel serves instead
+            logger.warning("the XMark C++ op could not be built (%s); the compiled kernel serves", type(exc).__name__)
+            module = None
+        _state["module"] = module
+        return module
+
+
+def apply_(
+    module: Any,
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    active: torch.Tensor,
+    words: torch.Tensor,
+    codes32: torch.Tensor,
+    *,
+    delta: float,
+    block_bits: int,
+    match: bool,
+) -> None:
+    """Add ``delta`` in place to each active row's boosted tokens. ``logits``: float32 [B, V] with
+    unit stride along V; the other operands contiguous, as :class:`~xmark_core.encoder.TorchWatermarker`
+    holds them (``codes32``: int32 [k, >= V])."""
+    module.apply_(logits, context, blocks, active, words, codes32, delta, block_bits, match)
