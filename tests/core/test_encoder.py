@@ -323,3 +323,18 @@ def test_fused_kernel_on_cuda_is_bit_identical_to_the_eager_op_on_cpu() -> None:
             fused.apply(inplace, *args, inplace=True)
             assert torch.equal(inplace.cpu(), expected)
     assert fused._compiled is not None, "the fused kernel fell back to the eager op"
+
+
+def test_without_the_cpp_op_the_compiled_kernel_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C++ op cannot be built (no compiler or ninja), float32 CPU logits go to the
+    torch.compile'd kernel, with the same logits."""
+    from xmark_core import cpu_op
+
+    monkeypatch.setattr(cpu_op, "load", lambda: None)
+    key = _key()
+    marker = TorchWatermarker(key, compile=True)
+    logits, context, blocks, active = _inputs(key.params, 4, 1000, seed=3)
+    expected = TorchWatermarker(key).apply(logits, context, blocks, active)
+    assert torch.equal(marker.apply(logits, context, blocks, active), expected)
+    assert not marker.uses_cpp_op()
+    assert marker.fused(torch.device("cpu")), "the compiled kernel should serve"
