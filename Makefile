@@ -63,7 +63,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 test: venv model check-postgres browser
-	$(BIN)/pytest tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests
 
 # The console's browser tests (tests/browser) drive the system Chromium; Playwright never downloads one.
 browser:
@@ -86,7 +86,7 @@ bench-local: venv model
 	$(BIN)/python -m benchmarks.local_overhead --json
 
 bench-core: venv
-	$(BIN)/python -m xmark_core.bench --json
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m xmark_core.bench --json
 
 # Paper protocol (50 users, full grids) on the vLLM CPU engine (all cores); writes docs/results.
 # Measured here: see "Run time" in benchmarks/evaluation/README.md.
@@ -125,10 +125,10 @@ venv-vllm: $(VLLM_STAMP)
 
 # The vLLM adapters and the gateway's vllm backend, then the real end-to-end run (a CPU vllm serve).
 test-vllm: venv-vllm model check-postgres
-	$(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm
+	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm
 
 bench-vllm: venv-vllm model
-	$(VLLM_BIN)/python -m benchmarks.vllm_overhead --json
+	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/python -m benchmarks.vllm_overhead --json
 
 validate-deploy:
 	bash deploy/validate.sh

@@ -8,7 +8,8 @@ one C++ call: the context multipliers and block value of each row, then one pass
 32-bit lanes, bit-identical to :func:`xmark_core.encoder.apply_watermark` (tested).
 
 It is built once per machine at first use (``torch.utils.cpp_extension``: a C++ compiler and
-ninja, cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's vector width, and :func:`load` returns
+``ninja`` on PATH, which the ``ninja`` package installs next to the interpreter; cached under
+``TORCH_EXTENSIONS_DIR``) for the CPU's vector width, and :func:`load` returns
 None where it cannot be built, so callers keep the compiled kernel.
 """
 
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
 import threading
 from typing import Any
 
@@ -138,11 +137,6 @@ def load() -> Any | None:
         module = None
         try:
             from torch.utils.cpp_extension import load_inline
-
-            if shutil.which("ninja") is None:  # the ninja package's binary, not on PATH in a bare venv
-                import ninja
-
-                os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
             capability = torch.backends.cpu.get_cpu_capability()
             flags = ["-O3", *_FLAGS.get(capability, [])]
