@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .params import WatermarkParams
+
 logger = logging.getLogger("xmark_core")
 
 _SOURCE = r"""
@@ -163,11 +165,12 @@ def apply_(
     words: torch.Tensor,
     codes32: torch.Tensor,
     *,
-    delta: float,
-    block_bits: int,
-    match: bool,
+    params: WatermarkParams,
 ) -> None:
-    """Add ``delta`` in place to each active row's boosted tokens. ``logits``: float32 [B, V] with
-    unit stride along V; the other operands contiguous, as :class:`~xmark_core.encoder.TorchWatermarker`
-    holds them (``codes32``: int32 [k, >= V])."""
-    module.apply_(logits, context, blocks, active, words, codes32, delta, block_bits, match)
+    """``encoder._fused_apply32_`` as the C++ op ``module``: add ``params.delta`` in place to each
+    active row's boosted tokens. ``logits``: float32 [B, V] with unit stride along V; the other
+    operands contiguous, as :class:`~xmark_core.encoder.TorchWatermarker` holds them (``codes32``:
+    int32 [k, >= V])."""
+    module.apply_(
+        logits, context, blocks, active, words, codes32, params.delta, params.block_bits, params.scheme == "mpac"
+    )

@@ -266,9 +266,7 @@ class TorchWatermarker:
             active.contiguous(),
             self.words(device),
             codes,
-            delta=self.params.delta,
-            block_bits=self.params.block_bits,
-            match=self.params.scheme == "mpac",
+            params=self.params,
         )
         return out
 
