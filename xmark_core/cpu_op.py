@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,7 +92,22 @@ void rows(float* logits, int64_t row_stride, int64_t begin, int64_t end, int64_t
 
 void apply_(torch::Tensor logits, torch::Tensor context, torch::Tensor blocks, torch::Tensor active,
             torch::Tensor words, torch::Tensor codes32, double delta, int64_t block_bits, bool match) {
+  // the op reads raw pointers: every operand's type and layout is checked here, so a caller may
+  // hand it persistent buffers with more rows than the logits (it reads the first B)
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be float32 [B, V] with unit stride along V");
   const int64_t batch = logits.size(0), vocab = logits.size(1), k = codes32.size(0);
+  TORCH_CHECK(context.dim() == 2 && context.scalar_type() == at::kLong && context.is_contiguous() &&
+              context.size(0) >= batch && context.size(1) == 2, "context must be contiguous int64 [>= B, 2]");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.is_contiguous() &&
+              blocks.size(0) >= batch && blocks.size(1) >= 1, "blocks must be contiguous int64 [>= B, r]");
+  TORCH_CHECK(active.dim() == 1 && active.scalar_type() == at::kBool && active.is_contiguous() &&
+              active.size(0) >= batch, "active must be contiguous bool [>= B]");
+  TORCH_CHECK(codes32.dim() == 2 && codes32.scalar_type() == at::kInt && codes32.stride(1) == 1 &&
+              codes32.size(1) >= vocab, "codes32 must be int32 [k, >= V] with unit stride along V");
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kLong && words.is_contiguous() &&
+              words.size(0) >= k && words.size(1) == 5, "words must be contiguous int64 [k, 5]");
+  TORCH_CHECK(block_bits >= 1 && block_bits <= 4, "block_bits must be 1..4");
   float* x = logits.data_ptr<float>();
   const int64_t row_stride = logits.stride(0), code_stride = codes32.stride(0), num_blocks = blocks.size(1);
   const int64_t* ctx = context.data_ptr<int64_t>();
@@ -174,3 +190,17 @@ def apply_(
     module.apply_(
         logits, context, blocks, active, words, codes32, params.delta, params.block_bits, params.scheme == "mpac"
     )
+
+
+def bind(
+    module: Any, words: torch.Tensor, codes32: torch.Tensor, *, params: WatermarkParams
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """:func:`apply_` with one key's operands bound: ``step(logits, context, blocks, active)``, one
+    call into the op per decoding step with nothing else around it."""
+    apply = module.apply_
+    delta, block_bits, match = params.delta, params.block_bits, params.scheme == "mpac"
+
+    def step(logits: torch.Tensor, context: torch.Tensor, blocks: torch.Tensor, active: torch.Tensor) -> None:
+        apply(logits, context, blocks, active, words, codes32, delta, block_bits, match)
+
+    return step

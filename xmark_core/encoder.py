@@ -190,17 +190,25 @@ class TorchWatermarker:
     (``xmark_core.cpu_op``, the same single pass, built on first use): it is called like an eager op,
     without the compiled function's per-call cost, which dominates small batches when the model's
     forward pass has left the caches cold (``native_on_cpu=False`` keeps the compiled kernel).
+    ``native_on_cpu=True`` uses the C++ op without ``compile`` too (the eager op serves where it
+    cannot be built): what the local backend runs, as it needs no compilation at start-up.
     """
 
     def __init__(
-        self, key: WatermarkKey, *, compile: bool = False, narrow_on_cpu: bool = True, native_on_cpu: bool = True
+        self,
+        key: WatermarkKey,
+        *,
+        compile: bool = False,
+        narrow_on_cpu: bool = True,
+        native_on_cpu: bool | None = None,
     ) -> None:
         self.key = key
         # the CPU kernel in 32-bit lanes (False: the int64 kernel, for comparison in benchmarks)
         self._narrow_on_cpu = narrow_on_cpu
         # float32 CPU logits: the C++ op (xmark_core.cpu_op) where it builds, called without the
-        # compiled function's per-call cost (False: the compiled kernel, for comparison)
-        self._native_on_cpu = compile and narrow_on_cpu and native_on_cpu
+        # compiled function's per-call cost. None: with compile (False: the compiled kernel, for
+        # comparison; True: also without compile, the eager op where it cannot be built)
+        self._native_on_cpu = narrow_on_cpu and (compile if native_on_cpu is None else native_on_cpu)
         self._native: Any = None  # the built op, once loaded
         self.params = key.params
         self._words: dict[torch.device, torch.Tensor] = {}
@@ -285,6 +293,24 @@ class TorchWatermarker:
             codes = token_codes(self.words(device), tokens).T.contiguous()  # [k, width]
             self._codes[device] = codes
         return codes
+
+    def cpu_step(self, width: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+        """The C++ op bound to this key's operands, for float32 CPU logits at most ``width`` wide, or
+        None where this marker does not use it.
+
+        ``step(logits, context, blocks, active)`` is :meth:`apply` with ``inplace=True`` and none of
+        its Python-side work, for a caller that calls it every decoding step with its own buffers
+        (the vLLM CPU worker): ``context`` int64 [>= B, 2], ``blocks`` int64 [>= B, r] and ``active``
+        bool [>= B], contiguous; buffers with more rows than the logits are fine (the op reads the
+        first B). The op checks every operand's type and layout itself.
+        """
+        native = self._native_op()
+        if native is None:
+            return None
+        from . import cpu_op
+
+        device = torch.device("cpu")
+        return cpu_op.bind(native, self.words(device), self.codes32(device, width), params=self.params)
 
     def fused(self, device: torch.device) -> bool:
         """Whether :meth:`apply` on ``device`` runs the fused kernel (not the eager fallback)."""

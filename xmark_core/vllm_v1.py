@@ -22,6 +22,7 @@ What vLLM 0.32 does that matters here:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +42,9 @@ from .vllm_common import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+# the C++ op bound to one key version: step(logits, context, blocks, active), in place
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 # misc: where mypy runs (.venv) vLLM is not installed and this base class is Any; unused-ignore: where it is
@@ -64,6 +68,13 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._active = np.zeros(rows, dtype=bool)  # [rows] watermarked?
         self._prompt: list[list[int] | None] = [None] * rows
         self._output: list[list[int] | None] = [None] * rows
+        self._context = np.zeros((rows, 2), dtype=np.int64)  # [rows, 2] (x[t-2], x[t-1]) of the step
+        self._usable = np.zeros(rows, dtype=bool)  # [rows] active and no placeholder in the context
+        self._bind_views()
+        # CPU workers: the C++ op bound to each key version's operands (xmark_core.cpu_op), set on
+        # the first step for that logits width (None where it does not build: the generic path)
+        self._steps: list[Step | None] = []
+        self._step_width = -1
         self._profile = ProcessorProfile.from_environment()
         logger.info("XMark watermark (V1 runner) ready with key versions %s", keyring.describe())
 
@@ -82,6 +93,16 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._active = np.concatenate([self._active, np.zeros(grow - rows, bool)])
         self._prompt.extend([None] * (grow - rows))
         self._output.extend([None] * (grow - rows))
+        self._context = np.concatenate([self._context, np.zeros((grow - rows, 2), np.int64)])
+        self._usable = np.concatenate([self._usable, np.zeros(grow - rows, bool)])
+        self._bind_views()
+
+    def _bind_views(self) -> None:
+        """CPU tensors sharing memory with the host arrays (what the C++ op reads, no copy per step)."""
+        self._context_t = torch.from_numpy(self._context)
+        self._blocks_t = torch.from_numpy(self._blocks)
+        self._active_t = torch.from_numpy(self._active)
+        self._usable_t = torch.from_numpy(self._usable)
 
     def _clear(self, index: int) -> None:
         self._active[index] = False
@@ -159,25 +180,55 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._profile.applied(self._profile.now() - start, watermarked=watermarked)
         return logits
 
+    def _cpu_steps(self, logits: torch.Tensor) -> list[Step | None] | None:
+        """The C++ op per key slot for these logits (float32 on the CPU), else None."""
+        if self._device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
+            return None
+        width = logits.shape[1]
+        if width > self._step_width:  # once per worker (the vocabulary does not change)
+            self._steps = [marker.cpu_step(width) for marker in self._watermarkers]
+            self._step_width = width
+        return self._steps if all(step is not None for step in self._steps) else None
+
     def _apply(self, logits: torch.Tensor) -> torch.Tensor:
         batch = logits.shape[0]
-        self._ensure_rows(batch - 1)
-        rows = np.flatnonzero(self._active[:batch])
+        if batch > self._active.shape[0]:
+            self._ensure_rows(batch - 1)
+        active = self._active[:batch]
+        rows = np.flatnonzero(active)
         if rows.size == 0:
             return logits
-        context = np.zeros((batch, 2), dtype=np.int64)  # [B, 2] (x[t-2], x[t-1])
+        prompt, output = self._prompt, self._output
         # arg-type: an active row always holds its output list (set together with the flag in _set)
-        context[rows] = [last_two(self._prompt[i], self._output[i]) for i in rows]  # type: ignore[arg-type]
-        active = self._active[:batch] & (context >= 0).all(axis=1)  # placeholders: skip this step
-        keys = self._key[:batch]
+        pairs = np.array([last_two(prompt[i], output[i]) for i in rows.tolist()], dtype=np.int64)  # type: ignore[arg-type]
+        self._context[rows] = pairs  # [n, 2]; inactive rows keep stale values the op never reads
+        mask, mask_t = active, self._active_t
+        if pairs.min() < 0:  # placeholders (async scheduling): those rows sit this step out
+            usable = self._usable
+            usable[:batch] = active
+            usable[rows[(pairs < 0).any(axis=1)]] = False
+            mask, mask_t = usable[:batch], self._usable_t
+        steps = self._cpu_steps(logits)
+        if steps is not None:  # the CPU worker: one call per key version, on buffers of >= B rows
+            keys = self._key[rows]
+            if len(steps) == 1 or (keys == keys[0]).all():  # one key version in this batch (usual)
+                steps[int(keys[0])](logits, self._context_t, self._blocks_t, mask_t)  # type: ignore[misc]
+                return logits
+            marked = mask.copy()
+            usable = self._usable
+            for key_index in np.unique(keys):
+                np.logical_and(marked, self._key[:batch] == key_index, out=usable[:batch])
+                steps[int(key_index)](logits, self._context_t, self._blocks_t, self._usable_t)  # type: ignore[misc]
+            return logits
         device = logits.device
-        context_t = self._to_device(context, device)
+        context_t = self._to_device(self._context[:batch], device)
         blocks_t = self._to_device(self._blocks[:batch], device)
         if len(self._watermarkers) == 1:  # one key version (the usual case): every active row uses it
-            self._watermarkers[0].apply(logits, context_t, blocks_t, self._to_device(active, device), inplace=True)
+            self._watermarkers[0].apply(logits, context_t, blocks_t, self._to_device(mask, device), inplace=True)
             return logits
-        for key_index in np.unique(keys[active]):
-            rows_of_key = active & (keys == key_index)
+        keys = self._key[:batch]
+        for key_index in np.unique(keys[mask]):
+            rows_of_key = mask & (keys == key_index)
             self._watermarkers[int(key_index)].apply(
                 logits, context_t, blocks_t, self._to_device(rows_of_key, device), inplace=True
             )

@@ -338,3 +338,72 @@ def test_without_the_cpp_op_the_compiled_kernel_serves(monkeypatch: pytest.Monke
     assert torch.equal(marker.apply(logits, context, blocks, active), expected)
     assert not marker.uses_cpp_op()
     assert marker.fused(torch.device("cpu")), "the compiled kernel should serve"
+
+
+def test_cpp_op_without_compile_serves_float32_and_the_eager_op_the_rest() -> None:
+    """``native_on_cpu=True`` (what the local backend builds) runs float32 CPU logits on the C++ op
+    without torch.compile, bfloat16 on the eager op, both with the eager op's logits."""
+    key = _key(bits=32, num_keys=4)
+    marker, eager = TorchWatermarker(key, native_on_cpu=True), TorchWatermarker(key)
+    assert marker.uses_cpp_op(), "the C++ op did not build here (a C++ compiler and ninja)"
+    assert marker._compiled is None and marker._compiled32 is None  # nothing compiled at start-up
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, context, blocks, active = _inputs(key.params, 6, 49152, seed=41, dtype=dtype)
+        expected = eager.apply(logits, context, blocks, active)
+        assert torch.equal(marker.apply(logits, context, blocks, active), expected)
+
+
+def test_cpp_op_without_compile_falls_back_to_the_eager_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xmark_core import cpu_op
+
+    monkeypatch.setattr(cpu_op, "load", lambda: None)
+    key = _key()
+    marker = TorchWatermarker(key, native_on_cpu=True)
+    logits, context, blocks, active = _inputs(key.params, 4, 1000, seed=43)
+    expected = TorchWatermarker(key).apply(logits, context, blocks, active)
+    assert torch.equal(marker.apply(logits, context, blocks, active), expected)
+    assert not marker.uses_cpp_op() and not marker.fused(torch.device("cpu"))
+    assert marker.cpu_step(1000) is None
+
+
+def test_cpu_step_reads_the_first_rows_of_larger_buffers() -> None:
+    """The bound step (the vLLM CPU worker's per-step call) on persistent buffers with more rows than
+    the logits gives the eager op's logits for the first B rows, for the scheme of each kind."""
+    for settings in ({"bits": 32, "num_keys": 4}, {"bits": 16, "scheme": "mpac", "num_keys": 1}):
+        key = _key(**settings)
+        marker = TorchWatermarker(key, compile=True)
+        step = marker.cpu_step(49152)
+        assert step is not None, "the C++ op did not build here (a C++ compiler and ninja)"
+        logits, context, blocks, active = _inputs(key.params, 5, 49152, seed=47)
+        expected = TorchWatermarker(key).apply(logits, context, blocks, active)
+        extra = 3  # rows of the buffers past the batch, with values that would change the result
+        big_context = torch.cat([context, torch.full((extra, 2), 11)])
+        big_blocks = torch.cat([blocks, torch.zeros((extra, key.params.num_blocks), dtype=torch.int64)])
+        big_active = torch.cat([active, torch.ones(extra, dtype=torch.bool)])
+        out = logits.clone()
+        step(out, big_context, big_blocks, big_active)
+        assert torch.equal(out, expected)
+
+
+def test_cpp_op_checks_its_operands() -> None:
+    """The op reads raw pointers: a wrong type, a buffer shorter than the batch or codes narrower
+    than the logits is refused with an error, never read past its end."""
+    key = _key()
+    step = TorchWatermarker(key, compile=True).cpu_step(1000)
+    assert step is not None, "the C++ op did not build here (a C++ compiler and ninja)"
+    logits, context, blocks, active = _inputs(key.params, 4, 1000, seed=53)
+    bad = {
+        "logits": (logits.to(torch.float64), context, blocks, active),
+        "logits stride": (logits.t().contiguous().t(), context, blocks, active),
+        "context": (logits, context.to(torch.int32), blocks, active),
+        "context rows": (logits, context[:3], blocks, active),
+        "blocks rows": (logits, context, blocks[:2], active),
+        "active": (logits, context, blocks, active.to(torch.uint8)),
+        "active rows": (logits, context, blocks, active[:1]),
+        "codes width": (torch.randn(4, 1001), context, blocks, active),
+    }
+    for name, args in bad.items():
+        before = args[0].clone()
+        with pytest.raises(RuntimeError, match="must be"):
+            step(*args)
+        assert torch.equal(args[0], before), name

@@ -282,6 +282,39 @@ def test_v1_reads_live_output_lists_and_skips_async_placeholders(keyring: Worker
     assert torch.equal(processor.apply(base.clone()), expected)
 
 
+def test_v1_placeholder_row_sits_out_while_the_others_are_marked(keyring: WorkerKeyring) -> None:
+    """A batch where one row's context holds a placeholder: only that row is left alone this step,
+    on the CPU worker's C++ step and on the generic path (bfloat16 logits) alike."""
+    histories = [(list(p), list(o)) for p, o in HISTORIES]
+    histories[1][1][-1] = -1  # row 1's last token is not known yet
+    processor = v1_processor()
+    added = [(r, params_for(MESSAGES[r]), p, o) for r, (p, o) in enumerate(histories)]
+    processor.update_state(BatchUpdate(batch_size=len(histories), removed=[], added=added, moved=[]))
+    for dtype in (torch.float32, torch.bfloat16):
+        base = logits_for(len(histories), seed=13).to(dtype)
+        own = [None if r == 1 else m for r, m in enumerate(MESSAGES)]
+        expected = hf_step(keyring.keys[0], own, [p + o for p, o in histories], base.clone())
+        assert torch.equal(processor.apply(base.clone()), expected)
+    assert processor._steps and all(processor._steps), "float32 CPU logits should reach the C++ op"
+    histories[1][1][-1] = 14  # filled in place: the row is marked again
+    base = logits_for(len(histories), seed=17)
+    expected = hf_step(keyring.keys[0], MESSAGES, [p + o for p, o in histories], base.clone())
+    assert torch.equal(processor.apply(base.clone()), expected)
+
+
+def test_v1_batch_larger_than_max_num_seqs_grows_the_rows(keyring: WorkerKeyring) -> None:
+    """Rows past the configured capacity grow the host arrays and the op's views of them."""
+    config = VllmConfig()
+    config.scheduler_config.max_num_seqs = 2
+    processor = v1_processor(config)
+    batch = len(HISTORIES)
+    added = [(r, params_for(MESSAGES[r]), list(p), list(o)) for r, (p, o) in enumerate(HISTORIES)]
+    processor.update_state(BatchUpdate(batch_size=batch, removed=[], added=added, moved=[]))
+    base = logits_for(batch, seed=19)
+    expected = hf_step(keyring.keys[0], MESSAGES, [p + o for p, o in HISTORIES], base.clone())
+    assert torch.equal(processor.apply(base.clone()), expected)
+
+
 def test_v1_resumed_request_after_preemption(keyring: WorkerKeyring) -> None:
     processor = v1_processor()
     prompt, output = [1, 9, 3021, 44], [5012, 14]
