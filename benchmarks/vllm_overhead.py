@@ -145,10 +145,17 @@ async def measure(args: argparse.Namespace, base: str, concurrency: int, profile
     async with httpx.AsyncClient(base_url=base, timeout=900.0) as client:
         for warm in (False, True, False, True):  # the first requests pay for lazy initialisation
             await run_round(client, watermark=warm, max_tokens=16, **common)
-        for pair in range(args.rounds):
+        # at least --rounds pairs, then more until the pairs have taken --seconds: short rounds
+        # (concurrency 1) get many pairs, long ones (64) their minimum; the stopping rule looks at
+        # the clock only, never at the ratio
+        spent = 0.0
+        pair = 0
+        while pair < args.rounds or (spent < args.seconds and pair < args.max_rounds):
             order = (False, True) if pair % 2 == 0 else (True, False)
             for watermark in order:
                 rounds.append(await run_round(client, watermark=watermark, max_tokens=args.max_tokens, **common))
+                spent += rounds[-1].seconds
+            pair += 1
     return rounds
 
 
@@ -201,6 +208,7 @@ def summarise(
         "processor_us_per_step_off": round(1e6 * sum(r.processor_s for r in off) / max(off_steps, 1), 1),
         "step_ms_on": round(1e3 * on_wall / max(on_steps, 1), 2),
         "step_ms_off": round(1e3 * off_wall / max(off_steps, 1), 2),
+        "pairs": len(on),
         "server_startup_s": round(startup_s, 1),
         # torch.compile recompilations logged while serving (0: the start-up kernel ran every step)
         "kernel_recompiles_while_serving": len(recompiles),
@@ -251,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", type=Path, default=Path(os.environ.get("XMARK_MODEL_PATH", DEFAULT_MODEL_PATH)))
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrencies, one server each")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10, help="pairs of rounds (one off, one on) per concurrency")
+    parser.add_argument("--rounds", type=int, default=10, help="at least this many pairs of rounds (one off, one on)")
+    parser.add_argument(
+        "--seconds", type=float, default=150.0, help="then more pairs until the rounds have taken this long"
+    )
+    parser.add_argument("--max-rounds", type=int, default=60, help="at most this many pairs per concurrency")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -260,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 for an interval")
+    if args.max_rounds < args.rounds:
+        parser.error("--max-rounds must be at least --rounds")
 
     results = []
     for concurrency in concurrencies:
@@ -279,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": MODEL_NAME,
         "message_bits": len(MESSAGE_BITS),
         "max_tokens": args.max_tokens,
-        "pairs_per_concurrency": args.rounds,
+        "min_pairs": args.rounds,
+        "pair_seconds": args.seconds,
         "target": f"ratio >= {TARGET_RATIO} and 95 % lower bound >= {TARGET_LOWER}",
         "meets_target": all(r["meets_target"] for r in results),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
