@@ -1,15 +1,17 @@
-"""The local backend's generation throughput with the watermark off, with the eager op and with the
-fused op, in one run, with bootstrap intervals on the ratios.
+"""The local backend's generation throughput with the watermark off and on three ops (eager, the
+compiled kernel, the C++ op), in one run, with bootstrap intervals on the ratios.
 
 The local backend generates with transformers' ``generate`` and ``xmark_core.hf.XMarkLogitsProcessor``.
 This benchmark loads the same checkpoint the same way (float32, CPU) and, for each batch size
 (``--batch 1,8``), runs ``--rounds`` rounds; each round generates ``--max-tokens`` tokens per row
-(EOS ignored) three times, once per mode, the order rotating from round to round:
+(EOS ignored) four times, once per mode, the order rotating from round to round:
 
 * ``off``: no watermark processor;
 * ``eager``: the processor with the eager op (several passes over the [B, V] logits);
 * ``fused``: the processor with the op compiled by ``torch.compile`` into one pass (compiled
-  before the first round).
+  before the first round);
+* ``cpp``: the processor with the C++ op (``xmark_core.cpu_op``, one pass, no compilation at
+  start-up): what the local backend runs.
 
 Reported per batch size: tokens/s per mode, each watermarked mode's ratio to ``off`` and a 95 %
 interval on it (``scipy.stats.bootstrap`` over the rounds, paired, BCa), and the op's own time
@@ -39,7 +41,8 @@ from xmark_core.encoder import TorchWatermarker
 from xmark_core.hf import XMarkLogitsProcessor
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "var" / "models" / MODEL_NAME
-MODES = ("off", "eager", "fused")
+MODES = ("off", "eager", "fused", "cpp")
+WATERMARKED = MODES[1:]
 SECRET = b"local-overhead-benchmark-secret-0123456789"
 
 
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", type=Path, default=Path(os.environ.get("XMARK_MODEL_PATH", DEFAULT_MODEL_PATH)))
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--resamples", type=int, default=10_000)
     args = parser.parse_args(argv)
     if not (args.model_path / "config.json").is_file():
@@ -117,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     params = WatermarkParams(bits=32, block_bits=2, num_keys=4, delta=2.0)
     key = WatermarkKey.from_secret(SECRET, params)
     eager = TorchWatermarker(key)
-    fused = TorchWatermarker(key, compile=True)
+    fused = TorchWatermarker(key, compile=True, native_on_cpu=False)
     fused.warm_up(torch.device("cpu"), model.config.vocab_size)  # generate runs under inference mode here
+    native = TorchWatermarker(key, native_on_cpu=True)  # as service.backends.local builds it
+    if not native.uses_cpp_op():
+        parser.error("the C++ op could not be built here (a C++ compiler and ninja on PATH)")
     rng = np.random.default_rng(0)
 
     results = []
@@ -133,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         messages = [Message.from_int(int(rng.integers(2**32)), params) for _ in range(batch)]
 
-        ops = {"off": None, "eager": eager, "fused": fused}
+        ops = {"off": None, "eager": eager, "fused": fused, "cpp": native}
         for mode in MODES:  # warm-up
             run_generate(model, tokenizer, encoded, key, messages, ops[mode], 4, 0)
         seconds: dict[str, list[float]] = {m: [] for m in MODES}
         op_s = dict.fromkeys(MODES, 0.0)
         op_calls = dict.fromkeys(MODES, 0)
         for r in range(args.rounds):
-            order = MODES[r % 3 :] + MODES[: r % 3]
+            order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
             for mode in order:
                 s, op, calls = run_generate(
                     model, tokenizer, encoded, key, messages, ops[mode], args.max_tokens, 1000 + r
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = {"batch": batch}
         for mode in MODES:
             entry[f"tokens_per_s_{mode}"] = round(tokens / sum(seconds[mode]), 2)
-        for mode in ("eager", "fused"):
+        for mode in WATERMARKED:
             on = np.array(seconds[mode])
             interval = stats.bootstrap(
                 (off, on),

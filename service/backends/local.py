@@ -51,13 +51,16 @@ from service.vocabulary import FinishReason
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from xmark_core import ModelScores
+    from xmark_core import ModelScores, WatermarkKey
+    from xmark_core.encoder import TorchWatermarker
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_ROWS = 8
 # scoring jobs that share one forward pass: at most this many tokens in all (padding included)
 MAX_SCORE_BATCH_TOKENS = 8192
+# key versions whose op (and token codes) the worker keeps; more are rebuilt when next used
+MAX_KEY_VERSIONS = 8
 
 
 @dataclass(eq=False)
@@ -144,6 +147,9 @@ class LocalBackend:
         self._loaded = threading.Event()
         self._closing = threading.Event()
         self.load_error: str | None = None
+        # the watermark op per key version (by fingerprint), kept across batches (worker thread)
+        self._markers: dict[str, TorchWatermarker] = {}
+        self.watermark_op = ""  # "cpp" (xmark_core.cpu_op) or "eager", once loaded
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -195,6 +201,11 @@ class LocalBackend:
             eos_ids.add(tokenizer.eos_token_id)
         self._eos_ids = eos_ids
         self._context_length = int(getattr(model.config, "max_position_embeddings", 2048))
+        # the C++ watermark op: built once per machine (`make venv` builds it), loaded here so that
+        # no request waits for it; where it cannot be built the eager op serves
+        from xmark_core import cpu_op
+
+        self.watermark_op = "cpp" if cpu_op.load() is not None else "eager"
         self._warm_up(model, tokenizer)
         scorer = scoring_model(model, resolve_scorer_dtype(self._scorer_dtype))
         score_texts(scorer, int(tokenizer.pad_token_id), [[int(tokenizer.pad_token_id)] * 8], 1)  # warm up
@@ -223,7 +234,10 @@ class LocalBackend:
             self._load()
             scorer = self._scorer
             dtype = "" if scorer is None else str(next(scorer.parameters()).dtype).removeprefix("torch.")
-            logger.info("local model loaded", extra={"model": self.model_id, "scorer_dtype": dtype})
+            logger.info(
+                "local model loaded",
+                extra={"model": self.model_id, "scorer_dtype": dtype, "watermark_op": self.watermark_op},
+            )
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("local model failed to load", extra={"model": self.model_id, "error": self.load_error})
@@ -406,6 +420,18 @@ class LocalBackend:
         scores = score_texts(model, int(tokenizer.pad_token_id), [job.token_ids for job in jobs], top_k)
         return [s if job.top_k == top_k else s.top(job.top_k) for job, s in zip(jobs, scores, strict=True)]
 
+    def _watermarker(self, key: WatermarkKey) -> TorchWatermarker:
+        """The op for one key version, kept across batches so its token codes are computed once:
+        the C++ op on the float32 logits (``xmark_core.cpu_op``), the eager op where it cannot be built."""
+        from xmark_core.encoder import TorchWatermarker
+
+        marker = self._markers.get(key.fingerprint)
+        if marker is None:
+            if len(self._markers) >= MAX_KEY_VERSIONS:  # retired versions: drop the oldest
+                del self._markers[next(iter(self._markers))]
+            marker = self._markers[key.fingerprint] = TorchWatermarker(key, native_on_cpu=True)
+        return marker
+
     def _generate_batch(self, jobs: list[Job]) -> None:
         import torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -435,7 +461,8 @@ class LocalBackend:
             pad_token_id=pad_id,
             eos_token_id=sorted(self._eos_ids),
         )
-        processor = XMarkLogitsProcessor(jobs[0].stamp.key, messages)
+        key = jobs[0].stamp.key
+        processor = XMarkLogitsProcessor(key, messages, watermarker=self._watermarker(key))
         seed = first.seed if len(jobs) == 1 else None
         with torch.inference_mode():
             if seed is not None:

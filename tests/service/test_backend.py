@@ -101,6 +101,19 @@ async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(ap
 
 
 @pytest.mark.model
+async def test_batches_are_watermarked_by_the_cpp_op_kept_per_key_version(app: Any, backend: LocalBackend) -> None:
+    """The C++ op is loaded at start-up and serves the batches, one per key version, built once."""
+    assert backend.watermark_op == "cpp", "the C++ op did not build here (a C++ compiler and ninja)"
+    prompt = (ChatTurn("user", "Say hello."),)
+    first = _stamp(app, "0110100111000101")
+    await backend.generate(GenerationRequest(prompt, max_tokens=3, temperature=0.8), first)
+    marker = backend._markers[first.key.fingerprint]
+    assert marker.uses_cpp_op()
+    await backend.generate(GenerationRequest(prompt, max_tokens=3, temperature=0.8), _stamp(app, "1" * 16))
+    assert backend._markers[first.key.fingerprint] is marker  # the same key version: the same op
+
+
+@pytest.mark.model
 async def test_cancelled_stream_stops_early(app: Any, backend: LocalBackend) -> None:
     request = GenerationRequest((ChatTurn("user", "Write a very long poem."),), max_tokens=300, temperature=0.8)
     stream = await backend.stream(request, _stamp(app, "0101010101010101"))
