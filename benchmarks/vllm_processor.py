@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
             generic = XMarkLogitsProcessor(config, torch.device("cpu"), False)
             generic.update_state(BatchUpdate(batch_size=batch, removed=[], added=added, moved=[]))
-            generic._steps, generic._step_width = [None], 2**31  # no bound op: the generic path
+            generic._steps, generic._step_width = None, 2**31  # no bound op: the generic path
 
             def run_generic(p: XMarkLogitsProcessor = generic, x: torch.Tensor = logits) -> object:
                 return p.apply(x)

@@ -192,9 +192,11 @@ def apply_(
     )
 
 
-def bind(
-    module: Any, words: torch.Tensor, codes32: torch.Tensor, *, params: WatermarkParams
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+# the op bound to one key's operands: step(logits, context, blocks, active), in place
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def bind(module: Any, words: torch.Tensor, codes32: torch.Tensor, *, params: WatermarkParams) -> Step:
     """:func:`apply_` with one key's operands bound: ``step(logits, context, blocks, active)``, one
     call into the op per decoding step with nothing else around it."""
     apply = module.apply_

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import cpu_op
 from .hashing import MASK32, context_multipliers, token_codes
 from .keys import WatermarkKey
 from .params import WatermarkParams
@@ -243,8 +244,6 @@ class TorchWatermarker:
         if not self._native_on_cpu:
             return None
         if self._native is None:
-            from . import cpu_op
-
             self._native = cpu_op.load()
             if self._native is None:
                 self._native_on_cpu = False
@@ -260,8 +259,6 @@ class TorchWatermarker:
         *,
         inplace: bool,
     ) -> torch.Tensor:
-        from . import cpu_op
-
         device = logits.device
         codes = self.codes32(device, logits.shape[1])
         _check(logits, context, blocks, active, self.codes(device, logits.shape[1]), self.params)
@@ -294,7 +291,7 @@ class TorchWatermarker:
             self._codes[device] = codes
         return codes
 
-    def cpu_step(self, width: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    def cpu_step(self, width: int) -> cpu_op.Step | None:
         """The C++ op bound to this key's operands, for float32 CPU logits at most ``width`` wide, or
         None where this marker does not use it.
 
@@ -307,8 +304,6 @@ class TorchWatermarker:
         native = self._native_op()
         if native is None:
             return None
-        from . import cpu_op
-
         device = torch.device("cpu")
         return cpu_op.bind(native, self.words(device), self.codes32(device, width), params=self.params)
 

@@ -22,7 +22,6 @@ What vLLM 0.32 does that matters here:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,8 +42,7 @@ from .vllm_common import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# the C++ op bound to one key version: step(logits, context, blocks, active), in place
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    from .cpu_op import Step
 
 
 # misc: where mypy runs (.venv) vLLM is not installed and this base class is Any; unused-ignore: where it is
@@ -73,7 +71,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._bind_views()
         # CPU workers: the C++ op bound to each key version's operands (xmark_core.cpu_op), set on
         # the first step for that logits width (None where it does not build: the generic path)
-        self._steps: list[Step | None] = []
+        self._steps: list[Step] | None = None
         self._step_width = -1
         self._profile = ProcessorProfile.from_environment()
         logger.info("XMark watermark (V1 runner) ready with key versions %s", keyring.describe())
@@ -180,15 +178,16 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._profile.applied(self._profile.now() - start, watermarked=watermarked)
         return logits
 
-    def _cpu_steps(self, logits: torch.Tensor) -> list[Step | None] | None:
+    def _cpu_steps(self, logits: torch.Tensor) -> list[Step] | None:
         """The C++ op per key slot for these logits (float32 on the CPU), else None."""
         if self._device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
             return None
         width = logits.shape[1]
         if width > self._step_width:  # once per worker (the vocabulary does not change)
-            self._steps = [marker.cpu_step(width) for marker in self._watermarkers]
+            steps = [step for marker in self._watermarkers if (step := marker.cpu_step(width)) is not None]
+            self._steps = steps if len(steps) == len(self._watermarkers) else None
             self._step_width = width
-        return self._steps if all(step is not None for step in self._steps) else None
+        return self._steps
 
     def _apply(self, logits: torch.Tensor) -> torch.Tensor:
         batch = logits.shape[0]
@@ -212,13 +211,13 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         if steps is not None:  # the CPU worker: one call per key version, on buffers of >= B rows
             keys = self._key[rows]
             if len(steps) == 1 or (keys == keys[0]).all():  # one key version in this batch (usual)
-                steps[int(keys[0])](logits, self._context_t, self._blocks_t, mask_t)  # type: ignore[misc]
+                steps[int(keys[0])](logits, self._context_t, self._blocks_t, mask_t)
                 return logits
             marked = mask.copy()
             usable = self._usable
             for key_index in np.unique(keys):
                 np.logical_and(marked, self._key[:batch] == key_index, out=usable[:batch])
-                steps[int(key_index)](logits, self._context_t, self._blocks_t, self._usable_t)  # type: ignore[misc]
+                steps[int(key_index)](logits, self._context_t, self._blocks_t, self._usable_t)
             return logits
         device = logits.device
         context_t = self._to_device(self._context[:batch], device)

@@ -325,19 +325,28 @@ def test_fused_kernel_on_cuda_is_bit_identical_to_the_eager_op_on_cpu() -> None:
     assert fused._compiled is not None, "the fused kernel fell back to the eager op"
 
 
-def test_without_the_cpp_op_the_compiled_kernel_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("options", "fused"),
+    [({"compile": True}, True), ({"native_on_cpu": True}, False)],
+    ids=["compile-falls-back-to-the-compiled-kernel", "native-falls-back-to-the-eager-op"],
+)
+def test_without_the_cpp_op_the_fallback_serves(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, bool], fused: bool
+) -> None:
     """Where the C++ op cannot be built (no compiler or ninja), float32 CPU logits go to the
-    torch.compile'd kernel, with the same logits."""
+    torch.compile'd kernel with ``compile=True`` and to the eager op with ``native_on_cpu=True``
+    alone, with the same logits; no bound step is offered."""
     from xmark_core import cpu_op
 
     monkeypatch.setattr(cpu_op, "load", lambda: None)
     key = _key()
-    marker = TorchWatermarker(key, compile=True)
+    marker = TorchWatermarker(key, **options)
     logits, context, blocks, active = _inputs(key.params, 4, 1000, seed=3)
     expected = TorchWatermarker(key).apply(logits, context, blocks, active)
     assert torch.equal(marker.apply(logits, context, blocks, active), expected)
     assert not marker.uses_cpp_op()
-    assert marker.fused(torch.device("cpu")), "the compiled kernel should serve"
+    assert marker.fused(torch.device("cpu")) is fused
+    assert marker.cpu_step(1000) is None
 
 
 def test_cpp_op_without_compile_serves_float32_and_the_eager_op_the_rest() -> None:
@@ -351,19 +360,6 @@ def test_cpp_op_without_compile_serves_float32_and_the_eager_op_the_rest() -> No
         logits, context, blocks, active = _inputs(key.params, 6, 49152, seed=41, dtype=dtype)
         expected = eager.apply(logits, context, blocks, active)
         assert torch.equal(marker.apply(logits, context, blocks, active), expected)
-
-
-def test_cpp_op_without_compile_falls_back_to_the_eager_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    from xmark_core import cpu_op
-
-    monkeypatch.setattr(cpu_op, "load", lambda: None)
-    key = _key()
-    marker = TorchWatermarker(key, native_on_cpu=True)
-    logits, context, blocks, active = _inputs(key.params, 4, 1000, seed=43)
-    expected = TorchWatermarker(key).apply(logits, context, blocks, active)
-    assert torch.equal(marker.apply(logits, context, blocks, active), expected)
-    assert not marker.uses_cpp_op() and not marker.fused(torch.device("cpu"))
-    assert marker.cpu_step(1000) is None
 
 
 def test_cpu_step_reads_the_first_rows_of_larger_buffers() -> None:

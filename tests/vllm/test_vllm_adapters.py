@@ -295,7 +295,7 @@ def test_v1_placeholder_row_sits_out_while_the_others_are_marked(keyring: Worker
         own = [None if r == 1 else m for r, m in enumerate(MESSAGES)]
         expected = hf_step(keyring.keys[0], own, [p + o for p, o in histories], base.clone())
         assert torch.equal(processor.apply(base.clone()), expected)
-    assert processor._steps and all(processor._steps), "float32 CPU logits should reach the C++ op"
+    assert processor._steps, "float32 CPU logits should reach the C++ op"
     histories[1][1][-1] = 14  # filled in place: the row is marked again
     base = logits_for(len(histories), seed=17)
     expected = hf_step(keyring.keys[0], MESSAGES, [p + o for p, o in histories], base.clone())
