@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from service.db import ensure_sqlite_dir
-from service.models import Base
+from service.models import Base, include_object
 
 config = context.config
 target_metadata = Base.metadata
@@ -39,6 +39,7 @@ def _configure(connection: Connection) -> None:
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        include_object=include_object,
     )
 
 

@@ -127,6 +127,19 @@ class Settings(BaseSettings):
     # naming a wrong registered user on an unedited watermarked text without trusting the model;
     # it costs naming on short texts (docs/xmark_core.md). None: off unless a request asks for it.
     trace_identity_level: float | None = None
+    # Provenance (service/provenance): a keyed content sketch of every completion is logged with
+    # its record, and /trace retrieves the logged completions a suspect text resembles: leads, the
+    # retrieved users' watermark test, and corroboration of a naming. "off" stores no sketch and
+    # searches none.
+    provenance: Literal["on", "off"] = "on"
+    # sketches older than this many days are purged by `xmark purge-sketches` (0: kept for ever)
+    provenance_retention_days: int = Field(default=365, ge=0)
+    # the retrieved users whose message IDs /trace tests when the registry-wide test names nobody
+    provenance_leads: int = Field(default=20, ge=1, le=1000)
+    # a logged completion at least this similar to the suspect text is a lead (its user is tested)
+    provenance_lead_similarity: float = Field(default=0.1, ge=0.0, le=1.0)
+    # a named user's logged completion at least this similar corroborates the naming
+    provenance_match_similarity: float = Field(default=0.3, gt=0.0, le=1.0)
     # the local backend's forward pass for /trace: bfloat16 where the CPU computes it natively
     # (auto), else float32; generation keeps float32
     trace_scorer_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

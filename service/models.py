@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -19,8 +20,10 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeEngine
 
 from service.vocabulary import KeyVersionStatus, Role, TraceDecoder, UserStatus
 
@@ -35,6 +38,18 @@ NAMING_CONVENTION = {
 USER_ROLES = tuple(role.value for role in Role)
 USER_STATUSES = tuple(status.value for status in UserStatus)
 KEY_VERSION_STATUSES = tuple(status.value for status in KeyVersionStatus)
+
+
+# Search structures the migrations keep outside the ORM, per dialect (0006): the SQLite postings
+# table of the provenance sketches (kept by triggers) and the PostgreSQL GIN index on their terms.
+MIGRATION_ONLY_OBJECTS = frozenset(
+    {"provenance_postings", "ix_provenance_postings_generation_id", "ix_generations_sketch_terms"}
+)
+
+
+def include_object(obj: object, name: str | None, type_: str, reflected: bool, compare_to: object) -> bool:
+    """Alembic's autogenerate filter: leave the migration-only search structures alone."""
+    return name not in MIGRATION_ONLY_OBJECTS
 
 
 def utcnow() -> datetime:
@@ -59,6 +74,21 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class IntArray(TypeDecorator[list[int]]):
+    """A list of integers: int4[] on PostgreSQL, JSON text elsewhere (SQLite)."""
+
+    impl = JSON
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(postgresql.ARRAY(Integer()))
+        return dialect.type_descriptor(JSON())
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> list[int] | None:
+        return None if value is None else [int(v) for v in value]
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -162,6 +192,9 @@ class Generation(Base):
     completion_sha256: Mapped[str] = mapped_column(String(64))
     completion_text: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # the keyed content sketch of the completion's text (service.provenance), NULL when off or purged
+    sketch_terms: Mapped[list[int] | None] = mapped_column(IntArray(), nullable=True)
+    sketch_minhash: Mapped[list[int] | None] = mapped_column(IntArray(), nullable=True)
 
 
 class Trace(Base):

@@ -26,6 +26,7 @@ from service.errors import ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
+from service.provenance.sketch import Sketcher, derive_sketch_key
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.admission import Admission, open_admission
 from service.services.auth import Authenticator
@@ -69,6 +70,8 @@ class Resources:
     report_signer: ReportSigner
     # OpenTelemetry spans (a no-op tracer unless an OTLP endpoint is configured)
     telemetry: Telemetry = field(default_factory=Telemetry)
+    # content sketches of completions and suspect texts (None: XMARK_PROVENANCE=off)
+    sketcher: Sketcher | None = None
 
 
 async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
@@ -158,6 +161,12 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+def sketcher_for(settings: Settings, secret: bytes) -> Sketcher | None:
+    """The sketcher of completions and suspect texts, keyed from a server secret (the API-key
+    pepper, under a label of its own); None when provenance is off."""
+    return Sketcher(derive_sketch_key(secret)) if settings.provenance == "on" else None
+
+
 def _background(stack: AsyncExitStack, task: asyncio.Task[None]) -> asyncio.Task[None]:
     stack.push_async_callback(_cancel, task)
     return task
@@ -238,4 +247,5 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             admission=admission,
             report_signer=ReportSigner.from_secret(secrets.report_signing),
             telemetry=telemetry,
+            sketcher=sketcher_for(settings, secrets.api_key_pepper),
         )

@@ -45,10 +45,12 @@ class CandidateSet:
     def __init__(self, bits: Sequence[str], ids: Sequence[object], params: WatermarkParams) -> None:
         if len(bits) != len(ids):
             raise ValueError(f"got {len(bits)} messages but {len(ids)} ids")
+        self._pack(bits_to_blocks(list(bits), params).astype(np.uint8), list(ids), params)  # blocks [C, r]
+
+    def _pack(self, blocks: np.ndarray, ids: list[object], params: WatermarkParams) -> None:
         self.params = params
-        self.ids = list(ids)
-        blocks = bits_to_blocks(list(bits), params).astype(np.uint8)  # [C, r]
-        self.blocks = blocks
+        self.ids = ids
+        self.blocks = blocks  # uint8 [C, r]
         shards = params.num_shards
         r = params.num_blocks
         pairs = r // 2
@@ -56,6 +58,17 @@ class CandidateSet:
             (blocks[:, 2 * q].astype(np.uint16) * shards + blocks[:, 2 * q + 1]).astype(np.uint8) for q in range(pairs)
         ]  # each [C], code = v_{2q} * D + v_{2q+1}
         self._single = blocks[:, r - 1].copy() if r % 2 else None
+
+    def subset(self, indices: Sequence[int]) -> CandidateSet:
+        """The candidates at ``indices``, in that order (e.g. the users a content search led to)."""
+        chosen = np.asarray(indices, dtype=np.int64)  # [C']
+        subset = CandidateSet.__new__(CandidateSet)
+        subset._pack(
+            self.blocks[chosen].reshape(len(chosen), self.params.num_blocks),
+            [self.ids[i] for i in indices],
+            self.params,
+        )
+        return subset
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -101,8 +114,12 @@ def attribute(
     top: int = 5,
     alpha: float = DEFAULT_ALPHA,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
+    tries: int = 1,
 ) -> Attribution:
     """Score every candidate against the decoded matrix.
+
+    ``tries``: the other tests run on the same text (key versions, decoders, candidate sets): each
+    candidate's p-value is corrected for them and for the ``len(candidates)`` candidates.
 
     The best candidate is named (``best``) only if the text is unlikely to be unwatermarked
     (``p_value < alpha``) AND the best is much likelier than every other registered ID
@@ -114,8 +131,8 @@ def attribute(
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
-    if top < 1:
-        raise ValueError("top must be >= 1")
+    if top < 1 or tries < 1:
+        raise ValueError("top and tries must be >= 1")
     count = len(candidates)
     trials = result.trials
     if count == 0 or trials == 0:
@@ -138,7 +155,7 @@ def attribute(
     shifted = scores_all - scores_all.max()
     posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = binomial_log_cdf(hits[order], trials, q0, upper=upper)
-    p_values = np.minimum(1.0, count * np.exp(log_tail))
+    p_values = np.minimum(1.0, count * tries * np.exp(log_tail))
     decoded = result.blocks
     out = []
     for rank, idx in enumerate(order):

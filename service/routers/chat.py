@@ -115,6 +115,7 @@ async def _generation(resources: ResourcesDep) -> GenerationService:
         resources.metrics,
         admission=resources.admission,
         telemetry=resources.telemetry,
+        sketcher=resources.sketcher,
     )
 
 

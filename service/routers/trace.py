@@ -33,6 +33,7 @@ async def _tracing(session: SessionDep, resources: ResourcesDep) -> TracingServi
         resources.metrics,
         resources.registry_cache,
         resources.report_signer,
+        resources.sketcher,
     )
 
 

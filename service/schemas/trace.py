@@ -67,6 +67,30 @@ class TokenReport(BaseModel):
     evidence: Literal["supports", "contradicts"] | None = None
 
 
+class CorroborationMatch(BaseModel):
+    """A logged completion the text resembles: auditor-visible metadata only, never its text."""
+
+    user_id: int
+    request_id: str
+    created_at: str = Field(description="UTC, ISO 8601 with microseconds")
+    similarity: float = Field(description="share of the text's content the completion holds, or the reverse (0-1)")
+
+
+class Corroboration(BaseModel):
+    """The second witness: what the generation log holds that resembles the text.
+
+    ``corroborated``: the named user's log holds a generation at least as similar as the gateway's
+    match threshold. ``not_found``: it does not (a naming then rests on the watermark only: a
+    possible forgery, or a generation older than the sketches' retention), or nobody was named and
+    nothing in the log resembles the text. ``leads``: nobody was named, but logged completions
+    resemble the text (leads for an investigation, never a naming). ``disabled``: the gateway keeps
+    no sketches (``XMARK_PROVENANCE=off``)."""
+
+    status: Literal["corroborated", "not_found", "leads", "disabled"]
+    matches: list[CorroborationMatch] = Field(default_factory=list)
+    note: str | None = None
+
+
 class TraceReport(BaseModel):
     # the signed report of this trace (GET /trace/{report_id}); None only from `xmark trace`
     report_id: str | None = None
@@ -90,6 +114,11 @@ class TraceReport(BaseModel):
     # candidate (None: not run, e.g. when the text shows no watermark or no one explains it)
     identity_level: float | None = None
     identity_p_value: float | None = None
+    # which evidence named the user: the registry-wide watermark test ("watermark"), or the
+    # watermark test of the users a content search of the generation log led to
+    # ("watermark+retrieval"); None when nobody is named
+    named_by: Literal["watermark", "watermark+retrieval"] | None = None
+    corroboration: Corroboration | None = None
 
 
 class ReportParams(BaseModel):
@@ -152,11 +181,14 @@ class SignedReport(BaseModel):
     attributed_user_name: str | None
     # the identity test's p-value for the best candidate; present only where the test ran
     identity_p_value: float | None = None
+    # absent from reports signed before the generation log was a witness
+    named_by: str | None = None
+    corroboration: Corroboration | None = None
 
     # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
     @model_serializer(mode="wrap")
     def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
-        return _drop_absent(handler(self), self, ("identity_p_value",))
+        return _drop_absent(handler(self), self, ("identity_p_value", "named_by", "corroboration"))
 
 
 class ReportSignature(BaseModel):

@@ -70,6 +70,7 @@ from service.schemas.chat import (
 from service.schemas.common import Principal
 from service.schemas.completions import TEXT_COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
 from service.services.admission import Admission, Ticket
+from service.services.provenance import sketch_columns
 from service.services.request_fields import (
     DEFAULT_HONOURED,
     TEXT_COMPLETION_FIELDS,
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
     from service.config import Settings
     from service.keyring import Keyring
     from service.metrics import Metrics
+    from service.provenance.sketch import Sketcher
 
 OWNED_BY = "xmark-gateway"
 
@@ -211,8 +213,11 @@ class GenerationService:
         metrics: Metrics,
         admission: Admission | None = None,
         telemetry: Telemetry | None = None,
+        sketcher: Sketcher | None = None,
     ) -> None:
         self._telemetry = telemetry if telemetry is not None else Telemetry()
+        # the content sketch logged with each record (service.provenance); None: none is stored
+        self._sketcher = sketcher
         self._records = records
         self._settings = settings
         self._backend = backend
@@ -356,6 +361,7 @@ class GenerationService:
                 "completion_sha256": _sha256(choice.generated_text()),
                 "completion_text": choice.generated_text() if retain else None,
                 "created_at": created_at,
+                **sketch_columns(self._sketcher, choice.generated_text()),
             }
             for choice in choices
         ]

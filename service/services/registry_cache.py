@@ -13,8 +13,10 @@ count and largest row id of the length's IDs) decides whether to reload it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -42,6 +44,21 @@ class RegistrySnapshot:
 
     def __len__(self) -> int:
         return len(self.candidates)
+
+    @functools.cached_property
+    def _index_of(self) -> dict[int, int]:
+        """Each user's position in ``candidates`` (built once per snapshot, on first use)."""
+        return {int(user_id): i for i, user_id in enumerate(self.candidates.ids)}  # type: ignore[call-overload]
+
+    def restricted(self, user_ids: Sequence[int]) -> RegistrySnapshot:
+        """The snapshot of ``user_ids`` alone (in that order; users without an ID of this length
+        are left out): the candidates a content search led to."""
+        index = self._index_of
+        positions = [index[u] for u in dict.fromkeys(user_ids) if u in index]
+        kept = {self.candidates.ids[i] for i in positions}
+        return RegistrySnapshot(
+            self.candidates.subset(positions), {u: user for u, user in self.users.items() if u in kept}, None
+        )
 
 
 @dataclass

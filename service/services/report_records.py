@@ -107,6 +107,8 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
     }
     if report.identity_level is not None:
         payload["identity_p_value"] = None if report.identity_p_value is None else float(report.identity_p_value)
+    payload["named_by"] = report.named_by
+    payload["corroboration"] = None if report.corroboration is None else report.corroboration.model_dump(mode="json")
     signature = signer.sign(payload)
     columns = {
         "report_id": payload["report_id"],

@@ -8,16 +8,15 @@ ID, deleted users' tombstones included.
 
 Two decoders: counting (``analyze_counting``: the cTMM, no model needed) and likelihood
 (``analyze_likelihood``: each token weighted by the served model's own next-token distribution,
-which the service fetches from the backend). ``tests`` is the number of decoders a request may
-run on the same text (2 under ``decoder=auto`` when the likelihood decoder is available): every
-p-value is multiplied by it and by the number of key versions tried, so the verdict stays valid at
-``alpha`` whichever decoder decides.
+which the service fetches from the backend). ``tries`` is the number of tests a trace may run on the
+same text (candidate sets × key versions × decoders), counted in one place
+(``service.services.trace_fanout``): every p-value is multiplied by it, so the verdict stays valid
+at ``alpha`` whichever test decides.
 
 Key versions of different message lengths (bits, block_bits) coexist, and a reading under a version
 is scored against the registry of that version's length. ``analyze_counting_by_length`` and
 ``analyze_likelihood_by_length`` analyse each length group (``LengthGroup``: its versions and its
-snapshot) and keep the outcome with the smallest p-value; ``versions_tried`` makes every group
-correct for the key versions tried across all groups.
+snapshot) and keep the outcome with the smallest p-value.
 """
 
 from __future__ import annotations
@@ -88,10 +87,12 @@ class _Reading:
     result: DecodeResult
     detection: Detection
     attribution: Attribution
+    tries: int
 
     @property
     def strength(self) -> float:
-        return min(self.detection.p_value, self.attribution.p_value)
+        """The smaller of the corrected detection p-value and the best candidate's (corrected)."""
+        return min(1.0, self.detection.p_value * self.tries, self.attribution.p_value)
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -265,12 +266,9 @@ def group_by_length(versions: Sequence[KeyVersionHandle]) -> list[tuple[KeyVersi
     return [tuple(group) for group in groups.values()]
 
 
-def _tries(versions: Sequence[KeyVersionHandle], versions_tried: int | None, tests: int) -> int:
-    if versions_tried is None:
-        return len(versions) * tests
-    if versions_tried < len(versions):
-        raise ValueError(f"versions_tried ({versions_tried}) is less than the {len(versions)} versions read here")
-    return versions_tried * tests
+def _check_tries(versions: Sequence[KeyVersionHandle], tries: int) -> None:
+    if tries < len(versions):
+        raise ValueError(f"tries ({tries}) is less than the {len(versions)} key versions read here")
 
 
 def _strongest(outcomes: Sequence[TraceOutcome]) -> TraceOutcome:
@@ -289,9 +287,11 @@ def analyze_text(
     alpha: float,
     include_tokens: bool = False,
 ) -> TraceOutcome:
-    """The counting decoder's trace report of ``text`` (pure computation: no I/O)."""
+    """The counting decoder's trace report of ``text`` (pure computation: no I/O): one test per key
+    version of every group."""
+    tries = sum(len(group.versions) for group in groups)
     return analyze_counting_by_length(
-        tokenize(tokenizer, text), tokenizer, groups, alpha=alpha, include_tokens=include_tokens
+        tokenize(tokenizer, text), tokenizer, groups, alpha=alpha, include_tokens=include_tokens, tries=tries
     )
 
 
@@ -302,11 +302,10 @@ def analyze_counting_by_length(
     *,
     alpha: float,
     include_tokens: bool = False,
-    tests: int = 1,
+    tries: int,
 ) -> TraceOutcome:
-    """``analyze_counting`` of each length group, corrected for every key version of every group;
-    the outcome with the smallest p-value."""
-    tried = sum(len(group.versions) for group in groups)
+    """``analyze_counting`` of each length group, every p-value corrected for ``tries`` tests; the
+    outcome that names someone, else the one with the smallest p-value."""
     return _strongest(
         [
             analyze_counting(
@@ -316,8 +315,7 @@ def analyze_counting_by_length(
                 group.snapshot,
                 alpha=alpha,
                 include_tokens=include_tokens,
-                tests=tests,
-                versions_tried=tried,
+                tries=tries,
             )
             for group in groups
         ]
@@ -335,12 +333,11 @@ def analyze_likelihood_by_length(
     edit_rate: float = DEFAULT_EDIT_RATE,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
-    tests: int = 1,
+    tries: int,
     identity_level: float | None = None,
 ) -> TraceOutcome:
-    """``analyze_likelihood`` of each length group, corrected for every key version of every
-    group; the outcome with the smallest p-value."""
-    tried = sum(len(group.versions) for group in groups)
+    """``analyze_likelihood`` of each length group, every p-value corrected for ``tries`` tests;
+    the outcome that names someone, else the one with the smallest p-value."""
     return _strongest(
         [
             analyze_likelihood(
@@ -354,8 +351,7 @@ def analyze_likelihood_by_length(
                 edit_rate=edit_rate,
                 counting=counting,
                 include_tokens=include_tokens,
-                tests=tests,
-                versions_tried=tried,
+                tries=tries,
                 identity_level=identity_level,
             )
             for group in groups
@@ -371,13 +367,13 @@ def analyze_counting(
     *,
     alpha: float,
     include_tokens: bool = False,
-    tests: int = 1,
-    versions_tried: int | None = None,
+    tries: int,
 ) -> TraceOutcome:
     """The counting decoder's report of the text with token ids ``ids``.
 
-    ``versions_tried``: the key versions tried in all (the p-values are corrected for them); by
-    default ``versions``, those read here (all of one message length, that of ``snapshot``)."""
+    ``tries``: the tests run on the text in all (``trace_fanout.FanoutPlan.tries``; at least the
+    key versions read here, all of one message length, that of ``snapshot``): every p-value is
+    corrected for them."""
     params = versions[0].key.params
     if len(ids) < 3:  # the first two tokens are context only: nothing to score
         report = _empty_report(params.bits, params.block_bits)
@@ -388,18 +384,18 @@ def analyze_counting(
             ]
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
-    # Trying several key versions (and decoders) is several tests: Bonferroni-correct the level and
-    # the p-values.
-    tries = _tries(versions, versions_tried, tests)
-    alpha_each = alpha / tries
+    # Several key versions, decoders and candidate sets are several tests: Bonferroni-correct the
+    # level and the p-values.
+    _check_tries(versions, tries)
     best: _Reading | None = None
     for handle in versions:
         result = decode(ids, handle.key, skip_ids=special, per_token=include_tokens)
         reading = _Reading(
             handle,
             result,
-            detect(result, alpha=alpha_each, sigma_test=False),  # the report has no sigma p-value
-            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha_each),
+            detect(result, alpha=alpha / tries, sigma_test=False),  # the report has no sigma p-value
+            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries),
+            tries,
         )
         if best is None or reading.strength < best.strength:
             best = reading
@@ -430,14 +426,14 @@ def analyze_counting(
             user_id=_user_id(attributed.id),
             name=name_of(attributed.id),
             confidence=attribution.confidence,
-            p_value=min(1.0, attributed.p_value * tries),
+            p_value=attributed.p_value,
         ),
         candidates=[
             CandidateReport(
                 user_id=_user_id(c.id),
                 name=name_of(c.id),
                 score=c.score,
-                p_value=min(1.0, c.p_value * tries),
+                p_value=c.p_value,
                 hamming=c.hamming,
             )
             for c in attribution.candidates
@@ -452,7 +448,7 @@ def analyze_counting(
         report,
         best.handle.id,
         None if attributed is None else _user_id(attributed.id),
-        strength=min(1.0, best.strength * tries),
+        strength=best.strength,
     )
 
 
@@ -475,19 +471,18 @@ def analyze_likelihood(
     edit_rate: float = DEFAULT_EDIT_RATE,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
-    tests: int = 1,
-    versions_tried: int | None = None,
+    tries: int,
     identity_level: float | None = None,
 ) -> TraceOutcome:
     """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
-    verdict counts too (both were tested at ``alpha / tests``). ``versions_tried``: as for
+    verdict counts too (both were tested at ``alpha / tries``). ``tries``: as for
     :func:`analyze_counting`. ``identity_level``: as for ``xmark_core.attribute_likelihood``; the
     report gives the level and the best candidate's identity p-value.
     """
     special = tokenizer.all_special_ids
-    tries = _tries(versions, versions_tried, tests)
+    _check_tries(versions, tries)
     best: _LikelihoodReading | None = None
     for handle in versions:
         result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
@@ -511,7 +506,7 @@ def analyze_likelihood(
         llr = result.token_llr(candidate_blocks(top.bits, result.params.block_bits))
     watermarked = attribution.p_value < alpha
     p_value = attribution.p_value
-    if counting is not None:  # decoder=auto: either verdict stands (each was tested at alpha / tests)
+    if counting is not None:  # decoder=auto: either verdict stands (each was tested at alpha / tries)
         watermarked = watermarked or counting.report.watermarked
         p_value = min(p_value, counting.report.p_value)
     named = attribution.best

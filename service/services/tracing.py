@@ -9,8 +9,9 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -29,19 +30,21 @@ from service.schemas.trace import (
     TraceReport,
     TraceRequest,
 )
+from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegistryCache
 from service.services.report_records import SignedReportInput, build_signed_report
 from service.services.reports import ReportSigner
-from service.services.trace_analysis import (
-    LengthGroup,
-    TraceOutcome,
-    analyze_counting_by_length,
-    analyze_likelihood_by_length,
-    group_by_length,
-    tokenize,
+from service.services.trace_analysis import LengthGroup, TraceOutcome, group_by_length, tokenize
+from service.services.trace_fanout import (
+    CandidateScope,
+    FanoutOutcome,
+    TextReading,
+    TraceFanout,
+    decoders_for,
+    plan_for,
 )
 from service.vocabulary import TraceDecoder, TraceVerdict
-from xmark_core import warm_null_cache
+from xmark_core import ModelScores, warm_null_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,10 +53,10 @@ if TYPE_CHECKING:
     from service.config import Settings
     from service.keyring import Keyring
     from service.metrics import Metrics
+    from service.provenance.retrieval import Lead
+    from service.provenance.sketch import Sketcher
 
 logger = logging.getLogger("xmark.trace")
-
-T = TypeVar("T")
 
 # What runs on the event loop must be short, or every stream this process serves stalls. The
 # analysis's cost grows with the text's tokens, not its characters (8,000 CJK characters are about
@@ -106,8 +109,10 @@ class TracingService:
         metrics: Metrics,
         registry: RegistryCache,
         signer: ReportSigner,
+        sketcher: Sketcher | None = None,
     ) -> None:
         self._signer = signer
+        self._provenance = ProvenanceSearch(session, sketcher, settings)
         self._session = session
         self._records = records
         self._settings = settings
@@ -145,12 +150,22 @@ class TracingService:
             ids = tokenizing()
         else:
             ids = await asyncio.to_thread(tokenizing)
-        inline = len(ids) <= INLINE_ANALYSIS_TOKENS
-
-        async def run(work: Callable[[], T]) -> T:  # texts long in tokens are analysed off the event loop
-            return work() if inline else await asyncio.to_thread(work)
-
-        outcome = await self._analyze(request, ids, tokenizer, groups, run, identity_level)
+        # the second witness: the logged completions the text resembles (content only, no key)
+        if len(request.text) <= INLINE_TOKENIZE_CHARS:
+            query = self._provenance.sketch(request.text)
+        else:
+            query = await asyncio.to_thread(self._provenance.sketch, request.text)
+        leads = await self._provenance.search(query, top=max(self._settings.provenance_leads, 10))
+        fanout = await self._analyze(request, ids, tokenizer, groups, leads, identity_level)
+        outcome = fanout.outcome
+        corroboration = await self._provenance.corroborate(query, leads, outcome.attributed_user_id)
+        named_by = None
+        if fanout.named_in is not None:
+            named_by = "watermark+retrieval" if fanout.named_in == CandidateScope.RETRIEVED else "watermark"
+        outcome = replace(
+            outcome,
+            report=outcome.report.model_copy(update={"named_by": named_by, "corroboration": corroboration}),
+        )
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
         handle = next((v for v in versions if v.id == outcome.key_version_id), None)
@@ -221,45 +236,28 @@ class TracingService:
         ids: list[int],
         tokenizer: PreTrainedTokenizerBase,
         groups: Sequence[LengthGroup],
-        run: Callable[[Callable[[], TraceOutcome]], Awaitable[TraceOutcome]],
+        leads: Sequence[Lead],
         identity_level: float | None = None,
-    ) -> TraceOutcome:
-        """Counting, likelihood, or counting then likelihood (``auto``), as the request asks; every
-        message length's key versions are read, corrected for all the versions tried.
+    ) -> FanoutOutcome:
+        """The fan-out's plan for this request, run (``trace_fanout``): counting, likelihood, or
+        counting then likelihood (``auto``), over the registry and then the users the generation
+        log's leads point to, every message length's key versions, corrected for all of them.
 
-        ``run`` runs the counting decoder (inline for texts short in tokens). The likelihood
-        decoder's forward pass runs on the backend (the local model's thread, or a worker), and its
-        analysis (~0.15 ms a token) always on a worker thread: it follows a forward pass that costs
-        far more than the hand-over.
+        The counting decoder runs inline for texts short in tokens. The likelihood decoder's
+        forward pass runs on the backend (the local model's thread, or a worker), and its analysis
+        (~0.15 ms a token) always on a worker thread: it follows a forward pass that costs far
+        more than the hand-over.
 
         With an ``identity_level`` only the likelihood decoder names (after its identity test):
         ``auto`` always goes on to it, and a text it cannot read is refused rather than left to
         counting's name.
         """
         settings = self._settings
-        counting = functools.partial(
-            analyze_counting_by_length,
-            ids,
-            tokenizer,
-            groups,
-            alpha=settings.trace_alpha,
-            include_tokens=request.include_tokens,
-        )
-        likelihood = functools.partial(
-            analyze_likelihood_by_length,
-            ids,
-            tokenizer=tokenizer,
-            groups=groups,
-            alpha=settings.trace_alpha,
-            temperature=settings.trace_temperature,
-            edit_rate=settings.trace_edit_rate,
-            include_tokens=request.include_tokens,
-            identity_level=identity_level,
-        )
         limit = settings.trace_likelihood_max_tokens
-        if request.decoder == TraceDecoder.COUNTING or len(ids) < 3:
-            return await run(counting)
-        if request.decoder == TraceDecoder.LIKELIHOOD or (identity_level is not None and len(ids) > limit):
+        requested = request.decoder
+        if len(ids) < 3:
+            requested = TraceDecoder.COUNTING
+        elif requested == TraceDecoder.LIKELIHOOD or (identity_level is not None and len(ids) > limit):
             if len(ids) > limit:
                 raise InvalidRequestError(
                     f"The text has {len(ids)} tokens; the likelihood decoder reads at most {limit} "
@@ -267,22 +265,44 @@ class TracingService:
                     param="decoder",
                     code="text_too_long_for_decoder",
                 )
-            scores = await self._backend.score(ids, settings.trace_top_k)
-            return await asyncio.to_thread(likelihood, scores)
-        if identity_level is not None:  # auto: counting's verdict counts, the likelihood decoder names
-            first = await run(functools.partial(counting, tests=2))
-            scores = await self._backend.score(ids, settings.trace_top_k)
-            return await asyncio.to_thread(likelihood, scores, counting=first, tests=2)
-        # auto: the likelihood decoder may run too, so both are tested at alpha / 2
-        escalate = len(ids) <= limit and self._backend.ready
-        tests = 2 if escalate else 1
-        first = await run(functools.partial(counting, tests=tests))
-        if first.named or not escalate:
-            return first
-        try:
-            scores = await self._backend.score(ids, settings.trace_top_k)
-        except (ServiceUnavailableError, UpstreamUnavailableError, UpstreamTimeoutError, InvalidRequestError) as exc:
-            # no model at hand, or one that cannot read this text (e.g. a worker's shorter context)
-            logger.warning("trace scoring unavailable; counting decided", extra={"error_type": type(exc).__name__})
-            return first
-        return await asyncio.to_thread(likelihood, scores, counting=first, tests=tests)
+            requested = TraceDecoder.LIKELIHOOD
+        # auto escalates to the likelihood decoder only when a scorer can read the text; with an
+        # identity level it always does (its scoring errors are the request's)
+        scorer = identity_level is not None or (len(ids) <= limit and self._backend.ready)
+        decoders = decoders_for(requested, scorer_available=scorer)
+        plan = plan_for(groups, self._provenance.lead_users(leads), decoders)
+        fanout = TraceFanout(
+            plan,
+            TextReading(
+                ids,
+                tokenizer,
+                alpha=settings.trace_alpha,
+                temperature=settings.trace_temperature,
+                edit_rate=settings.trace_edit_rate,
+                include_tokens=request.include_tokens,
+                identity_level=identity_level,
+            ),
+        )
+        must_score = requested == TraceDecoder.LIKELIHOOD or identity_level is not None
+
+        async def score() -> ModelScores | None:
+            if must_score:
+                return await self._backend.score(ids, settings.trace_top_k)
+            try:
+                return await self._backend.score(ids, settings.trace_top_k)
+            except (
+                ServiceUnavailableError,
+                UpstreamUnavailableError,
+                UpstreamTimeoutError,
+                InvalidRequestError,
+            ) as exc:
+                # no model at hand, or one that cannot read this text (e.g. a worker's shorter context)
+                logger.warning("trace scoring unavailable; counting decided", extra={"error_type": type(exc).__name__})
+                return None
+
+        inline = len(ids) <= INLINE_ANALYSIS_TOKENS
+
+        async def run(work: Callable[[], TraceOutcome]) -> TraceOutcome:  # long texts off the event loop
+            return work() if inline else await asyncio.to_thread(work)
+
+        return await fanout.run(score, run_counting=run)

@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.db import alembic_config, downgrade_database, upgrade_database
-from service.models import Base
+from service.models import Base, include_object
 
 TABLES = {"users", "api_keys", "key_versions", "generations", "traces", "message_ids"}
 
@@ -30,7 +30,8 @@ async def _inspect(url: str) -> tuple[set[str], list[Any]]:
 
     def run(connection: Connection) -> tuple[set[str], list[Any]]:
         tables = set(inspect(connection).get_table_names())
-        diff = compare_metadata(MigrationContext.configure(connection, opts={"compare_type": True}), Base.metadata)
+        context = MigrationContext.configure(connection, opts={"compare_type": True, "include_object": include_object})
+        diff = compare_metadata(context, Base.metadata)
         return tables, diff
 
     try:

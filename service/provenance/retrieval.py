@@ -1,0 +1,187 @@
+"""Retrieval over the generation log's sketches: which logged completions a suspect text resembles.
+Pure computation; the repository fetches term statistics and candidate sketches.
+
+Selection uses content only (the sketches), never the watermark key, so a watermark test restricted
+to the users it returns stays a valid test (with the multiplicity of those users).
+
+Search in two steps, both bounded:
+
+1. ``select_terms``: the suspect text's rarest terms (by document frequency in the log), up to
+   ``max_terms`` and until their postings would pass ``budget``; terms in more than ``max_share``
+   of the log say nothing about a source and are skipped.
+2. The store returns the logged sketches sharing most of those terms; ``rank`` scores each by
+   ``similarity`` and keeps the best.
+
+``similarity`` is the larger of two shares: the suspect text's content (each term weighted by its
+BM25 inverse document frequency) that the logged completion holds, and the logged completion's
+terms that the suspect text holds (for a completion wrapped in other text; only for completions of
+at least ``MIN_CONTAINMENT_TERMS`` terms). A logged completion keeps a bottom-k sample of its
+terms, so the first share counts only the suspect's terms that the sample could hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from service.provenance.sketch import TERM_LIMIT, Sketch, minhash_similarity
+
+MIN_CONTAINMENT_TERMS = 16
+DEFAULT_MAX_TERMS = 32
+DEFAULT_BUDGET = 20_000
+DEFAULT_MAX_SHARE = 0.02
+# below this many sketched completions every term counts as informative
+MIN_TOTAL_FOR_SHARE = 1_000
+
+
+@dataclass(frozen=True)
+class LoggedSketch:
+    """A logged completion's sketch and the metadata an auditor may see."""
+
+    generation_id: int
+    user_id: int
+    request_id: str
+    created_at: datetime
+    model: str
+    terms: tuple[int, ...]
+    minhash: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TermStats:
+    """Document frequencies in the log: ``total`` sketched completions; ``df`` of some terms; a term
+    not in ``df`` is assumed to occur in ``unlisted_df`` completions (0 where ``df`` is exact)."""
+
+    total: int
+    df: Mapping[int, int]
+    unlisted_df: int = 0
+
+    def of(self, term: int) -> int:
+        return self.df.get(term, self.unlisted_df)
+
+    def idf(self, term: int) -> float:
+        df = self.of(term)
+        total = max(self.total, df)
+        return math.log(1.0 + (total - df + 0.5) / (df + 0.5))
+
+
+@dataclass(frozen=True)
+class Lead:
+    """A logged completion like the suspect text: its metadata and similarities in [0, 1]."""
+
+    generation_id: int
+    user_id: int
+    request_id: str
+    created_at: datetime
+    model: str
+    similarity: float
+    shingle_similarity: float
+
+
+def select_terms(
+    terms: Iterable[int],
+    stats: TermStats,
+    *,
+    max_terms: int = DEFAULT_MAX_TERMS,
+    budget: int = DEFAULT_BUDGET,
+    max_share: float = DEFAULT_MAX_SHARE,
+) -> list[int]:
+    """The terms to look up: the rarest that occur in the log, until ``max_terms`` or ``budget``
+    postings; a term in more than ``max_share`` of a large log is skipped."""
+    chosen: list[int] = []
+    spent = 0
+    share_cap = max_share * stats.total if stats.total >= MIN_TOTAL_FOR_SHARE else math.inf
+    for term in sorted(terms, key=lambda t: (stats.of(t), t)):
+        df = stats.of(term)
+        if df == 0:
+            continue  # in no logged completion
+        if df > share_cap or spent + df > budget:
+            break
+        chosen.append(term)
+        spent += df
+        if len(chosen) >= max_terms:
+            break
+    return chosen
+
+
+def similarity(query: Sketch, weights: Mapping[int, float], logged: LoggedSketch) -> float:
+    """How much of the suspect text the logged completion explains, or the reverse (module doc)."""
+    if not query.terms or not logged.terms:
+        return 0.0
+    held = set(logged.terms)
+    # a full bottom-k sample holds only terms up to its largest hash
+    bound = logged.terms[-1] if len(logged.terms) >= TERM_LIMIT else None
+    possible = query.terms if bound is None else [t for t in query.terms if t <= bound]
+    total = sum(weights[t] for t in possible)
+    found = sum(weights[t] for t in possible if t in held)
+    coverage = found / total if total > 0 else 0.0
+    containment = 0.0
+    if len(logged.terms) >= MIN_CONTAINMENT_TERMS:
+        asked = set(query.terms)
+        containment = sum(1 for t in logged.terms if t in asked) / len(logged.terms)
+    return max(coverage, containment)
+
+
+def rank(query: Sketch, stats: TermStats, candidates: Iterable[LoggedSketch], *, top: int) -> list[Lead]:
+    """The ``top`` candidates by similarity (then shingle similarity, then the newer)."""
+    weights = {t: stats.idf(t) for t in query.terms}
+    leads = [
+        Lead(
+            generation_id=c.generation_id,
+            user_id=c.user_id,
+            request_id=c.request_id,
+            created_at=c.created_at,
+            model=c.model,
+            similarity=round(similarity(query, weights, c), 4),
+            shingle_similarity=round(minhash_similarity(query.minhash, c.minhash), 4),
+        )
+        for c in candidates
+    ]
+    leads.sort(key=lambda lead: (-lead.similarity, -lead.shingle_similarity, -lead.generation_id))
+    return leads[:top]
+
+
+def lead_users(leads: Sequence[Lead], *, min_similarity: float, limit: int) -> list[int]:
+    """The distinct users of the leads at least ``min_similarity``, best first, at most ``limit``."""
+    users: list[int] = []
+    for lead in leads:
+        if lead.similarity >= min_similarity and lead.user_id not in users:
+            users.append(lead.user_id)
+            if len(users) >= limit:
+                break
+    return users
+
+
+class MemoryIndex:
+    """The log's sketches held in memory, searched as the database searches them (tests, evaluation)."""
+
+    def __init__(self) -> None:
+        self._logged: dict[int, LoggedSketch] = {}
+        self._postings: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._logged)
+
+    def add(self, logged: LoggedSketch) -> None:
+        self._logged[logged.generation_id] = logged
+        for term in logged.terms:
+            self._postings.setdefault(term, []).append(logged.generation_id)
+
+    def stats(self, terms: Iterable[int]) -> TermStats:
+        return TermStats(len(self._logged), {t: len(self._postings[t]) for t in terms if t in self._postings})
+
+    def candidates(self, terms: Sequence[int], limit: int, user_id: int | None = None) -> list[LoggedSketch]:
+        hits: dict[int, int] = {}
+        for term in terms:
+            for generation_id in self._postings.get(term, ()):
+                hits[generation_id] = hits.get(generation_id, 0) + 1
+        found = [self._logged[g] for g in hits if user_id is None or self._logged[g].user_id == user_id]
+        found.sort(key=lambda c: (-hits[c.generation_id], -c.generation_id))
+        return found[:limit]
+
+    def search(self, query: Sketch, *, top: int, candidates: int = 200, user_id: int | None = None) -> list[Lead]:
+        stats = self.stats(query.terms)
+        chosen = select_terms(query.terms, stats)
+        return rank(query, stats, self.candidates(chosen, candidates, user_id), top=top)

@@ -1,0 +1,178 @@
+"""Keyed content sketches: what the generation log keeps of a completion's text, and what a suspect
+text is compared with. Pure computation, no I/O.
+
+A sketch supports similarity search without revealing the text:
+
+* ``terms``: keyed hashes of the text's normalised content words (casefolded, NFKC, stop words
+  dropped, a light suffix stripping so that "printing" and "printed" meet), for paraphrase-robust
+  search: a rewrite keeps most of the topic words while changing the wording. A completion keeps
+  at most ``TERM_LIMIT`` of them, chosen by hash (a bottom-k sample, the same for every text, so
+  two texts' samples agree on the words they share); a suspect text keeps up to
+  ``QUERY_TERM_LIMIT``.
+* ``minhash``: a MinHash signature of the text's word 3-gram shingles (``MINHASH_SIZE`` values),
+  for near-duplicate comparison: the share of equal positions estimates the shingles' Jaccard
+  similarity.
+
+Every hash is keyed with a key derived (HKDF, a label of its own) from a server secret, so the
+stored integers cannot be turned back into words by hashing a dictionary. Scripts without spaces
+between words (CJK) are read as character bigrams; symbols and emoji are not words. A text with
+no word gives no sketch (``None``); the size of a sketch is bounded whatever the text's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+SKETCH_KEY_LABEL = b"xmark-gateway provenance sketch key v1"
+TERM_LIMIT = 128  # content-word hashes kept per logged completion
+QUERY_TERM_LIMIT = 1024  # per suspect text
+MINHASH_SIZE = 32
+SHINGLE_WORDS = 3
+# Only this many characters of a text are read (a completion is bounded by its token cap anyway;
+# a suspect text by XMARK_MAX_TRACE_CHARS): the sketch's cost stays bounded.
+MAX_CHARS = 200_000
+TERM_MASK = 0x7FFFFFFF  # terms are positive 31-bit integers (int4 in the database)
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+_WORD = re.compile(r"\w+")
+# Han, Hiragana, Katakana, Hangul: runs of these are read as character bigrams
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
+
+# English function words: frequent everywhere, so they say nothing about a text's source
+_STOP_WORDS_TEXT = """a about above after again against all also am an and any are as at be because been before
+    being below
+    between both but by can could did do does doing down during each few for from further had has have having he
+    her here hers herself him himself his how i if in into is it its itself just let me more most my myself no
+    nor not now of off on once only or other our ours ourselves out over own same she should so some such than
+    that the their theirs them themselves then there these they this those through to too under until up upon
+    us very was we were what when where which while who whom why will with would you your yours yourself
+    yourselves one two may might must shall within without via per etc yes okay ok like well get got make made
+    many much every another however therefore thus"""
+STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+_SUFFIXES = ("ations", "ation", "ingly", "ings", "ing", "edly", "ies", "ied", "ed", "es", "ly", "s")
+
+
+def derive_sketch_key(secret: bytes) -> bytes:
+    """The 32-byte sketch key derived from a server secret (HKDF-SHA256 under its own label)."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=SKETCH_KEY_LABEL).derive(secret)
+
+
+def words(text: str) -> list[str]:
+    """The text's words: NFKC, casefolded; CJK runs as character bigrams (a lone character alone)."""
+    out: list[str] = []
+    for word in _WORD.findall(unicodedata.normalize("NFKC", text[:MAX_CHARS]).casefold()):
+        if not _CJK.search(word):
+            out.append(word)
+            continue
+        for part in re.split(f"({_CJK.pattern})", word):
+            if not part:
+                continue
+            if _CJK.fullmatch(part):
+                out.extend([part] if len(part) == 1 else [part[i : i + 2] for i in range(len(part) - 1)])
+            else:
+                out.append(part)
+    return out
+
+
+def stem(word: str) -> str:
+    """A light suffix stripping for Latin-script words (a rewrite changes inflections)."""
+    if len(word) <= 4 or not word.isascii():
+        return word
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            return word[: -len(suffix)]
+    return word
+
+
+def content_words(tokens: Iterable[str]) -> set[str]:
+    """The distinct stemmed content words: no stop word, no one- or two-letter Latin word, no number."""
+    out = set()
+    for word in tokens:
+        if word in STOP_WORDS or word.isdigit() or (word.isascii() and len(word) < 3):
+            continue
+        out.add(stem(word))
+    return out
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """``terms``: sorted distinct positive 31-bit term hashes; ``minhash``: ``MINHASH_SIZE`` values
+    (empty when the text has no shingle)."""
+
+    terms: tuple[int, ...]
+    minhash: tuple[int, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        """What the sketch stores: 4 bytes per value."""
+        return 4 * (len(self.terms) + len(self.minhash))
+
+
+class Sketcher:
+    """Sketches texts under one key (``derive_sketch_key``)."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the sketch key must have at least 16 bytes")
+        self._key = key[:64]
+        seeds = b"".join(
+            hashlib.blake2b(b"minhash seeds %d" % i, key=self._key, digest_size=64).digest()
+            for i in range(-(-8 * MINHASH_SIZE // 64))
+        )
+        self._seeds = np.frombuffer(seeds[: 8 * MINHASH_SIZE], dtype="<u8").copy()  # [MINHASH_SIZE]
+
+    def __repr__(self) -> str:
+        return "Sketcher(key=<hidden>)"
+
+    def _hash64(self, item: str, person: bytes) -> int:
+        digest = hashlib.blake2b(item.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8, person=person)
+        return int.from_bytes(digest.digest(), "little")
+
+    def term(self, word: str) -> int:
+        """The keyed hash of a (normalised) content word: a positive 31-bit integer."""
+        return (self._hash64(word, b"term") & TERM_MASK) or 1
+
+    def terms(self, tokens: Iterable[str], limit: int = TERM_LIMIT) -> tuple[int, ...]:
+        """The content-word hashes of a text's ``words``, sorted; the ``limit`` smallest (a bottom-k sample)."""
+        hashed = sorted({self.term(word) for word in content_words(tokens)})
+        return tuple(hashed[:limit])
+
+    def minhash(self, tokens: Sequence[str]) -> tuple[int, ...]:
+        """MinHash of the word 3-gram shingles (a shorter text is one shingle); 31-bit values."""
+        if not tokens:
+            return ()
+        n = SHINGLE_WORDS
+        shingles = {" ".join(tokens[i : i + n]) for i in range(max(1, len(tokens) - n + 1))}
+        base = np.fromiter((self._hash64(s, b"shingle") for s in shingles), dtype=np.uint64, count=len(shingles))
+        mixed = _mix64(base[:, None] ^ self._seeds[None, :])  # [S, MINHASH_SIZE]
+        return tuple(int(v) for v in (mixed.min(axis=0) >> np.uint64(33)))
+
+    def sketch(self, text: str, *, limit: int = TERM_LIMIT) -> Sketch | None:
+        """The sketch of ``text``; ``None`` when it has no word (an empty text, only symbols)."""
+        tokens = words(text)
+        if not tokens:
+            return None
+        return Sketch(self.terms(tokens, limit), self.minhash(tokens))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a keyed permutation per seed."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (x ^ (x >> np.uint64(31))) & _MASK64
+
+
+def minhash_similarity(a: Sequence[int], b: Sequence[int]) -> float:
+    """The share of equal MinHash positions: an estimate of the shingles' Jaccard similarity."""
+    if not a or len(a) != len(b):
+        return 0.0
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)

@@ -1,0 +1,129 @@
+"""The generation log as a second witness: sketches written with the records, retrieval for /trace,
+corroboration of a naming, and the retention purge.
+
+Retrieval reads content only (the keyed sketches, never the watermark key). It never names anyone:
+it gives leads (the users whose message IDs /trace may then test, with a multiplicity of a handful
+instead of the whole registry) and corroboration (does the named user's log hold a completion like
+the text?).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from service.models import utcnow
+from service.provenance.retrieval import Lead, lead_users, rank, select_terms
+from service.provenance.sketch import QUERY_TERM_LIMIT, Sketch, Sketcher
+from service.repositories.provenance import ProvenanceRepository
+from service.schemas.trace import Corroboration, CorroborationMatch
+from service.services.report_records import iso_utc
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+    from service.config import Settings
+
+logger = logging.getLogger("xmark.provenance")
+
+MATCHES_SHOWN = 5
+# candidates fetched and ranked per search (the database orders them by shared terms)
+CANDIDATES = 200
+NOT_FOUND_NOTE = (
+    "watermark only — no matching generation in this user's log: possible forgery or a generation "
+    "older than the retention"
+)
+
+
+def sketch_columns(sketcher: Sketcher | None, text: str) -> dict[str, Any]:
+    """The sketch columns of a generation record (None when provenance is off or the text has no
+    word). Never raises: a text the sketcher cannot read costs the record nothing but its sketch."""
+    if sketcher is None:
+        return {"sketch_terms": None, "sketch_minhash": None}
+    try:
+        sketch = sketcher.sketch(text)
+    except Exception as exc:  # a sketch is never worth a record
+        logger.warning("completion not sketched", extra={"error_type": type(exc).__name__})
+        sketch = None
+    if sketch is None:
+        return {"sketch_terms": None, "sketch_minhash": None}
+    return {"sketch_terms": list(sketch.terms), "sketch_minhash": list(sketch.minhash)}
+
+
+def _match(lead: Lead) -> CorroborationMatch:
+    return CorroborationMatch(
+        user_id=lead.user_id,
+        request_id=lead.request_id,
+        created_at=iso_utc(lead.created_at),
+        similarity=lead.similarity,
+    )
+
+
+class ProvenanceSearch:
+    """Retrieval over the generation log for one trace (the request's session)."""
+
+    def __init__(self, session: AsyncSession, sketcher: Sketcher | None, settings: Settings) -> None:
+        self._repo = ProvenanceRepository(session)
+        self._sketcher = sketcher
+        self._settings = settings
+
+    @property
+    def enabled(self) -> bool:
+        return self._sketcher is not None
+
+    def sketch(self, text: str) -> Sketch | None:
+        return None if self._sketcher is None else self._sketcher.sketch(text, limit=QUERY_TERM_LIMIT)
+
+    async def search(self, query: Sketch | None, *, top: int, user_id: int | None = None) -> list[Lead]:
+        """The ``top`` logged completions most like the text (of ``user_id`` only, when given)."""
+        if query is None or not query.terms:
+            return []
+        stats = await self._repo.term_stats(query.terms)
+        chosen = select_terms(query.terms, stats)
+        candidates = await self._repo.candidates(chosen, CANDIDATES, user_id=user_id)
+        return rank(query, stats, candidates, top=top)
+
+    def lead_users(self, leads: Sequence[Lead]) -> list[int]:
+        """The users whose message IDs the retrieval-narrowed test reads."""
+        s = self._settings
+        return lead_users(leads, min_similarity=s.provenance_lead_similarity, limit=s.provenance_leads)
+
+    async def corroborate(self, query: Sketch | None, leads: Sequence[Lead], named: int | None) -> Corroboration:
+        """Whether the named user's log holds a completion like the text; the top matches."""
+        if not self.enabled:
+            return Corroboration(status="disabled")
+        threshold = self._settings.provenance_match_similarity
+        shown = [lead for lead in leads if lead.similarity >= self._settings.provenance_lead_similarity]
+        shown = shown[:MATCHES_SHOWN]
+        if named is None:
+            matches = [_match(lead) for lead in shown]
+            return Corroboration(status="leads", matches=matches) if shown else Corroboration(status="not_found")
+        own = [lead for lead in leads if lead.user_id == named]
+        if not own or own[0].similarity < threshold:
+            # the leads are the whole log's best; the named user's own log may hold a weaker match
+            own = await self.search(query, top=1, user_id=named)
+        found = [lead for lead in own if lead.similarity >= threshold]
+        if found and all(lead.generation_id != found[0].generation_id for lead in shown):
+            shown = [found[0], *shown[: MATCHES_SHOWN - 1]]
+        if found:
+            return Corroboration(status="corroborated", matches=[_match(lead) for lead in shown])
+        return Corroboration(status="not_found", matches=[_match(lead) for lead in shown], note=NOT_FOUND_NOTE)
+
+
+async def purge_sketches(
+    sessionmaker: async_sessionmaker[AsyncSession], retention_days: int, *, now: datetime | None = None
+) -> int:
+    """Drop the sketches older than ``retention_days`` (the records stay), in batches, each its own
+    transaction; returns how many were dropped. ``retention_days`` 0 keeps every sketch."""
+    if retention_days <= 0:
+        return 0
+    cutoff = (now or utcnow()) - timedelta(days=retention_days)
+    total = 0
+    while True:
+        async with sessionmaker() as session, session.begin():
+            purged = await ProvenanceRepository(session).purge_before(cutoff)
+        total += purged
+        if purged == 0:
+            return total

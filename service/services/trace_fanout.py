@@ -1,0 +1,219 @@
+"""/trace's fan-out and its one multiplicity count.
+
+A trace may test one text many times: against each candidate set (the whole registry; the users a
+content search of the generation log led to), under each key version of each message length, with
+each decoder (counting; likelihood). Each test's p-value is exact on its own; naming the best of
+them is valid at ``alpha`` only if every p-value is multiplied by the number of tests that *could*
+run, fixed before any of them looks at the watermark: ``FanoutPlan.tries``. The plan is chosen from
+what needs no watermark key (the request, whether a scorer is at hand, the text's length, and the
+retrieved candidates, which a content search chose), so it is the same whatever the watermark
+says. This module is the only place that counts; ``trace_analysis`` applies the count it is given.
+
+Order of the tests: the registry first (counting, then likelihood), then the retrieved users
+(counting, then likelihood); the first test that names someone decides. A candidate set's p-values
+are also corrected for its own size (``xmark_core.attribute``), so the retrieved set's test pays
+for its handful of users rather than the whole registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from service.services.trace_analysis import (
+    LengthGroup,
+    TraceOutcome,
+    analyze_counting_by_length,
+    analyze_likelihood_by_length,
+)
+from service.vocabulary import TraceDecoder
+from xmark_core import DEFAULT_EDIT_RATE, ModelScores
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+
+
+class CandidateScope(enum.StrEnum):
+    """Which registered users a test scores the text against."""
+
+    REGISTRY = "registry"  # every registered message ID
+    RETRIEVED = "retrieved"  # the users whose logged completions the text resembles
+
+
+@dataclass(frozen=True)
+class CandidateSet:
+    """One candidate set of the fan-out: each message length's key versions and its candidates."""
+
+    scope: CandidateScope
+    groups: tuple[LengthGroup, ...]
+
+
+@dataclass(frozen=True)
+class FanoutPlan:
+    """The tests a trace may run: candidate sets × key versions (of every length) × decoders."""
+
+    candidate_sets: tuple[CandidateSet, ...]
+    decoders: tuple[TraceDecoder, ...]
+
+    def __post_init__(self) -> None:
+        if not self.candidate_sets or not self.decoders:
+            raise ValueError("a plan needs at least one candidate set and one decoder")
+        counts = {self._versions(c) for c in self.candidate_sets}
+        if len(counts) != 1 or 0 in counts:
+            raise ValueError("every candidate set must read the same, non-empty, key versions")
+
+    @staticmethod
+    def _versions(candidates: CandidateSet) -> int:
+        return sum(len(group.versions) for group in candidates.groups)
+
+    @property
+    def key_versions(self) -> int:
+        return self._versions(self.candidate_sets[0])
+
+    @property
+    def tries(self) -> int:
+        """The number of tests, the factor every p-value of the trace is multiplied by."""
+        return len(self.candidate_sets) * self.key_versions * len(self.decoders)
+
+
+@dataclass(frozen=True)
+class FanoutOutcome:
+    outcome: TraceOutcome
+    # the candidate set whose test named the user (None: nobody was named)
+    named_in: CandidateScope | None
+    tries: int
+
+
+@dataclass(frozen=True)
+class TextReading:
+    """How the text is read, the same for every test."""
+
+    ids: list[int]
+    tokenizer: PreTrainedTokenizerBase
+    alpha: float
+    temperature: float
+    edit_rate: float = DEFAULT_EDIT_RATE
+    include_tokens: bool = False
+    # with a level, only the likelihood decoder names (after its identity test); counting's
+    # verdict still counts
+    identity_level: float | None = None
+
+
+Runner = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+async def _on_thread(work: Callable[[], T]) -> T:
+    return await asyncio.to_thread(work)
+
+
+class TraceFanout:
+    """Runs a plan's tests in order until one names someone."""
+
+    def __init__(self, plan: FanoutPlan, reading: TextReading) -> None:
+        self.plan = plan
+        self.reading = reading
+
+    def counting(self, candidates: CandidateSet) -> TraceOutcome:
+        r = self.reading
+        return analyze_counting_by_length(
+            r.ids, r.tokenizer, candidates.groups, alpha=r.alpha, include_tokens=r.include_tokens, tries=self.plan.tries
+        )
+
+    def likelihood(
+        self, candidates: CandidateSet, scores: ModelScores, counting: TraceOutcome | None = None
+    ) -> TraceOutcome:
+        r = self.reading
+        return analyze_likelihood_by_length(
+            r.ids,
+            scores,
+            r.tokenizer,
+            candidates.groups,
+            alpha=r.alpha,
+            temperature=r.temperature,
+            edit_rate=r.edit_rate,
+            counting=counting,
+            include_tokens=r.include_tokens,
+            tries=self.plan.tries,
+            identity_level=r.identity_level,
+        )
+
+    async def run(
+        self,
+        score: Callable[[], Awaitable[ModelScores | None]],
+        *,
+        run_counting: Runner[TraceOutcome],
+        run_likelihood: Runner[TraceOutcome] = _on_thread,
+    ) -> FanoutOutcome:
+        """Every planned test in order until one names someone.
+
+        ``score``: the model's scores of the text (awaited once, on the first likelihood test;
+        None when the scorer cannot read it: the counting decoder's outcome stands). ``run_*``
+        run the analyses (inline or on a worker thread). Without a naming, the registry's last
+        outcome is reported.
+        """
+        plan = self.plan
+        use_counting = TraceDecoder.COUNTING in plan.decoders
+        use_likelihood = TraceDecoder.LIKELIHOOD in plan.decoders
+        # with an identity level, counting gives its verdict but never the name
+        counting_names = self.reading.identity_level is None
+        scores: ModelScores | None = None
+        scored = False
+        reported: TraceOutcome | None = None
+        for candidates in plan.candidate_sets:
+            outcome = first = None
+            if use_counting:
+                outcome = first = await run_counting(functools.partial(self.counting, candidates))
+                if first.named and counting_names:
+                    return FanoutOutcome(first, candidates.scope, plan.tries)
+            if use_likelihood:
+                if not scored:
+                    scores, scored = await score(), True
+                if scores is not None:
+                    outcome = await run_likelihood(functools.partial(self.likelihood, candidates, scores, first))
+                    if outcome.named:
+                        return FanoutOutcome(outcome, candidates.scope, plan.tries)
+            if reported is None:
+                reported = outcome
+        if reported is None:
+            raise RuntimeError("the plan ran no test (a likelihood-only plan whose scorer gave nothing)")
+        return FanoutOutcome(_unnamed(reported) if reported.named else reported, None, plan.tries)
+
+
+def _unnamed(outcome: TraceOutcome) -> TraceOutcome:
+    """``outcome`` with its naming withdrawn (the report keeps its candidates)."""
+    report = outcome.report.model_copy(update={"attribution": None})
+    return TraceOutcome(report, outcome.key_version_id, None, strength=outcome.strength)
+
+
+def decoders_for(requested: TraceDecoder, *, scorer_available: bool) -> tuple[TraceDecoder, ...]:
+    """The decoders a request may run: ``auto`` runs the likelihood decoder too when a scorer can
+    read the text (then both count as tests)."""
+    if requested == TraceDecoder.COUNTING:
+        return (TraceDecoder.COUNTING,)
+    if requested == TraceDecoder.LIKELIHOOD:
+        return (TraceDecoder.LIKELIHOOD,)
+    if scorer_available:
+        return (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD)
+    return (TraceDecoder.COUNTING,)
+
+
+def plan_for(
+    registry: Sequence[LengthGroup],
+    retrieved_users: Sequence[int],
+    decoders: tuple[TraceDecoder, ...],
+) -> FanoutPlan:
+    """The registry, and the retrieved users when a content search found any that hold a message
+    ID of a length the registry reads. The retrieved set reads every key version the registry
+    reads (a length where no lead holds an ID has no candidate there), so the count is the same."""
+    sets = [CandidateSet(CandidateScope.REGISTRY, tuple(registry))]
+    if retrieved_users:
+        groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(retrieved_users)) for g in registry)
+        if any(len(g.snapshot) for g in groups):
+            sets.append(CandidateSet(CandidateScope.RETRIEVED, groups))
+    return FanoutPlan(tuple(sets), decoders)
