@@ -101,11 +101,11 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
         for text, owner in zip(texts, owners, strict=True):
             ids = tokenize(tokenizer, text)
             lengths.append(len(ids))
-            counted = analyze_counting(ids, tokenizer, versions, snapshot, alpha=ALPHA)
+            counted = analyze_counting(ids, tokenizer, versions, snapshot, alpha=ALPHA, tries=1)  # one test each
             begun = time.perf_counter()
             scores = await backend.score(ids, args.top_k)
             likely = analyze_likelihood(
-                ids, scores, tokenizer, versions, snapshot, alpha=ALPHA, temperature=args.trace_temperature
+                ids, scores, tokenizer, versions, snapshot, alpha=ALPHA, temperature=args.trace_temperature, tries=1
             )
             seconds.append(time.perf_counter() - begun)
             readings = [("counting", counted), ("likelihood", likely)]
@@ -118,6 +118,7 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
                     snapshot,
                     alpha=ALPHA,
                     temperature=args.trace_temperature,
+                    tries=1,
                     identity_level=args.identity_level,
                 )
                 readings.append(("likelihood_identity", guarded))

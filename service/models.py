@@ -79,13 +79,13 @@ class UTCDateTime(TypeDecorator[datetime]):
 class IntArray(TypeDecorator[list[int]]):
     """A list of integers: int4[] on PostgreSQL, JSON text elsewhere (SQLite)."""
 
-    impl = JSON
+    impl = JSON(none_as_null=True)
     cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         if dialect.name == "postgresql":
             return dialect.type_descriptor(postgresql.ARRAY(Integer()))
-        return dialect.type_descriptor(JSON())
+        return dialect.type_descriptor(JSON(none_as_null=True))  # None is SQL NULL, not JSON null
 
     def process_result_value(self, value: Any, dialect: Dialect) -> list[int] | None:
         return None if value is None else [int(v) for v in value]

@@ -32,7 +32,6 @@ and ``docs/results/forensic.json``; completions and model scores are cached unde
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import pickle
@@ -317,30 +316,23 @@ def trace(
     snapshot: RegistrySnapshot,
     config: ForensicConfig,
 ) -> TraceOutcome:
-    """The gateway's reading of one text with one decoder (``auto`` as ``TracingService`` runs it)."""
-    from service.services.trace_analysis import analyze_counting, analyze_likelihood
+    """The gateway's reading of one text with one decoder, or ``auto`` as ``TracingService`` runs
+    it: the same fan-out (``service.services.trace_fanout``), its count included."""
+    from service.services.trace_analysis import LengthGroup
+    from service.services.trace_fanout import TextReading, TraceFanout, decoders_for, plan_for
+    from service.vocabulary import TraceDecoder
 
-    ids, scores = scored.ids, scored.scores
-    alpha, temperature, edit_rate = config.alpha, config.trace_temperature, config.trace_edit_rate
-    if decoder == "counting":
-        return analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha)
-    read = functools.partial(
-        analyze_likelihood,
-        ids,
-        scores,
+    decoders = decoders_for(TraceDecoder(decoder), scorer_available=True)
+    plan = plan_for([LengthGroup(tuple(versions), snapshot)], [], decoders)
+    reading = TextReading(
+        scored.ids,
         tokenizer,
-        versions,
-        snapshot,
-        alpha=alpha,
-        temperature=temperature,
-        identity_level=config.trace_identity_level,
+        alpha=config.alpha,
+        temperature=config.trace_temperature,
+        edit_rate=config.trace_edit_rate,
+        identity_level=config.trace_identity_level if decoder != "counting" else None,
     )
-    if decoder == "likelihood":
-        return read(edit_rate=edit_rate)
-    first = analyze_counting(ids, tokenizer, versions, snapshot, alpha=alpha, tests=2)
-    if first.named:
-        return first
-    return read(edit_rate=edit_rate, counting=first, tests=2)
+    return TraceFanout(plan, reading).run_now(scored.scores).outcome
 
 
 def _rate(count: int, trials: int) -> dict[str, Any]:

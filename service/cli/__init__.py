@@ -210,6 +210,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_purge_sketches(args: argparse.Namespace) -> int:
+    from service.services.provenance import purge_sketches
+
+    settings = _settings()
+    days = settings.provenance_retention_days if args.days is None else args.days
+    if days <= 0:
+        print("retention is 0 days: every sketch is kept")
+        return 0
+
+    async def run() -> int:
+        engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
+        try:
+            return await purge_sketches(create_sessionmaker(engine), days)
+        finally:
+            await engine.dispose()
+
+    purged = asyncio.run(run())
+    print(f"dropped the content sketches of {purged} completions older than {days} days (their records stay)")
+    return 0
+
+
 def cmd_verify_report(args: argparse.Namespace) -> int:
     from service.cli.verify_report import VerifyError, verify_report_file
 
@@ -269,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="trace a text back to a user (file, or stdin with '-')")
     trace.add_argument("file", nargs="?", default="-")
     trace.set_defaults(func=cmd_trace)
+
+    purge = sub.add_parser(
+        "purge-sketches", help="drop the content sketches older than the retention (the records stay)"
+    )
+    purge.add_argument(
+        "--days", type=int, default=None, help="retention in days (default XMARK_PROVENANCE_RETENTION_DAYS)"
+    )
+    purge.set_defaults(func=cmd_purge_sketches)
 
     verify = sub.add_parser("verify-report", help="check a signed trace report (GET /trace/{id}), offline")
     verify.add_argument("file", help="the report document (JSON; '-' reads stdin)")

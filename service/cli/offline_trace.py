@@ -11,12 +11,18 @@ from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
+from service.resources import sketcher_for
+from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegistryCache
-from service.services.trace_analysis import LengthGroup, analyze_text, group_by_length
+from service.services.trace_analysis import LengthGroup, group_by_length, tokenize
+from service.services.trace_fanout import FanoutOutcome, TextReading, TraceFanout, on_thread, plan_for
+from service.vocabulary import TraceDecoder
 
 
 async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
-    """The /trace report of ``text`` computed from the configuration alone (no server, no record)."""
+    """The /trace report of ``text`` computed from the configuration alone (no server, no record):
+    the counting decoder over the registry and the users the generation log's leads point to, with
+    the log's corroboration, as /trace reads them."""
     from transformers import AutoTokenizer  # heavy: only when a trace is asked for
 
     if len(text) > settings.max_trace_chars:
@@ -24,8 +30,10 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
     os.environ["HF_HUB_OFFLINE"] = "1"
     tokenizer = AutoTokenizer.from_pretrained(settings.resolved_model_path(), local_files_only=True)
     params = params_from_settings(settings)
-    keyring = Keyring(params, load_secrets(settings).watermark)
+    secrets = load_secrets(settings)
+    keyring = Keyring(params, secrets.watermark)
     engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
+    ids = await asyncio.to_thread(tokenize, tokenizer, text)
     try:
         sessionmaker = create_sessionmaker(engine)
         async with sessionmaker() as session:
@@ -38,10 +46,23 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
                 LengthGroup(group, await registry.snapshot(group[0].key.params, session))
                 for group in group_by_length(versions)
             ]
+
+            async def analyze(lead_users: list[int]) -> FanoutOutcome:
+                plan = plan_for(groups, lead_users, (TraceDecoder.COUNTING,))
+                reading = TextReading(
+                    ids, tokenizer, alpha=settings.trace_alpha, temperature=settings.trace_temperature
+                )
+                return await TraceFanout(plan, reading).run(_no_scores, run_counting=on_thread)
+
+            provenance = ProvenanceSearch(session, sketcher_for(settings, secrets.api_key_pepper), settings)
+            outcome = await provenance.witness(text, analyze, inline=False)
     finally:
         await engine.dispose()
-    outcome = await asyncio.to_thread(analyze_text, text, tokenizer, groups, alpha=settings.trace_alpha)
     return outcome.report.model_dump()
+
+
+async def _no_scores() -> None:
+    return None
 
 
 def offline_trace(settings: Settings, text: str) -> dict[str, Any]:

@@ -86,7 +86,8 @@ function verdictBox(report) {
   const who = el("p", { class: "attribution" });
   if (named) {
     who.dataset.userId = String(named.user_id);
-    append(who, "Named: ", el("strong", { class: "named-user", text: userLabel(named) }), `, confidence ${formatNumber(named.confidence)}, p ${formatP(named.p_value)}`);
+    const by = report.named_by === "watermark+retrieval" ? " (watermark test of the users the generation log led to)" : "";
+    append(who, "Named: ", el("strong", { class: "named-user", text: userLabel(named) }), `, confidence ${formatNumber(named.confidence)}, p ${formatP(named.p_value)}${by}`);
   } else if (!report.watermarked) {
     append(who, "Named: ", el("strong", { class: "named-user", text: "no one" }), " — the text shows no significant watermark.");
   } else if (identityWithheld(report)) {
@@ -106,7 +107,33 @@ function verdictBox(report) {
     );
   }
   box.append(who);
+  const witness = witnessLine(report);
+  if (witness) box.append(witness);
   return box;
+}
+
+const WITNESS_TEXT = {
+  corroborated: "Corroborated — the named user's generation log holds a matching completion.",
+  not_found: "No matching generation in the log.",
+  leads: "The generation log holds similar completions (leads, not a naming).",
+  disabled: "The gateway keeps no content sketches (provenance off).",
+};
+
+/** The second witness: does the generation log hold a completion like the text? */
+function witnessLine(report) {
+  const c = report.corroboration;
+  if (!c) return null;
+  const text = c.status === "not_found" && report.attribution && c.note ? `Watermark only — ${c.note.replace(/^watermark only — /, "")}.` : WITNESS_TEXT[c.status];
+  return el("p", { class: `witness witness-${c.status}`, text, attrs: { "data-corroboration": c.status } });
+}
+
+function matchesTable(report) {
+  const matches = report.corroboration ? report.corroboration.matches : [];
+  return table(
+    ["User", "Request", "Created", "Similarity"],
+    matches.map((m) => [`user #${m.user_id}`, m.request_id, m.created_at, formatNumber(m.similarity)]),
+    { class: "grid matches", empty: "No logged completion resembles the text." },
+  );
 }
 
 /** The identity test ran on the best candidate and kept its name back. */
@@ -203,7 +230,9 @@ function showReport(root, report) {
   const print = el("button", { text: "Print", attrs: { type: "button", "data-action": "print" }, on: { click: () => window.print() } });
   actions.append(download, print, actionStatus);
 
-  const sections = [verdictBox(report), actions, facts(report), el("h3", { text: "Top candidates" }), candidatesTable(report), el("h3", { text: "Blocks" }), blocksTable(report)];
+  const sections = [verdictBox(report), actions, facts(report), el("h3", { text: "Top candidates" }), candidatesTable(report)];
+  if (report.corroboration && report.corroboration.status !== "disabled") sections.push(el("h3", { text: "Generation log" }), matchesTable(report));
+  sections.push(el("h3", { text: "Blocks" }), blocksTable(report));
   if (report.tokens) {
     const { text, counts } = tokenView(report.tokens);
     const whom = subject ? `${subject.named ? "the named user" : "the best candidate"}, ${userLabel(subject)}` : "no candidate";

@@ -9,8 +9,10 @@ the text?).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,8 @@ from service.provenance.sketch import QUERY_TERM_LIMIT, Sketch, Sketcher
 from service.repositories.provenance import ProvenanceRepository
 from service.schemas.trace import Corroboration, CorroborationMatch
 from service.services.report_records import iso_utc
+from service.services.trace_analysis import TraceOutcome
+from service.services.trace_fanout import CandidateScope, FanoutOutcome
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -89,6 +93,24 @@ class ProvenanceSearch:
         """The users whose message IDs the retrieval-narrowed test reads."""
         s = self._settings
         return lead_users(leads, min_similarity=s.provenance_lead_similarity, limit=s.provenance_leads)
+
+    async def witness(
+        self, text: str, analyze: Callable[[list[int]], Awaitable[FanoutOutcome]], *, inline: bool = True
+    ) -> TraceOutcome:
+        """A trace with the log as second witness: the leads (content only) are found first, so the
+        fan-out's plan may include the users they point to; ``analyze`` runs the plan given those
+        users; the outcome's report gains ``named_by`` and ``corroboration``. ``inline``: sketch
+        the text on the event loop (short texts), else on a worker thread."""
+        query = self.sketch(text) if inline else await asyncio.to_thread(self.sketch, text)
+        leads = await self.search(query, top=max(self._settings.provenance_leads, MATCHES_SHOWN))
+        fanout = await analyze(self.lead_users(leads))
+        outcome = fanout.outcome
+        corroboration = await self.corroborate(query, leads, outcome.attributed_user_id)
+        named_by = None
+        if fanout.named_in is not None:
+            named_by = "watermark+retrieval" if fanout.named_in == CandidateScope.RETRIEVED else "watermark"
+        report = outcome.report.model_copy(update={"named_by": named_by, "corroboration": corroboration})
+        return replace(outcome, report=report)
 
     async def corroborate(self, query: Sketch | None, leads: Sequence[Lead], named: int | None) -> Corroboration:
         """Whether the named user's log holds a completion like the text; the top matches."""

@@ -279,22 +279,6 @@ def _strongest(outcomes: Sequence[TraceOutcome]) -> TraceOutcome:
     return min(outcomes, key=lambda outcome: (not outcome.named, outcome.strength))
 
 
-def analyze_text(
-    text: str,
-    tokenizer: PreTrainedTokenizerBase,
-    groups: Sequence[LengthGroup],
-    *,
-    alpha: float,
-    include_tokens: bool = False,
-) -> TraceOutcome:
-    """The counting decoder's trace report of ``text`` (pure computation: no I/O): one test per key
-    version of every group."""
-    tries = sum(len(group.versions) for group in groups)
-    return analyze_counting_by_length(
-        tokenize(tokenizer, text), tokenizer, groups, alpha=alpha, include_tokens=include_tokens, tries=tries
-    )
-
-
 def analyze_counting_by_length(
     ids: list[int],
     tokenizer: PreTrainedTokenizerBase,

@@ -108,7 +108,8 @@ class TextReading:
 Runner = Callable[[Callable[[], T]], Awaitable[T]]
 
 
-async def _on_thread(work: Callable[[], T]) -> T:
+async def on_thread(work: Callable[[], T]) -> T:
+    """Run ``work`` on a worker thread (a ``Runner``)."""
     return await asyncio.to_thread(work)
 
 
@@ -148,7 +149,7 @@ class TraceFanout:
         score: Callable[[], Awaitable[ModelScores | None]],
         *,
         run_counting: Runner[TraceOutcome],
-        run_likelihood: Runner[TraceOutcome] = _on_thread,
+        run_likelihood: Runner[TraceOutcome] = on_thread,
     ) -> FanoutOutcome:
         """Every planned test in order until one names someone.
 
@@ -183,6 +184,19 @@ class TraceFanout:
         if reported is None:
             raise RuntimeError("the plan ran no test (a likelihood-only plan whose scorer gave nothing)")
         return FanoutOutcome(_unnamed(reported) if reported.named else reported, None, plan.tries)
+
+    def run_now(self, scores: ModelScores | None) -> FanoutOutcome:
+        """``run`` with the scores at hand, every analysis inline (offline evaluations; not from
+        within a running event loop)."""
+
+        async def given() -> ModelScores | None:
+            return scores
+
+        return asyncio.run(self.run(given, run_counting=_inline, run_likelihood=_inline))
+
+
+async def _inline(work: Callable[[], T]) -> T:
+    return work()
 
 
 def _unnamed(outcome: TraceOutcome) -> TraceOutcome:

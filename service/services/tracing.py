@@ -10,7 +10,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -36,7 +35,6 @@ from service.services.report_records import SignedReportInput, build_signed_repo
 from service.services.reports import ReportSigner
 from service.services.trace_analysis import LengthGroup, TraceOutcome, group_by_length, tokenize
 from service.services.trace_fanout import (
-    CandidateScope,
     FanoutOutcome,
     TextReading,
     TraceFanout,
@@ -53,7 +51,6 @@ if TYPE_CHECKING:
     from service.config import Settings
     from service.keyring import Keyring
     from service.metrics import Metrics
-    from service.provenance.retrieval import Lead
     from service.provenance.sketch import Sketcher
 
 logger = logging.getLogger("xmark.trace")
@@ -151,20 +148,10 @@ class TracingService:
         else:
             ids = await asyncio.to_thread(tokenizing)
         # the second witness: the logged completions the text resembles (content only, no key)
-        if len(request.text) <= INLINE_TOKENIZE_CHARS:
-            query = self._provenance.sketch(request.text)
-        else:
-            query = await asyncio.to_thread(self._provenance.sketch, request.text)
-        leads = await self._provenance.search(query, top=max(self._settings.provenance_leads, 10))
-        fanout = await self._analyze(request, ids, tokenizer, groups, leads, identity_level)
-        outcome = fanout.outcome
-        corroboration = await self._provenance.corroborate(query, leads, outcome.attributed_user_id)
-        named_by = None
-        if fanout.named_in is not None:
-            named_by = "watermark+retrieval" if fanout.named_in == CandidateScope.RETRIEVED else "watermark"
-        outcome = replace(
-            outcome,
-            report=outcome.report.model_copy(update={"named_by": named_by, "corroboration": corroboration}),
+        outcome = await self._provenance.witness(
+            request.text,
+            functools.partial(self._analyze, request, ids, tokenizer, groups, identity_level=identity_level),
+            inline=len(request.text) <= INLINE_TOKENIZE_CHARS,
         )
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
@@ -236,7 +223,8 @@ class TracingService:
         ids: list[int],
         tokenizer: PreTrainedTokenizerBase,
         groups: Sequence[LengthGroup],
-        leads: Sequence[Lead],
+        lead_users: list[int],
+        *,
         identity_level: float | None = None,
     ) -> FanoutOutcome:
         """The fan-out's plan for this request, run (``trace_fanout``): counting, likelihood, or
@@ -270,7 +258,7 @@ class TracingService:
         # identity level it always does (its scoring errors are the request's)
         scorer = identity_level is not None or (len(ids) <= limit and self._backend.ready)
         decoders = decoders_for(requested, scorer_available=scorer)
-        plan = plan_for(groups, self._provenance.lead_users(leads), decoders)
+        plan = plan_for(groups, lead_users, decoders)
         fanout = TraceFanout(
             plan,
             TextReading(

@@ -104,6 +104,9 @@ def test_admin_creates_a_user_and_traces_their_text_to_them(
     expect(page.locator(".verdict-head")).to_have_text("Watermarked")
     expect(page.locator(".named-user")).to_contain_text("console-alice")
     expect(page.locator("table.candidates")).to_contain_text("console-alice")
+    # the second witness: the answer was served, so the user's generation log holds it
+    expect(page.locator(".witness")).to_have_attribute("data-corroboration", "corroborated")
+    expect(page.locator("table.matches tbody tr").first).to_contain_text("1.0")
     versions = httpx.get(f"{live_server.base_url}/admin/key-versions", headers=_admin_headers(live_server)).json()
     active = next(v for v in versions["data"] if v["status"] == "active")
     expect(page.locator("table.blocks tbody tr")).to_have_count(active["bits"] // active["block_bits"])

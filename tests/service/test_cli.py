@@ -181,3 +181,42 @@ def test_if_none_counts_only_active_admins(embedded: Settings, capsys: pytest.Ca
     assert code == 0
     second = json.loads(out)["api_key"]
     assert second != first and _authenticate(embedded, second).role == "admin"
+
+
+def test_purge_sketches_drops_old_sketches_and_keeps_records(
+    embedded: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import func, select
+
+    from service.models import Generation
+    from tests.service.test_provenance_sketch import ORIGINAL
+    from tests.service.test_provenance_store import _seed
+
+    assert _run(capsys, "migrate")[0] == 0
+
+    async def seed_and_count(seed: bool) -> tuple[int, int]:
+        engine = create_engine(embedded)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                if seed:
+                    await _seed(session, [ORIGINAL, ORIGINAL], created_at=datetime.now(UTC) - timedelta(days=50))
+                    await _seed(session, [ORIGINAL])
+                    await session.commit()
+                sketched = await session.scalar(
+                    select(func.count()).select_from(Generation).where(Generation.sketch_terms.is_not(None))
+                )
+                records = await session.scalar(select(func.count()).select_from(Generation))
+                return int(sketched or 0), int(records or 0)
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(seed_and_count(True)) == (3, 3)
+    code, out, _ = _run(capsys, "purge-sketches", "--days", "60")
+    assert code == 0 and "of 0 completions" in out
+    code, out, _ = _run(capsys, "purge-sketches", "--days", "30")
+    assert code == 0 and "of 2 completions older than 30 days" in out
+    assert asyncio.run(seed_and_count(False)) == (1, 3)
+    code, out, _ = _run(capsys, "purge-sketches", "--days", "0")
+    assert code == 0 and "every sketch is kept" in out

@@ -1,0 +1,167 @@
+"""Content sketches and retrieval over them (pure computation, no database)."""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from service.provenance.retrieval import (
+    LoggedSketch,
+    MemoryIndex,
+    TermStats,
+    lead_users,
+    select_terms,
+    similarity,
+)
+from service.provenance.sketch import (
+    MINHASH_SIZE,
+    QUERY_TERM_LIMIT,
+    TERM_LIMIT,
+    Sketcher,
+    derive_sketch_key,
+    minhash_similarity,
+    words,
+)
+
+SECRET = b"provenance-test-secret-0123456789abcdef"
+ORIGINAL = (
+    "The printing press, developed by Johannes Gutenberg around 1440, transformed how knowledge travelled "
+    "across Europe. Movable metal type let workshops produce books quickly and cheaply, so pamphlets, bibles "
+    "and scientific treatises reached readers who had never owned a manuscript. Literacy rose, vernacular "
+    "languages gained prestige, and reformers spread their arguments faster than authorities could suppress them."
+)
+PARAPHRASE = (
+    "Around 1440 Gutenberg built a press with movable metal letters. It changed the way knowledge moved through "
+    "Europe: books became cheap and fast to make, treatises and pamphlets reached new readers, literacy grew, "
+    "and reformers could spread ideas before the authorities suppressed them."
+)
+UNRELATED = (
+    "Photosynthesis converts sunlight, water and carbon dioxide into glucose and oxygen inside the chloroplasts "
+    "of green plants; the light reactions split water while the Calvin cycle fixes carbon."
+)
+
+
+@pytest.fixture(scope="module")
+def sketcher() -> Sketcher:
+    return Sketcher(derive_sketch_key(SECRET))
+
+
+def _logged(generation_id: int, user_id: int, text: str, sketcher: Sketcher) -> LoggedSketch:
+    sketch = sketcher.sketch(text)
+    assert sketch is not None
+    return LoggedSketch(
+        generation_id, user_id, f"req-{generation_id}", datetime.now(UTC), "m", sketch.terms, sketch.minhash
+    )
+
+
+def test_a_sketch_is_keyed_bounded_and_hides_the_words(sketcher: Sketcher) -> None:
+    sketch = sketcher.sketch(ORIGINAL)
+    assert sketch is not None
+    assert list(sketch.terms) == sorted(set(sketch.terms))
+    assert all(0 < t < 2**31 for t in sketch.terms)
+    assert len(sketch.minhash) == MINHASH_SIZE and all(0 <= v < 2**31 for v in sketch.minhash)
+    assert sketcher.sketch(ORIGINAL) == sketch  # deterministic
+    other = Sketcher(derive_sketch_key(b"another-secret-of-this-gateway-42"))
+    assert set(other.sketch(ORIGINAL).terms).isdisjoint(sketch.terms)  # type: ignore[union-attr]
+    # an unkeyed hash of the words does not give the terms
+    import hashlib
+
+    plain = {
+        int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFF
+        for w in words(ORIGINAL)
+    }
+    assert plain.isdisjoint(sketch.terms)
+    assert repr(sketcher) == "Sketcher(key=<hidden>)"
+    # a long text: at most TERM_LIMIT terms logged, QUERY_TERM_LIMIT read from a suspect text
+    rng = random.Random(0)
+    long_text = " ".join("".join(rng.choice("abcdefghij") for _ in range(8)) for _ in range(5000))
+    logged = sketcher.sketch(long_text)
+    assert logged is not None and len(logged.terms) == TERM_LIMIT
+    assert logged.size_bytes <= 2048
+    asked = sketcher.sketch(long_text, limit=QUERY_TERM_LIMIT)
+    assert asked is not None and len(asked.terms) == QUERY_TERM_LIMIT
+    assert asked.terms[:TERM_LIMIT] == logged.terms  # the same bottom-k sample
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "日本語の文章を書きます。東京は大きな都市です。",
+        "def add(a, b):\n    return a + b  # sum",
+        "🙂🎉🚀",
+        "Yes",
+        "x" * 300_000,
+        "١٢٣ مرحبا بالعالم",
+    ],
+)
+def test_any_text_gets_a_bounded_sketch_or_none(sketcher: Sketcher, text: str) -> None:
+    started = time.perf_counter()
+    sketch = sketcher.sketch(text)
+    assert time.perf_counter() - started < 5  # bounded work (the text is read up to MAX_CHARS)
+    if sketch is None:
+        assert not words(text)
+        return
+    assert len(sketch.terms) <= TERM_LIMIT
+    assert len(sketch.minhash) == MINHASH_SIZE
+
+
+def test_cjk_is_read_as_character_bigrams() -> None:
+    assert words("東京都") == ["東京", "京都"]
+    assert words("Tokyo 東") == ["tokyo", "東"]
+
+
+def test_no_text_no_sketch(sketcher: Sketcher) -> None:
+    assert sketcher.sketch("") is None
+    assert sketcher.sketch("  ... !!! 🙂 ") is None
+    # function words only: a sketch with shingles but no content term
+    only = sketcher.sketch("and the of")
+    assert only is not None and only.terms == () and len(only.minhash) == MINHASH_SIZE
+
+
+def test_a_paraphrase_finds_its_source_among_unrelated_completions(sketcher: Sketcher) -> None:
+    index = MemoryIndex()
+    index.add(_logged(1, 10, ORIGINAL, sketcher))
+    index.add(_logged(2, 20, UNRELATED, sketcher))
+    for i in range(3, 60):
+        index.add(_logged(i, 100 + i, f"{UNRELATED} Entry {i} mentions chlorophyll number {i}.", sketcher))
+    query = sketcher.sketch(PARAPHRASE, limit=QUERY_TERM_LIMIT)
+    assert query is not None
+    leads = index.search(query, top=5)
+    assert leads[0].user_id == 10
+    assert leads[0].similarity > 0.3
+    assert all(lead.similarity < 0.15 for lead in leads[1:])
+    verbatim = index.search(sketcher.sketch(ORIGINAL, limit=QUERY_TERM_LIMIT), top=1)[0]  # type: ignore[arg-type]
+    assert verbatim.user_id == 10 and verbatim.similarity == 1.0 and verbatim.shingle_similarity == 1.0
+    # a generated paragraph wrapped in other text: the completion's terms are all there
+    wrapped = index.search(sketcher.sketch(f"{UNRELATED} {ORIGINAL} {UNRELATED}", limit=QUERY_TERM_LIMIT), top=1)  # type: ignore[arg-type]
+    assert wrapped[0].user_id == 10 and wrapped[0].similarity == 1.0
+    assert index.search(query, top=5, user_id=20) == []  # shares no rare term with the paraphrase
+    assert [lead.user_id for lead in index.search(query, top=5, user_id=10)] == [10]
+    assert lead_users(leads, min_similarity=0.3, limit=5) == [10]
+
+
+def test_term_selection_prefers_rare_terms_and_skips_the_common() -> None:
+    stats = TermStats(total=10_000, df={1: 5_000, 2: 3, 3: 40, 4: 0, 5: 150})
+    assert select_terms([1, 2, 3, 4, 5], stats) == [2, 3, 5]  # 4 is in no completion, 1 in half
+    assert select_terms([1, 2, 3, 5], stats, max_terms=2) == [2, 3]
+    assert select_terms([1, 2, 3, 5], stats, budget=100) == [2, 3]
+    small = TermStats(total=10, df={1: 9})  # a small log: no term is too common to ask
+    assert select_terms([1], small) == [1]
+    unlisted = TermStats(total=10_000, df={1: 5}, unlisted_df=20)  # planner statistics: rarer than listed
+    assert unlisted.of(99) == 20 and unlisted.idf(1) > unlisted.idf(99)
+
+
+def test_similarity_counts_only_what_a_bottom_k_sample_could_hold(sketcher: Sketcher) -> None:
+    rng = random.Random(1)
+    text = " ".join("".join(rng.choice("klmnopqrst") for _ in range(7)) for _ in range(400))
+    logged = _logged(1, 1, text, sketcher)
+    assert len(logged.terms) == TERM_LIMIT
+    query = sketcher.sketch(text, limit=QUERY_TERM_LIMIT)
+    assert query is not None and len(query.terms) > TERM_LIMIT
+    weights = dict.fromkeys(query.terms, 1.0)
+    assert similarity(query, weights, logged) == 1.0  # the same text, though only a sample was kept
+    assert minhash_similarity(query.minhash, logged.minhash) == 1.0
+    assert minhash_similarity((), ()) == 0.0

@@ -1,0 +1,184 @@
+"""/trace's fan-out: the one multiplicity count, its calibration on null text, and the
+retrieval-narrowed test naming an author the registry-wide test cannot (synthetic LM, no database)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from scipy.stats import binom
+
+from service.keyring import KeyVersionHandle
+from service.services.registry_cache import RegisteredUser, RegistrySnapshot
+from service.services.trace_analysis import LengthGroup, TraceOutcome
+from service.services.trace_fanout import (
+    CandidateScope,
+    FanoutPlan,
+    TextReading,
+    TraceFanout,
+    decoders_for,
+    plan_for,
+)
+from service.vocabulary import KeyVersionStatus, TraceDecoder
+from tests.core.synthetic import LM_VOCAB, generate, random_messages
+from xmark_core import CandidateSet, Message, ModelScores, WatermarkKey, WatermarkParams
+
+BOTH = (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD)
+
+
+class _Tokenizer:
+    """What the analysis reads of a tokenizer when no per-token view is asked for."""
+
+    all_special_ids: ClassVar[list[int]] = []
+
+
+def _registry(params: WatermarkParams, messages: list[Message]) -> RegistrySnapshot:
+    ids = list(range(1, len(messages) + 1))
+    users = {i: RegisteredUser(i, f"user-{i}", "active") for i in ids}
+    return RegistrySnapshot(CandidateSet([m.bits for m in messages], ids, params), users)
+
+
+def _groups(users: int, seed: int = 0) -> list[LengthGroup]:
+    """Two message lengths (16 and 32 bits), two key versions each, ``users`` registered users."""
+    groups = []
+    handle_id = 0
+    for bits in (16, 32):
+        params = WatermarkParams(bits=bits, block_bits=2, num_keys=2)
+        handles = []
+        for version in range(2):
+            handle_id += 1
+            key = WatermarkKey.from_secret(f"fanout-test-secret-{bits}-{version}-0123456789", params)
+            handles.append(KeyVersionHandle(handle_id, f"v{handle_id}", key, KeyVersionStatus.ACTIVE))
+        snapshot = _registry(params, random_messages(params, users, seed=seed + bits))
+        groups.append(LengthGroup(tuple(handles), snapshot))
+    return groups
+
+
+def _scores(generation: Any, row: int) -> ModelScores:
+    k = generation.top_ids.shape[2]
+    return ModelScores(
+        token_logprobs=np.concatenate([[np.nan, np.nan], generation.token_logprobs[row]]),
+        top_ids=np.concatenate([np.zeros((2, k), np.int64), generation.top_ids[row]]),
+        top_logprobs=np.concatenate([np.full((2, k), -np.inf), generation.top_logprobs[row]]),
+        vocab_size=LM_VOCAB,
+    )
+
+
+def test_the_count_is_candidate_sets_times_key_versions_times_decoders() -> None:
+    groups = _groups(users=50)
+    assert plan_for(groups, [], BOTH).tries == 1 * 4 * 2
+    assert plan_for(groups, [3, 7], BOTH).tries == 2 * 4 * 2
+    assert plan_for(groups, [3, 7], (TraceDecoder.COUNTING,)).tries == 2 * 4 * 1
+    # leads that hold no registered ID add no candidate set, so no test
+    assert plan_for(groups, [999], BOTH).tries == 4 * 2
+    only_first = plan_for(groups[:1], [1], BOTH)
+    assert only_first.tries == 2 * 2 * 2
+    retrieved = plan_for(groups, [5, 2, 5], BOTH).candidate_sets[1]
+    assert retrieved.scope == CandidateScope.RETRIEVED
+    assert [list(g.snapshot.candidates.ids) for g in retrieved.groups] == [[5, 2], [5, 2]]
+    assert retrieved.groups[0].snapshot.candidates.bits_of(0) == groups[0].snapshot.candidates.bits_of(4)
+    assert decoders_for(TraceDecoder.AUTO, scorer_available=False) == (TraceDecoder.COUNTING,)
+    assert decoders_for(TraceDecoder.AUTO, scorer_available=True) == BOTH
+    assert decoders_for(TraceDecoder.LIKELIHOOD, scorer_available=False) == (TraceDecoder.LIKELIHOOD,)
+    with pytest.raises(ValueError, match="same"):
+        FanoutPlan(
+            (plan_for(groups, [], BOTH).candidate_sets[0], plan_for(groups[:1], [], BOTH).candidate_sets[0]), BOTH
+        )
+
+
+def _all_tests(fanout: TraceFanout, scores: ModelScores) -> list[TraceOutcome]:
+    """Every test of the plan (not only those ``run`` reaches before a naming)."""
+    out = []
+    for candidates in fanout.plan.candidate_sets:
+        first = fanout.counting(candidates)
+        out += [first, fanout.likelihood(candidates, scores, first)]
+    return out
+
+
+def _smallest_p(outcomes: list[TraceOutcome]) -> float:
+    return min(min(o.strength, o.report.p_value) for o in outcomes)
+
+
+@pytest.mark.slow
+def test_null_texts_are_rejected_at_alpha_over_the_whole_fan_out() -> None:
+    """300 unwatermarked texts, each read by 2 candidate sets x 4 key versions (2 lengths) x 2
+    decoders: the smallest corrected p-value falls below alpha in at most alpha of them. The same
+    texts with the count wrongly left at 1 (a missed factor) reject far more often: the test can fail."""
+    alpha = 0.2
+    groups = _groups(users=200)
+    generation = generate(groups[0].versions[0].key, [None] * 300, 60, top_k=20, seed=11)
+    leads = [1, 2, 3, 4, 5]  # chosen without the key, as a content search chooses them
+    corrected = uncorrected = 0
+    for row in range(300):
+        ids = [int(t) for t in generation.tokens[row]]
+        scores = _scores(generation, row)
+        plan = plan_for(groups, leads, BOTH)
+        reading = TextReading(ids, _Tokenizer(), alpha=alpha, temperature=1.0)  # type: ignore[arg-type]
+        corrected += _smallest_p(_all_tests(TraceFanout(plan, reading), scores)) < alpha
+        once = TraceFanout(_UncountedPlan(plan.candidate_sets, plan.decoders), reading)
+        uncorrected += _smallest_p(_all_tests(once, scores)) < alpha
+    # corrected: binomial(300, <= alpha); 0.999 upper quantile as the bound
+    assert corrected <= binom.ppf(0.999, 300, alpha), corrected
+    assert uncorrected >= binom.isf(0.001, 300, alpha), uncorrected
+
+
+class _UncountedPlan(FanoutPlan):
+    """A plan that forgets every factor of the count: what the calibration test must catch."""
+
+    @property
+    def tries(self) -> int:
+        return self.key_versions  # the analysis's floor: it refuses fewer than the versions it reads
+
+
+def _run(fanout: TraceFanout, scores: ModelScores | None) -> Any:
+    async def score() -> ModelScores | None:
+        return scores
+
+    async def inline(work: Callable[[], TraceOutcome]) -> TraceOutcome:
+        return work()
+
+    return asyncio.run(fanout.run(score, run_counting=inline, run_likelihood=inline))
+
+
+def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
+    """A short watermarked text among 20,000 registered users: the registry-wide tests name nobody;
+    the same text tested against the 5 users a content search returned names its author, and the
+    report says the candidate set that named."""
+    params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
+    key = WatermarkKey.from_secret("fanout-narrowing-secret-0123456789", params)
+    messages = random_messages(params, 20_000, seed=5)
+    handle = KeyVersionHandle(1, "v1", key, KeyVersionStatus.ACTIVE)
+    groups = [LengthGroup((handle,), _registry(params, messages))]
+    author = 1234  # user id = index + 1
+    named_by = {CandidateScope.REGISTRY: 0, CandidateScope.RETRIEVED: 0, None: 0}
+    wrong = 0
+    rows = 24
+    generation = generate(key, [messages[author - 1]] * rows, 40, top_k=20, seed=3, temperature=1.0)
+    for row in range(rows):
+        ids = [int(t) for t in generation.tokens[row]]
+        reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+        plan = plan_for(groups, [author, 17, 99, 4000, 12_000], BOTH)
+        result = _run(TraceFanout(plan, reading), _scores(generation, row))
+        named_by[result.named_in] += 1
+        if result.outcome.attributed_user_id not in (None, author):
+            wrong += 1
+        assert result.tries == plan.tries == 2 * 1 * 2
+    assert wrong == 0
+    # 40 tokens: rarely enough among 20,000 IDs, mostly enough among 5
+    assert named_by[CandidateScope.RETRIEVED] >= rows // 2, named_by
+    assert named_by[CandidateScope.RETRIEVED] > named_by[CandidateScope.REGISTRY], named_by
+
+
+def test_a_plan_without_leads_reports_the_registry_reading() -> None:
+    groups = _groups(users=30)
+    generation = generate(groups[0].versions[0].key, [None], 50, top_k=20, seed=2)
+    ids = [int(t) for t in generation.tokens[0]]
+    reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+    result = _run(TraceFanout(plan_for(groups, [], BOTH), reading), None)  # no scorer: counting decides
+    assert result.named_in is None
+    assert result.outcome.report.decoder == TraceDecoder.COUNTING
+    assert math.isclose(result.tries, 8)
