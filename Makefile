@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -99,6 +99,13 @@ eval: venv-vllm model
 # The forensic evaluation alone: /trace's naming rates on short texts (docs/results/FORENSIC.md).
 eval-forensic: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --max-num-seqs 128
+
+# The provenance evaluation (docs/results/PROVENANCE.md): answers and the model's own rewrites on the
+# vLLM CPU engine (cached in var/eval/provenance-seed0), then /trace with the generation log as
+# second witness over registries of 10^4 and 10^6 and a log of 10^5 other generations.
+eval-provenance: venv-vllm venv model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 128
+	$(BIN)/python -m benchmarks.evaluation.provenance
 
 # The full grids with 16 users, on the vLLM CPU engine; writes docs/results.
 eval-reduced: venv-vllm model

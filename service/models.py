@@ -88,7 +88,9 @@ class IntArray(TypeDecorator[list[int]]):
         return dialect.type_descriptor(JSON(none_as_null=True))  # None is SQL NULL, not JSON null
 
     def process_result_value(self, value: Any, dialect: Dialect) -> list[int] | None:
-        return None if value is None else [int(v) for v in value]
+        if value is None or dialect.name == "postgresql":  # asyncpg gives a list of ints
+            return value
+        return [int(v) for v in value]
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:

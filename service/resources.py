@@ -27,6 +27,7 @@ from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
 from service.provenance.sketch import Sketcher, derive_sketch_key
+from service.repositories.provenance import PlannerStatistics
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.admission import Admission, open_admission
 from service.services.auth import Authenticator
@@ -72,6 +73,8 @@ class Resources:
     telemetry: Telemetry = field(default_factory=Telemetry)
     # content sketches of completions and suspect texts (None: XMARK_PROVENANCE=off)
     sketcher: Sketcher | None = None
+    # PostgreSQL: the planner's statistics of the sketches' terms, cached for the process
+    planner_statistics: PlannerStatistics = field(default_factory=PlannerStatistics)
 
 
 async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:

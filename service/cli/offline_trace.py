@@ -11,6 +11,7 @@ from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.keyring import Keyring, params_from_settings
+from service.repositories.provenance import ProvenanceRepository
 from service.resources import sketcher_for
 from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegistryCache
@@ -54,7 +55,9 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
                 )
                 return await TraceFanout(plan, reading).run(_no_scores, run_counting=on_thread)
 
-            provenance = ProvenanceSearch(session, sketcher_for(settings, secrets.api_key_pepper), settings)
+            provenance = ProvenanceSearch(
+                ProvenanceRepository(session), sketcher_for(settings, secrets.api_key_pepper), settings
+            )
             outcome = await provenance.witness(text, analyze, inline=False)
     finally:
         await engine.dispose()

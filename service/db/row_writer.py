@@ -153,7 +153,11 @@ class RowWriter:
             missing = sorted(set(order) - set(keys))
             if missing:
                 raise ValueError(f"rows for {self._table.name} lack the columns {missing}")
-            processors = [(name, self._table.c[name].type.bind_processor(engine.dialect)) for name in order]
+            # the type as this dialect stores it (a TypeDecorator may load a dialect-specific impl)
+            processors = [
+                (name, self._table.c[name].type.dialect_impl(engine.dialect).bind_processor(engine.dialect))
+                for name in order
+            ]
             statement = self._statements[keys] = (str(compiled), processors)
         return statement
 

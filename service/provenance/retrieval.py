@@ -22,7 +22,7 @@ terms, so the first share counts only the suspect's terms that the sample could 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -170,18 +170,43 @@ class MemoryIndex:
             self._postings.setdefault(term, []).append(logged.generation_id)
 
     def stats(self, terms: Iterable[int]) -> TermStats:
+        """Exact document frequencies of ``terms`` (as the SQLite postings give them)."""
         return TermStats(len(self._logged), {t: len(self._postings[t]) for t in terms if t in self._postings})
 
-    def candidates(self, terms: Sequence[int], limit: int, user_id: int | None = None) -> list[LoggedSketch]:
+    def matching(
+        self, terms: Sequence[int], limit: int, user_id: int | None = None, exclude: Container[int] = ()
+    ) -> list[LoggedSketch]:
+        """The sketches sharing the most of ``terms``, most first (then the newest); ``exclude``:
+        generation ids left out (e.g. an evaluation's "not in the log")."""
         hits: dict[int, int] = {}
         for term in terms:
             for generation_id in self._postings.get(term, ()):
                 hits[generation_id] = hits.get(generation_id, 0) + 1
-        found = [self._logged[g] for g in hits if user_id is None or self._logged[g].user_id == user_id]
+        found = [
+            self._logged[g]
+            for g in hits
+            if g not in exclude and (user_id is None or self._logged[g].user_id == user_id)
+        ]
         found.sort(key=lambda c: (-hits[c.generation_id], -c.generation_id))
         return found[:limit]
 
-    def search(self, query: Sketch, *, top: int, candidates: int = 200, user_id: int | None = None) -> list[Lead]:
+    # the store interface of service.services.provenance.ProvenanceSearch
+    async def term_stats(self, terms: Sequence[int]) -> TermStats:
+        return self.stats(terms)
+
+    async def candidates(self, terms: Sequence[int], limit: int, user_id: int | None = None) -> list[LoggedSketch]:
+        return self.matching(terms, limit, user_id)
+
+    def search(
+        self,
+        query: Sketch,
+        *,
+        top: int,
+        candidates: int = 200,
+        user_id: int | None = None,
+        exclude: Container[int] = (),
+    ) -> list[Lead]:
+        """``ProvenanceSearch.search`` in memory (synchronous)."""
         stats = self.stats(query.terms)
         chosen = select_terms(query.terms, stats)
-        return rank(query, stats, self.candidates(chosen, candidates, user_id), top=top)
+        return rank(query, stats, self.matching(chosen, candidates, user_id, exclude), top=top)

@@ -82,20 +82,22 @@ def words(text: str) -> list[str]:
     return out
 
 
+_SUFFIX = re.compile(f"^(.{{3,}}?)(?:{'|'.join(_SUFFIXES)})$")
+
+
 def stem(word: str) -> str:
-    """A light suffix stripping for Latin-script words (a rewrite changes inflections)."""
+    """A light suffix stripping for Latin-script words (a rewrite changes inflections): the
+    longest of ``_SUFFIXES`` that leaves at least three letters."""
     if len(word) <= 4 or not word.isascii():
         return word
-    for suffix in _SUFFIXES:
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
-            return word[: -len(suffix)]
-    return word
+    match = _SUFFIX.match(word)
+    return word if match is None else match.group(1)
 
 
 def content_words(tokens: Iterable[str]) -> set[str]:
     """The distinct stemmed content words: no stop word, no one- or two-letter Latin word, no number."""
     out = set()
-    for word in tokens:
+    for word in dict.fromkeys(tokens):
         if word in STOP_WORDS or word.isdigit() or (word.isascii() and len(word) < 3):
             continue
         out.add(stem(word))
@@ -132,27 +134,43 @@ class Sketcher:
     def __repr__(self) -> str:
         return "Sketcher(key=<hidden>)"
 
-    def _hash64(self, item: str, person: bytes) -> int:
-        digest = hashlib.blake2b(item.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8, person=person)
+    def _hash64(self, item: str) -> int:
+        digest = hashlib.blake2b(item.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8)
         return int.from_bytes(digest.digest(), "little")
 
     def term(self, word: str) -> int:
         """The keyed hash of a (normalised) content word: a positive 31-bit integer."""
-        return (self._hash64(word, b"term") & TERM_MASK) or 1
+        return (self._hash64(word) & TERM_MASK) or 1
 
-    def terms(self, tokens: Iterable[str], limit: int = TERM_LIMIT) -> tuple[int, ...]:
-        """The content-word hashes of a text's ``words``, sorted; the ``limit`` smallest (a bottom-k sample)."""
-        hashed = sorted({self.term(word) for word in content_words(tokens)})
+    def terms(
+        self, tokens: Iterable[str], limit: int = TERM_LIMIT, hashes: dict[str, int] | None = None
+    ) -> tuple[int, ...]:
+        """The content-word hashes of a text's ``words``, sorted; the ``limit`` smallest (a
+        bottom-k sample). ``hashes``: words already hashed (their 64-bit keyed hashes)."""
+        known = hashes or {}
+        hashed = sorted({(known.get(w) or self._hash64(w)) & TERM_MASK or 1 for w in content_words(tokens)})
         return tuple(hashed[:limit])
 
-    def minhash(self, tokens: Sequence[str]) -> tuple[int, ...]:
-        """MinHash of the word 3-gram shingles (a shorter text is one shingle); 31-bit values."""
+    def minhash(self, tokens: Sequence[str], hashes: dict[str, int] | None = None) -> tuple[int, ...]:
+        """MinHash of the word 3-gram shingles (a shorter text is one shingle); 31-bit values.
+
+        Each distinct word is hashed once (keyed); a shingle's hash mixes its words' hashes by
+        position, so the cost is one keyed hash per distinct word and vector arithmetic.
+        ``hashes``: the words' keyed hashes, when already computed."""
         if not tokens:
             return ()
+        distinct = hashes if hashes is not None else {w: self._hash64(w) for w in dict.fromkeys(tokens)}
+        hashed = np.fromiter((distinct[w] for w in tokens), dtype=np.uint64, count=len(tokens))  # [W]
         n = SHINGLE_WORDS
-        shingles = {" ".join(tokens[i : i + n]) for i in range(max(1, len(tokens) - n + 1))}
-        base = np.fromiter((self._hash64(s, b"shingle") for s in shingles), dtype=np.uint64, count=len(shingles))
-        mixed = _mix64(base[:, None] ^ self._seeds[None, :])  # [S, MINHASH_SIZE]
+        if len(tokens) < n:
+            hashed = np.concatenate([hashed, np.zeros(n - len(tokens), dtype=np.uint64)])  # one shingle
+        width = len(hashed) - n + 1
+        with np.errstate(over="ignore"):
+            shingles = hashed[:width].copy()  # [S]
+            for offset in range(1, n):
+                shingles = _mix64(shingles * np.uint64(0x9E3779B97F4A7C15) + hashed[offset : offset + width])
+        shingles = np.unique(shingles)  # a repeated shingle counts once
+        mixed = _mix64(shingles[:, None] ^ self._seeds[None, :])  # [S, MINHASH_SIZE]
         return tuple(int(v) for v in (mixed.min(axis=0) >> np.uint64(33)))
 
     def sketch(self, text: str, *, limit: int = TERM_LIMIT) -> Sketch | None:
@@ -160,7 +178,8 @@ class Sketcher:
         tokens = words(text)
         if not tokens:
             return None
-        return Sketch(self.terms(tokens, limit), self.minhash(tokens))
+        hashes = {w: self._hash64(w) for w in dict.fromkeys(tokens)}  # one keyed hash per distinct word
+        return Sketch(self.terms(tokens, limit, hashes), self.minhash(tokens, hashes))
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

@@ -12,7 +12,9 @@ frequencies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -52,10 +54,45 @@ _PG_STATS = text(
 )
 
 
+@dataclass(frozen=True)
+class _PlannerTerms:
+    total: int
+    listed: dict[int, float]  # term -> share of the sketched rows holding it
+    rarest: float
+
+
+class PlannerStatistics:
+    """The planner's statistics of the terms column, read at most every ``ttl_s`` seconds per
+    process (ANALYZE refreshes them far less often; reading them costs a 10,000-element array)."""
+
+    def __init__(self, ttl_s: float = 60.0) -> None:
+        self.ttl_s = ttl_s
+        self._cached: _PlannerTerms | None = None
+        self._read_at = float("-inf")
+
+    async def get(self, session: AsyncSession) -> _PlannerTerms | None:
+        if self._cached is not None and time.monotonic() - self._read_at < self.ttl_s:
+            return self._cached
+        row = (await session.execute(_PG_STATS)).first()
+        if row is None or row.elems is None or row.reltuples is None or row.reltuples <= 0:
+            return None  # not analysed yet: read again next time
+        total = max(1, round(float(row.reltuples) * (1.0 - float(row.null_frac or 0.0))))
+        freqs = list(row.freqs or ())
+        elems = list(row.elems)
+        # most_common_elem_freqs: one frequency per element, then the minimum, the maximum and the
+        # frequency of NULL elements
+        listed = dict(zip((int(e) for e in elems), freqs[: len(elems)], strict=True))
+        self._cached = _PlannerTerms(total, listed, min(freqs[: len(elems)], default=0.0))
+        self._read_at = time.monotonic()
+        return self._cached
+
+
 class ProvenanceRepository:
-    def __init__(self, session: AsyncSession) -> None:
+    def __init__(self, session: AsyncSession, planner: PlannerStatistics | None = None) -> None:
         self._session = session
         self._dialect = session.get_bind().dialect
+        # PostgreSQL: the process's cache of the planner's statistics (None: read them each time)
+        self._planner = planner if planner is not None else PlannerStatistics(ttl_s=0.0)
 
     async def term_stats(self, terms: Sequence[int]) -> TermStats:
         """The log's document frequencies of ``terms`` and the number of sketched completions."""
@@ -76,23 +113,16 @@ class ProvenanceRepository:
         return TermStats(int(total or 0), df)
 
     async def _pg_term_stats(self, terms: Sequence[int]) -> TermStats:
-        row = (await self._session.execute(_PG_STATS)).first()
-        if row is None or row.elems is None or row.reltuples is None or row.reltuples <= 0:
+        planner = await self._planner.get(self._session)
+        if planner is None:
             # not analysed yet: count the sketched rows; every term counts as rare
             total = await self._session.scalar(
                 select(func.count()).select_from(Generation).where(Generation.sketch_terms.is_not(None))
             )
             return TermStats(int(total or 0), {}, unlisted_df=1)
-        total = max(1, round(float(row.reltuples) * (1.0 - float(row.null_frac or 0.0))))
-        freqs = list(row.freqs or ())
-        elems = list(row.elems)
-        # most_common_elem_freqs: one frequency per element, then the minimum, the maximum and the
-        # frequency of NULL elements
-        listed = dict(zip(elems, freqs[: len(elems)], strict=True))
-        rarest = min(freqs[: len(elems)], default=0.0)
-        asked = set(terms)
-        df = {int(t): max(1, round(f * total)) for t, f in listed.items() if t in asked}
-        return TermStats(total, df, unlisted_df=max(1, round(rarest * total)))
+        total = planner.total
+        df = {t: max(1, round(planner.listed[t] * total)) for t in terms if t in planner.listed}
+        return TermStats(total, df, unlisted_df=max(1, round(planner.rarest * total)))
 
     async def candidates(self, terms: Sequence[int], limit: int, user_id: int | None = None) -> list[LoggedSketch]:
         """The logged sketches sharing the most of ``terms`` (of ``user_id`` only, when given)."""

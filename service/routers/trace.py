@@ -34,6 +34,7 @@ async def _tracing(session: SessionDep, resources: ResourcesDep) -> TracingServi
         resources.registry_cache,
         resources.report_signer,
         resources.sketcher,
+        resources.planner_statistics,
     )
 
 

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.models import utcnow
-from service.provenance.retrieval import Lead, lead_users, rank, select_terms
+from service.provenance.retrieval import Lead, LoggedSketch, TermStats, lead_users, rank, select_terms
 from service.provenance.sketch import QUERY_TERM_LIMIT, Sketch, Sketcher
 from service.repositories.provenance import ProvenanceRepository
 from service.schemas.trace import Corroboration, CorroborationMatch
@@ -65,11 +65,21 @@ def _match(lead: Lead) -> CorroborationMatch:
     )
 
 
-class ProvenanceSearch:
-    """Retrieval over the generation log for one trace (the request's session)."""
+class SketchStore(Protocol):
+    """Where the log's sketches are searched: the database (``ProvenanceRepository``) or memory
+    (``MemoryIndex``: tests and evaluations)."""
 
-    def __init__(self, session: AsyncSession, sketcher: Sketcher | None, settings: Settings) -> None:
-        self._repo = ProvenanceRepository(session)
+    async def term_stats(self, terms: Sequence[int]) -> TermStats: ...
+
+    async def candidates(self, terms: Sequence[int], limit: int, user_id: int | None = None) -> list[LoggedSketch]: ...
+
+
+class ProvenanceSearch:
+    """Retrieval over the generation log for one trace (``store``: the request's session's
+    ``ProvenanceRepository``, or a ``MemoryIndex``)."""
+
+    def __init__(self, store: SketchStore, sketcher: Sketcher | None, settings: Settings) -> None:
+        self._repo = store
         self._sketcher = sketcher
         self._settings = settings
 

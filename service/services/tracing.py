@@ -24,6 +24,7 @@ from service.errors import (
     UpstreamUnavailableError,
 )
 from service.models import utcnow
+from service.repositories.provenance import PlannerStatistics, ProvenanceRepository
 from service.schemas.common import Principal
 from service.schemas.trace import (
     TraceReport,
@@ -107,9 +108,10 @@ class TracingService:
         registry: RegistryCache,
         signer: ReportSigner,
         sketcher: Sketcher | None = None,
+        planner: PlannerStatistics | None = None,
     ) -> None:
         self._signer = signer
-        self._provenance = ProvenanceSearch(session, sketcher, settings)
+        self._provenance = ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, settings)
         self._session = session
         self._records = records
         self._settings = settings

@@ -84,7 +84,7 @@ def store(request: pytest.FixtureRequest) -> AsyncSession:
 async def test_search_finds_the_source_of_a_paraphrase_on_both_databases(store: AsyncSession, settings: Any) -> None:
     noise = [f"{UNRELATED} Note {i} on leaves, stomata and chlorophyll {i}." for i in range(30)]
     ids = await _seed(store, [ORIGINAL, *noise])
-    search = ProvenanceSearch(store, SKETCHER, settings)
+    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, settings)
     query = search.sketch(PARAPHRASE)
     assert query is not None and search.enabled
     leads = await search.search(query, top=5)
@@ -121,7 +121,7 @@ async def test_purge_drops_old_sketches_and_keeps_the_records(store: AsyncSessio
     assert rows[old_ids[0]].sketch_terms is None and rows[old_ids[0]].sketch_minhash is None
     assert rows[new_ids[0]].sketch_terms
     assert len(rows) == 2  # the records stay
-    search = ProvenanceSearch(store, SKETCHER, settings)
+    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, settings)
     assert all(lead.generation_id != old_ids[0] for lead in await search.search(search.sketch(ORIGINAL), top=5))
     if store.get_bind().dialect.name == "sqlite":  # the trigger dropped its postings too
         left = await store.scalar(
@@ -179,7 +179,7 @@ async def test_a_served_completion_is_logged_with_its_sketch(
     expected = sketcher.sketch(data["choices"][0]["message"]["content"])
     assert row.sketch_terms == list(expected.terms)
     assert row.sketch_minhash == list(expected.minhash)
-    search = ProvenanceSearch(db_session, sketcher, app.state.resources.settings)
+    search = ProvenanceSearch(ProvenanceRepository(db_session), sketcher, app.state.resources.settings)
     query = sketcher.sketch(data["choices"][0]["message"]["content"], limit=QUERY_TERM_LIMIT)
     leads = await search.search(query, top=3)
     assert leads[0].request_id == data["id"] and leads[0].similarity == 1.0
