@@ -21,6 +21,8 @@ terms, so the first share counts only the suspect's terms that the sample could 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -106,27 +108,44 @@ def select_terms(
     return chosen
 
 
+class _WeightedQuery:
+    """A suspect text's terms with their weights, prepared once for scoring many candidates."""
+
+    def __init__(self, query: Sketch, weights: Mapping[int, float]) -> None:
+        self.terms = query.terms  # sorted
+        self.weights = weights
+        self.cumulative = list(itertools.accumulate(weights[t] for t in query.terms))  # [Q]
+
+    def weight_up_to(self, bound: int | None) -> float:
+        """The total weight of the query's terms (those <= ``bound`` only, when given)."""
+        if not self.cumulative:
+            return 0.0
+        if bound is None:
+            return self.cumulative[-1]
+        count = bisect.bisect_right(self.terms, bound)
+        return self.cumulative[count - 1] if count else 0.0
+
+    def similarity(self, logged: LoggedSketch) -> float:
+        if not self.terms or not logged.terms:
+            return 0.0
+        weights = self.weights
+        shared = [t for t in logged.terms if t in weights]
+        # a full bottom-k sample holds only terms up to its largest hash
+        bound = logged.terms[-1] if len(logged.terms) >= TERM_LIMIT else None
+        total = self.weight_up_to(bound)
+        coverage = sum(weights[t] for t in shared) / total if total > 0 else 0.0
+        containment = len(shared) / len(logged.terms) if len(logged.terms) >= MIN_CONTAINMENT_TERMS else 0.0
+        return max(coverage, containment)
+
+
 def similarity(query: Sketch, weights: Mapping[int, float], logged: LoggedSketch) -> float:
     """How much of the suspect text the logged completion explains, or the reverse (module doc)."""
-    if not query.terms or not logged.terms:
-        return 0.0
-    held = set(logged.terms)
-    # a full bottom-k sample holds only terms up to its largest hash
-    bound = logged.terms[-1] if len(logged.terms) >= TERM_LIMIT else None
-    possible = query.terms if bound is None else [t for t in query.terms if t <= bound]
-    total = sum(weights[t] for t in possible)
-    found = sum(weights[t] for t in possible if t in held)
-    coverage = found / total if total > 0 else 0.0
-    containment = 0.0
-    if len(logged.terms) >= MIN_CONTAINMENT_TERMS:
-        asked = set(query.terms)
-        containment = sum(1 for t in logged.terms if t in asked) / len(logged.terms)
-    return max(coverage, containment)
+    return _WeightedQuery(query, weights).similarity(logged)
 
 
 def rank(query: Sketch, stats: TermStats, candidates: Iterable[LoggedSketch], *, top: int) -> list[Lead]:
     """The ``top`` candidates by similarity (then shingle similarity, then the newer)."""
-    weights = {t: stats.idf(t) for t in query.terms}
+    weighted = _WeightedQuery(query, {t: stats.idf(t) for t in query.terms})
     leads = [
         Lead(
             generation_id=c.generation_id,
@@ -134,7 +153,7 @@ def rank(query: Sketch, stats: TermStats, candidates: Iterable[LoggedSketch], *,
             request_id=c.request_id,
             created_at=c.created_at,
             model=c.model,
-            similarity=round(similarity(query, weights, c), 4),
+            similarity=round(weighted.similarity(c), 4),
             shingle_similarity=round(minhash_similarity(query.minhash, c.minhash), 4),
         )
         for c in candidates
