@@ -8,7 +8,6 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import numpy as np
 import pytest
 from scipy.stats import binom
 
@@ -24,7 +23,8 @@ from service.services.trace_fanout import (
     plan_for,
 )
 from service.vocabulary import KeyVersionStatus, TraceDecoder
-from tests.core.synthetic import LM_VOCAB, generate, random_messages
+from tests.core.synthetic import generate, random_messages
+from tests.core.test_likelihood import scores_of
 from xmark_core import CandidateSet, Message, ModelScores, WatermarkKey, WatermarkParams
 
 BOTH = (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD)
@@ -56,16 +56,6 @@ def _groups(users: int, seed: int = 0) -> list[LengthGroup]:
         snapshot = _registry(params, random_messages(params, users, seed=seed + bits))
         groups.append(LengthGroup(tuple(handles), snapshot))
     return groups
-
-
-def _scores(generation: Any, row: int) -> ModelScores:
-    k = generation.top_ids.shape[2]
-    return ModelScores(
-        token_logprobs=np.concatenate([[np.nan, np.nan], generation.token_logprobs[row]]),
-        top_ids=np.concatenate([np.zeros((2, k), np.int64), generation.top_ids[row]]),
-        top_logprobs=np.concatenate([np.full((2, k), -np.inf), generation.top_logprobs[row]]),
-        vocab_size=LM_VOCAB,
-    )
 
 
 def test_the_count_is_candidate_sets_times_key_versions_times_decoders() -> None:
@@ -115,7 +105,7 @@ def test_null_texts_are_rejected_at_alpha_over_the_whole_fan_out() -> None:
     corrected = uncorrected = 0
     for row in range(300):
         ids = [int(t) for t in generation.tokens[row]]
-        scores = _scores(generation, row)
+        scores = scores_of(generation, row)
         plan = plan_for(groups, leads, BOTH)
         reading = TextReading(ids, _Tokenizer(), alpha=alpha, temperature=1.0)  # type: ignore[arg-type]
         corrected += _smallest_p(_all_tests(TraceFanout(plan, reading), scores)) < alpha
@@ -162,7 +152,7 @@ def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
         ids = [int(t) for t in generation.tokens[row]]
         reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
         plan = plan_for(groups, [author, 17, 99, 4000, 12_000], BOTH)
-        result = _run(TraceFanout(plan, reading), _scores(generation, row))
+        result = _run(TraceFanout(plan, reading), scores_of(generation, row))
         named_by[result.named_in] += 1
         if result.outcome.attributed_user_id not in (None, author):
             wrong += 1
