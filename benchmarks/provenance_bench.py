@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -70,7 +71,16 @@ from service.db import create_engine, create_sessionmaker, session_scope, upgrad
 from service.keyring import params_from_settings
 from service.models import KeyVersion, User
 from service.provenance.retrieval import rank, select_terms
-from service.provenance.sketch import QUERY_TERM_LIMIT, STOP_WORDS, Sketcher, derive_sketch_key
+from service.provenance.sketch import (
+    QUERY_TERM_LIMIT,
+    SHINGLE_WORDS,
+    STOP_WORDS,
+    TERM_LIMIT,
+    Sketch,
+    Sketcher,
+    _mix64,
+    derive_sketch_key,
+)
 from service.repositories.provenance import ProvenanceRepository
 from service.services.provenance import CANDIDATES, ProvenanceSearch
 
@@ -167,26 +177,32 @@ class Corpus:
         in_topic = self.background + topic * self.spec.topic_words + in_topic
         return np.where(rng.random(n) < self.spec.topic_share, in_topic, background)
 
-    def sentences(
+    def layout(
         self, index: int, *, topic: int | None = None, words: int | None = None
-    ) -> tuple[int, list[list[str]]]:
-        """The topic and the sentences (lists of words) of text ``index``."""
+    ) -> tuple[int, np.ndarray, list[int]]:
+        """Text ``index``: its topic, its words (indices into ``self.words``) and its sentence lengths."""
         rng = np.random.default_rng((self.spec.seed, index))
         if topic is None:
             topic = int(rng.integers(self.spec.topics))
         if words is None:
             mean, spread = (LONG_WORDS, 80) if rng.random() < self.spec.long_share else (SHORT_WORDS, 40)
             words = max(40, int(rng.normal(mean, spread)))
-        drawn = self.words[self._draw(rng, topic, words)]
-        lengths = rng.integers(8, 23, size=words // 8 + 1)
-        out: list[list[str]] = []
-        start = 0
-        for length in lengths:
-            if start >= words:
+        drawn = self._draw(rng, topic, words)
+        lengths: list[int] = []
+        for length in rng.integers(8, 23, size=words // 8 + 1):
+            if sum(lengths) >= words:
                 break
-            out.append(list(drawn[start : start + int(length)]))
-            start += int(length)
-        return topic, out
+            lengths.append(min(int(length), words - sum(lengths)))
+        return topic, drawn, lengths
+
+    def sentences(
+        self, index: int, *, topic: int | None = None, words: int | None = None
+    ) -> tuple[int, list[list[str]]]:
+        """The topic and the sentences (lists of words) of text ``index``."""
+        topic, drawn, lengths = self.layout(index, topic=topic, words=words)
+        tokens = list(self.words[drawn])
+        ends = np.cumsum(lengths)
+        return topic, [tokens[end - length : end] for end, length in zip(ends, lengths, strict=True)]
 
     def text(self, index: int, *, topic: int | None = None, words: int | None = None) -> str:
         return render(self.sentences(index, topic=topic, words=words)[1])
@@ -219,11 +235,48 @@ def render(sentences: Sequence[Sequence[str]]) -> str:
 # -- the load: records made in a process pool -------------------------------------------------
 
 _WORKER: dict[str, Any] = {}
+CHECK_EVERY = 500  # every so many records, the fast sketch is checked against Sketcher.sketch
+
+
+class LogSketcher:
+    """``Sketcher.sketch`` of the corpus' logged texts, at less than half the cost (the load is
+    bound by it). Terms: a text's terms are the union of its words' terms (``Sketcher.terms`` is
+    per word: normalise, drop stop words, stem, hash, then the ``limit`` smallest), so each
+    vocabulary word's term is computed once. MinHash: ``Sketcher.minhash``'s computation (the
+    keyed BLAKE2b of each word 3-gram, the keyed SplitMix64 permutations, the minimum) without its
+    per-shingle Python calls. ``_records`` checks the result against ``Sketcher.sketch`` every
+    ``CHECK_EVERY`` records and stops the run on any difference."""
+
+    def __init__(self, corpus: Corpus, sketcher: Sketcher, key: bytes) -> None:
+        table = np.zeros(len(corpus.words), dtype=np.int64)  # 0: not a content word
+        for number, word in enumerate(corpus.words):
+            term = sketcher.terms([word], limit=1)
+            table[number] = term[0] if term else 0
+        self.table = table
+        self._key = key[:64]
+        self._seeds = sketcher._seeds  # the sketcher's keyed MinHash seeds
+
+    def minhash(self, tokens: Sequence[str]) -> tuple[int, ...]:
+        shingles = {" ".join(tokens[i : i + SHINGLE_WORDS]) for i in range(max(1, len(tokens) - SHINGLE_WORDS + 1))}
+        key = self._key
+        digests = b"".join(
+            hashlib.blake2b(s.encode("utf-8", "surrogatepass"), key=key, digest_size=8, person=b"shingle").digest()
+            for s in shingles
+        )
+        base = np.frombuffer(digests, dtype="<u8")
+        mixed = _mix64(base[:, None] ^ self._seeds[None, :])
+        return tuple(int(v) for v in (mixed.min(axis=0) >> np.uint64(33)))
+
+    def sketch(self, drawn: np.ndarray, tokens: Sequence[str]) -> Sketch:
+        terms = np.unique(self.table[drawn])
+        terms = terms[terms > 0][:TERM_LIMIT]
+        return Sketch(tuple(int(t) for t in terms), self.minhash(tokens))
 
 
 def _init_worker(spec: CorpusSpec, sketch_key: bytes) -> None:
-    _WORKER["corpus"] = Corpus(spec)
-    _WORKER["sketcher"] = Sketcher(sketch_key)
+    corpus = Corpus(spec)
+    sketcher = Sketcher(sketch_key)
+    _WORKER.update(corpus=corpus, sketcher=sketcher, fast=LogSketcher(corpus, sketcher, sketch_key))
 
 
 def request_id(index: int) -> str:
@@ -234,12 +287,18 @@ def _records(start: int, stop: int, user_ids: Sequence[int], key_version_id: int
     """Generation records ``start`` to ``stop`` (0-based; the row id is index + 1)."""
     corpus: Corpus = _WORKER["corpus"]
     sketcher: Sketcher = _WORKER["sketcher"]
+    fast: LogSketcher = _WORKER["fast"]
     rows = []
     for index in range(start, stop):
-        completion = corpus.text(index)
-        sketch = sketcher.sketch(completion)
+        _topic, drawn, lengths = corpus.layout(index)
+        tokens = list(corpus.words[drawn])
+        ends = np.cumsum(lengths)
+        completion = render([tokens[end - length : end] for end, length in zip(ends, lengths, strict=True)])
+        sketch = fast.sketch(drawn, tokens)
+        if index % CHECK_EVERY == 0 and sketcher.sketch(completion) != sketch:
+            raise RuntimeError(f"the fast sketch of record {index} differs from Sketcher.sketch")
         mix = int.from_bytes(hashlib.blake2b(b"mix %d" % index, digest_size=8).digest(), "little")
-        words = len(completion.split())
+        words = len(tokens)
         rows.append(
             (
                 index + 1,
@@ -436,6 +495,14 @@ def _queries(corpus: Corpus, rows: int, count: int, seed: int) -> list[Query]:
     return out
 
 
+def _provenance_search(session: Any, sketcher: Sketcher, settings: Settings) -> ProvenanceSearch:
+    """``ProvenanceSearch`` on the session's repository, as /trace builds it (``TraceService``);
+    an older ``ProvenanceSearch(session, ...)`` took the session itself."""
+    first = next(iter(inspect.signature(ProvenanceSearch).parameters))
+    store = session if first == "session" else ProvenanceRepository(session)
+    return ProvenanceSearch(store, sketcher, settings)
+
+
 async def _timed_searches(
     sessionmaker: Any, sketcher: Sketcher, settings: Settings, queries: list[Query], warmup: list[Query]
 ) -> dict[str, Any]:
@@ -443,7 +510,7 @@ async def _timed_searches(
     per_kind: dict[str, dict[str, list[Any]]] = {k: {"ms": [], "sketch_ms": [], "leads": []} for k in QUERY_KINDS}
     for number, query in enumerate([*warmup, *queries]):
         async with sessionmaker() as session:
-            search = ProvenanceSearch(session, sketcher, settings)
+            search = _provenance_search(session, sketcher, settings)
             started = time.perf_counter()
             sketch = search.sketch(query.text)
             sketched = time.perf_counter()
@@ -511,7 +578,7 @@ _TERM_DF = text(
 async def _breakdown(sessionmaker: Any, sketcher: Sketcher, queries: list[Query], per_kind: int) -> dict[str, Any]:
     """The search's steps timed apart (the same calls ``ProvenanceSearch.search`` makes), with the
     rows the candidates query reads and, for a few paraphrases, the chosen terms' true frequencies."""
-    taken = {k: 0 for k in QUERY_KINDS}
+    taken = dict.fromkeys(QUERY_KINDS, 0)
     steps: dict[str, dict[str, list[float]]] = {
         k: {n: [] for n in ("term_stats_ms", "candidates_ms", "rank_ms", "chosen", "postings", "overlap", "returned")}
         for k in QUERY_KINDS
@@ -767,7 +834,8 @@ def _table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("Lookup (ProvenanceSearch.search, top=20), ms:")
     lines.append(
-        f"  {'rows':>9} {'kind':<11} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'top1':>13} {'top5':>13} {'top sim p50':>11}"
+        f"  {'rows':>9} {'kind':<11} {'n':>4} {'p50':>8} {'p95':>8} {'p99':>8} {'top1':>13} {'top5':>13}"
+        f" {'top sim p50':>11}"
     )
     for scale in result["scales"]:
         for kind, entry in scale["lookup"].items():
@@ -794,12 +862,16 @@ def _table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("Load (COPY, process pool) and maintenance:")
     for scale in result["scales"]:
-        load, m = scale["load"], scale["maintenance"]
+        load, m, stats = scale["load"], scale["maintenance"], scale["term_statistics"]
         lines.append(
-            f"  {scale['generations']:>9,}: +{load['rows']:,} rows in {load['seconds']} s ({load['rows_per_s']:,} rows/s), "
-            f"vacuum {m['vacuum_s']} s, analyze {m['analyze_s']} s; pg_stats lists {scale['term_statistics']['listed_terms']} "
-            f"terms, unlisted df {scale['term_statistics']['unlisted_df']}"
+            f"  {scale['generations']:>9,}: +{load['rows']:,} rows in {load['seconds']} s "
+            f"({load['rows_per_s']:,} rows/s), vacuum {m['vacuum_s']} s, analyze {m['analyze_s']} s; "
+            f"pg_stats lists {stats['listed_terms']} terms, unlisted df {stats['unlisted_df']}"
         )
+    for size, plan in list(result["explain_candidates"].items())[-1:]:
+        lines.append("")
+        lines.append(f"EXPLAIN (ANALYZE, BUFFERS) of a paraphrase's candidates query at {int(size):,} rows:")
+        lines.extend(f"  {line}" for line in plan)
     return "\n".join(lines)
 
 

@@ -73,6 +73,7 @@ ANSWER_TOKENS = 300
 ATTACK_TEMPERATURE = 0.7
 MIN_ASKERS = 3  # every prompt is asked by at least this many authors (when there are enough authors)
 SMALL_AUTHORS = 4
+STEP_TIMEOUT_S = 3600  # vLLM's limit on one engine step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS), unless set
 LOOPING = 0.5  # counted in corpus-meta.json: rewrites whose distinct word 3-grams are under half of them
 
 
@@ -527,6 +528,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # one engine step prefills a whole wave (chunked prefill is off): 128 rewrite prompts of ~400 tokens
+    # took longer than vLLM's default 300 s per step on 2 busy cores, and vLLM then kills the engine
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(STEP_TIMEOUT_S))
     from transformers import AutoTokenizer
 
     started = time.monotonic()
