@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -78,6 +78,10 @@ test-fast: venv check-postgres
 
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json
+
+# The generation log's retrieval on PostgreSQL at 10^5 and 10^6 logged completions: sketch cost, lookup latency, recall, size per record.
+bench-provenance: venv
+	$(BIN)/python -m benchmarks.provenance_bench --json
 
 # A gateway through a database outage and a hang on a PostgreSQL server of its own (not CI);
 # prints one JSON object: records_missing and records_duplicated must be 0.

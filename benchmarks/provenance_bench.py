@@ -8,8 +8,9 @@ completions: sketch cost, lookup latency, recall and size per record.
    (~770 words), one call at a time on one thread, and the stored size of the sketch
    (``Sketch.size_bytes``).
 2. Lookup latency: a fresh database migrated to head is filled with generation records (COPY
-   through asyncpg, the texts generated and sketched by ``Sketcher.sketch`` in a process pool,
-   with the product's GIN index live during the load, as in production), then ``VACUUM`` (which
+   through asyncpg, the texts generated and sketched in a process pool, by ``LogSketcher``: the
+   same sketch as ``Sketcher.sketch`` at less than half its cost, checked against it every 500
+   records; the product's GIN index live during the load, as in production), then ``VACUUM`` (which
    flushes the GIN index's pending list, as autovacuum does) and ``ANALYZE`` (the term statistics
    the search reads come from ``pg_stats``). The database grows from one size to the next (10^5,
    then 900,000 more rows). At each size, three kinds of queries go through
@@ -73,12 +74,10 @@ from service.models import KeyVersion, User
 from service.provenance.retrieval import rank, select_terms
 from service.provenance.sketch import (
     QUERY_TERM_LIMIT,
-    SHINGLE_WORDS,
     STOP_WORDS,
     TERM_LIMIT,
     Sketch,
     Sketcher,
-    _mix64,
     derive_sketch_key,
 )
 from service.repositories.provenance import ProvenanceRepository
@@ -242,9 +241,8 @@ class LogSketcher:
     """``Sketcher.sketch`` of the corpus' logged texts, at less than half the cost (the load is
     bound by it). Terms: a text's terms are the union of its words' terms (``Sketcher.terms`` is
     per word: normalise, drop stop words, stem, hash, then the ``limit`` smallest), so each
-    vocabulary word's term is computed once. MinHash: ``Sketcher.minhash``'s computation (the
-    keyed BLAKE2b of each word 3-gram, the keyed SplitMix64 permutations, the minimum) without its
-    per-shingle Python calls. ``_records`` checks the result against ``Sketcher.sketch`` every
+    vocabulary word's term is computed once. MinHash: ``Sketcher.minhash`` itself. ``_records``
+    checks the result against ``Sketcher.sketch`` every
     ``CHECK_EVERY`` records and stops the run on any difference."""
 
     def __init__(self, corpus: Corpus, sketcher: Sketcher, key: bytes) -> None:
@@ -253,19 +251,10 @@ class LogSketcher:
             term = sketcher.terms([word], limit=1)
             table[number] = term[0] if term else 0
         self.table = table
-        self._key = key[:64]
-        self._seeds = sketcher._seeds  # the sketcher's keyed MinHash seeds
+        self._sketcher = sketcher
 
     def minhash(self, tokens: Sequence[str]) -> tuple[int, ...]:
-        shingles = {" ".join(tokens[i : i + SHINGLE_WORDS]) for i in range(max(1, len(tokens) - SHINGLE_WORDS + 1))}
-        key = self._key
-        digests = b"".join(
-            hashlib.blake2b(s.encode("utf-8", "surrogatepass"), key=key, digest_size=8, person=b"shingle").digest()
-            for s in shingles
-        )
-        base = np.frombuffer(digests, dtype="<u8")
-        mixed = _mix64(base[:, None] ^ self._seeds[None, :])
-        return tuple(int(v) for v in (mixed.min(axis=0) >> np.uint64(33)))
+        return self._sketcher.minhash(tokens)  # one keyed hash per distinct word, then vector arithmetic
 
     def sketch(self, drawn: np.ndarray, tokens: Sequence[str]) -> Sketch:
         terms = np.unique(self.table[drawn])

@@ -34,6 +34,9 @@ MIN_CONTAINMENT_TERMS = 16
 DEFAULT_MAX_TERMS = 32
 DEFAULT_BUDGET = 20_000
 DEFAULT_MAX_SHARE = 0.02
+# the budget never cuts the search below this many terms (an estimate of how often a term occurs
+# may be a loose upper bound, which grows with the log)
+DEFAULT_MIN_TERMS = 12
 # below this many sketched completions every term counts as informative
 MIN_TOTAL_FOR_SHARE = 1_000
 
@@ -89,9 +92,11 @@ def select_terms(
     max_terms: int = DEFAULT_MAX_TERMS,
     budget: int = DEFAULT_BUDGET,
     max_share: float = DEFAULT_MAX_SHARE,
+    min_terms: int = DEFAULT_MIN_TERMS,
 ) -> list[int]:
     """The terms to look up: the rarest that occur in the log, until ``max_terms`` or ``budget``
-    postings; a term in more than ``max_share`` of a large log is skipped."""
+    postings (but at least ``min_terms``); a term in more than ``max_share`` of a large log is
+    skipped."""
     chosen: list[int] = []
     spent = 0
     share_cap = max_share * stats.total if stats.total >= MIN_TOTAL_FOR_SHARE else math.inf
@@ -99,7 +104,7 @@ def select_terms(
         df = stats.of(term)
         if df == 0:
             continue  # in no logged completion
-        if df > share_cap or spent + df > budget:
+        if df > share_cap or (spent + df > budget and len(chosen) >= min_terms):
             break
         chosen.append(term)
         spent += df

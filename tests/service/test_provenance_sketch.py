@@ -147,7 +147,10 @@ def test_term_selection_prefers_rare_terms_and_skips_the_common() -> None:
     stats = TermStats(total=10_000, df={1: 5_000, 2: 3, 3: 40, 4: 0, 5: 150})
     assert select_terms([1, 2, 3, 4, 5], stats) == [2, 3, 5]  # 4 is in no completion, 1 in half
     assert select_terms([1, 2, 3, 5], stats, max_terms=2) == [2, 3]
-    assert select_terms([1, 2, 3, 5], stats, budget=100) == [2, 3]
+    assert select_terms([1, 2, 3, 5], stats, budget=100, min_terms=1) == [2, 3]
+    assert select_terms([1, 2, 3, 5], stats, budget=100) == [2, 3, 5]  # at least min_terms, budget or not
+    loose = TermStats(total=10_000_000, df={}, unlisted_df=11_000)  # an upper bound that grows with the log
+    assert len(select_terms(range(1, 40), loose)) == 12
     small = TermStats(total=10, df={1: 9})  # a small log: no term is too common to ask
     assert select_terms([1], small) == [1]
     unlisted = TermStats(total=10_000, df={1: 5}, unlisted_df=20)  # planner statistics: rarer than listed
