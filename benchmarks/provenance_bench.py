@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import inspect
 import json
 import os
 import platform
@@ -80,7 +79,7 @@ from service.provenance.sketch import (
     Sketcher,
     derive_sketch_key,
 )
-from service.repositories.provenance import ProvenanceRepository
+from service.repositories.provenance import PlannerStatistics, ProvenanceRepository
 from service.services.provenance import CANDIDATES, ProvenanceSearch
 
 DEFAULT_URL = "postgresql+asyncpg://root@127.0.0.1:5432/xmark_provenance_bench"
@@ -484,12 +483,12 @@ def _queries(corpus: Corpus, rows: int, count: int, seed: int) -> list[Query]:
     return out
 
 
-def _provenance_search(session: Any, sketcher: Sketcher, settings: Settings) -> ProvenanceSearch:
-    """``ProvenanceSearch`` on the session's repository, as /trace builds it (``TraceService``);
-    an older ``ProvenanceSearch(session, ...)`` took the session itself."""
-    first = next(iter(inspect.signature(ProvenanceSearch).parameters))
-    store = session if first == "session" else ProvenanceRepository(session)
-    return ProvenanceSearch(store, sketcher, settings)
+def _provenance_search(
+    session: Any, sketcher: Sketcher, settings: Settings, planner: PlannerStatistics
+) -> ProvenanceSearch:
+    """``ProvenanceSearch`` on the session's repository, as /trace builds it (``TracingService``:
+    the process's cache of the planner's statistics)."""
+    return ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, settings)
 
 
 async def _timed_searches(
@@ -497,9 +496,10 @@ async def _timed_searches(
 ) -> dict[str, Any]:
     """Each query through ``ProvenanceSearch.search(query, top=20)`` in a session of its own."""
     per_kind: dict[str, dict[str, list[Any]]] = {k: {"ms": [], "sketch_ms": [], "leads": []} for k in QUERY_KINDS}
+    planner = PlannerStatistics()  # one per gateway process, as in its resources
     for number, query in enumerate([*warmup, *queries]):
         async with sessionmaker() as session:
-            search = _provenance_search(session, sketcher, settings)
+            search = _provenance_search(session, sketcher, settings, planner)
             started = time.perf_counter()
             sketch = search.sketch(query.text)
             sketched = time.perf_counter()
