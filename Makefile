@@ -108,7 +108,7 @@ eval-forensic: venv-vllm model
 # vLLM CPU engine (cached in var/eval/provenance-seed0), then /trace with the generation log as
 # second witness over registries of 10^4 and 10^6 and a log of 10^5 other generations.
 eval-provenance: venv-vllm venv model
-	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 64
 	$(BIN)/python -m benchmarks.evaluation.provenance
 
 # The full grids with 16 users, on the vLLM CPU engine; writes docs/results.
