@@ -123,7 +123,12 @@ class ProvenanceSearch:
         return replace(outcome, report=report)
 
     async def corroborate(self, query: Sketch | None, leads: Sequence[Lead], named: int | None) -> Corroboration:
-        """Whether the named user's log holds a completion like the text; the top matches."""
+        """Whether the named user's log holds a completion like the text; the top matches.
+
+        Corroborated: the named user's best match is at least ``provenance_match_similarity``
+        and no other user's logged completion is more similar (many users write on the same
+        topics: a same-topic completion of the named user behind someone else's closer one does
+        not back the naming)."""
         if not self.enabled:
             return Corroboration(status="disabled")
         threshold = self._settings.provenance_match_similarity
@@ -136,7 +141,8 @@ class ProvenanceSearch:
         if not own or own[0].similarity < threshold:
             # the leads are the whole log's best; the named user's own log may hold a weaker match
             own = await self.search(query, top=1, user_id=named)
-        found = [lead for lead in own if lead.similarity >= threshold]
+        rival = max((lead.similarity for lead in leads if lead.user_id != named), default=0.0)
+        found = [lead for lead in own if lead.similarity >= max(threshold, rival)]
         if found and all(lead.generation_id != found[0].generation_id for lead in shown):
             shown = [found[0], *shown[: MATCHES_SHOWN - 1]]
         if found:

@@ -16,6 +16,7 @@ from sqlalchemy.pool import NullPool
 
 from service.db import upgrade_database
 from service.models import Generation, KeyVersion, User
+from service.provenance.retrieval import LoggedSketch, MemoryIndex
 from service.provenance.sketch import QUERY_TERM_LIMIT, Sketcher, derive_sketch_key
 from service.repositories.provenance import ProvenanceRepository
 from service.services.provenance import ProvenanceSearch, purge_sketches, sketch_columns
@@ -183,3 +184,26 @@ async def test_a_served_completion_is_logged_with_its_sketch(
     query = sketcher.sketch(data["choices"][0]["message"]["content"], limit=QUERY_TERM_LIMIT)
     leads = await search.search(query, top=3)
     assert leads[0].request_id == data["id"] and leads[0].similarity == 1.0
+
+
+async def test_corroboration_needs_the_named_users_completion_to_be_the_closest(settings: Any) -> None:
+    """A naming is corroborated by the named user's log only when no other user's logged
+    completion is closer to the text; the top matches are listed either way."""
+    index = MemoryIndex()
+    now = datetime.now(UTC)
+    for generation_id, user_id, body in ((1, 10, ORIGINAL), (2, 20, PARAPHRASE), (3, 30, UNRELATED)):
+        sketch = SKETCHER.sketch(body)
+        assert sketch is not None
+        index.add(LoggedSketch(generation_id, user_id, f"req-{generation_id}", now, "m", sketch.terms, sketch.minhash))
+    search = ProvenanceSearch(index, SKETCHER, settings)
+    query = search.sketch(ORIGINAL)
+    leads = await search.search(query, top=5)
+    assert [lead.user_id for lead in leads[:2]] == [10, 20]
+    own = await search.corroborate(query, leads, 10)
+    assert own.status == "corroborated" and own.matches[0].request_id == "req-1"
+    closer_elsewhere = await search.corroborate(query, leads, 20)  # user 20 holds a paraphrase, user 10 the text
+    assert leads[1].similarity >= settings.provenance_match_similarity
+    assert closer_elsewhere.status == "not_found" and closer_elsewhere.note is not None
+    nobody = await search.corroborate(query, leads, None)
+    assert nobody.status == "leads" and nobody.matches[0].user_id == 10
+    assert (await search.corroborate(search.sketch("🙂"), [], 10)).status == "not_found"
