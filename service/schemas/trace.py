@@ -80,9 +80,9 @@ class Corroboration(BaseModel):
     """The second witness: what the generation log holds that resembles the text.
 
     ``corroborated``: the named user's log holds a generation at least as similar as the gateway's
-    match threshold, and no other user's is closer. ``not_found``: it does not (a naming then rests on the watermark only: a
-    possible forgery, or a generation older than the sketches' retention), or nobody was named and
-    nothing in the log resembles the text. ``leads``: nobody was named, but logged completions
+    match threshold, and no other user's is closer. ``not_found``: it does not (a naming then rests
+    on the watermark only: a possible forgery, or a generation older than the sketches' retention),
+    or nobody was named and nothing in the log resembles the text. ``leads``: nobody was named, but logged completions
     resemble the text (leads for an investigation, never a naming). ``disabled``: the gateway keeps
     no sketches (``XMARK_PROVENANCE=off``)."""
 
