@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Table
@@ -59,3 +60,16 @@ async def scratch_table(admin: AsyncEngine, table: Table) -> AsyncIterator[Table
     finally:
         async with admin.begin() as connection:
             await connection.run_sync(table.drop)
+
+
+@pytest.fixture
+async def ready(app: Any) -> None:
+    """The app's local model has loaded."""
+    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
+
+
+@pytest.fixture
+def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test rolls back its users; make the registry cache look at the table on every trace
+    (modules that trace use it with ``pytest.mark.usefixtures``)."""
+    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)

@@ -23,11 +23,6 @@ MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture
-async def ready(app: Any) -> None:
-    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
-
-
-@pytest.fixture
 async def user_key(make_user: Any, ready: None) -> tuple[dict[str, Any], str]:
     return await make_user("user")
 

@@ -19,17 +19,7 @@ from service.repositories.provenance import ProvenanceRepository
 from service.services.provenance import NOT_FOUND_NOTE
 from tests.service.test_trace import ESSAY, _auth, _watermarked_text
 
-pytestmark = pytest.mark.model
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
-
-
-@pytest.fixture
-async def ready(app: Any) -> None:
-    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
 
 
 async def _served(client: httpx.AsyncClient, db_session: AsyncSession, key: str) -> tuple[str, str]:

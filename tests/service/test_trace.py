@@ -14,21 +14,10 @@ from service.models import Trace
 from service.services.registry_cache import RegistryCache
 from xmark_core import Message
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
 
 MODEL = "smollm2-135m-instruct"
 ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test rolls back its users; make the cache look at the table on every trace."""
-    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
-
-
-@pytest.fixture
-async def ready(app: Any) -> None:
-    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -9,12 +9,7 @@ import pytest
 
 from tests.service.test_trace import _auth, _watermarked_text
 
-pytestmark = pytest.mark.model
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
 
 
 async def test_counting_evidence_follows_the_named_users_blocks(

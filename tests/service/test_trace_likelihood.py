@@ -18,22 +18,12 @@ from service.services.reports import decode_public_key, verify_report
 from service.services.trace_analysis import tokenize
 from tests.service.test_trace import _auth, _watermarked_text
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
 
 PLAIN = (
     "Sailing ships carried goods and people across the oceans for centuries. Their hulls were built "
     "of oak, their sails of canvas, and their crews learned to read the wind and the stars."
 )
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
-
-
-@pytest.fixture
-async def ready(app: Any) -> None:
-    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
 
 
 async def test_scores_are_the_models_log_probabilities(app: Any, ready: None) -> None:

@@ -23,11 +23,6 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-@pytest.fixture
-async def ready(app: Any) -> None:
-    assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
-
-
 async def _public_key(client: httpx.AsyncClient) -> bytes:
     response = await client.get("/.well-known/xmark-report-key")  # no authentication
     assert response.status_code == 200
