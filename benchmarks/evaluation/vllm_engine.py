@@ -104,7 +104,9 @@ class EvalLogitsProcessor(LogitsProcessor):
         self._blocks: list[np.ndarray | None] = [None] * rows
         self._prompt: list[list[int] | None] = [None] * rows
         self._output: list[list[int] | None] = [None] * rows
-        self._suppress: torch.Tensor | None = None
+        # each row's never-sampled token ids (its request's "suppress"), None: nothing suppressed
+        self._suppress: list[torch.Tensor | None] = [None] * rows
+        self._suppress_lists: dict[tuple[int, ...], torch.Tensor] = {}
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -112,11 +114,11 @@ class EvalLogitsProcessor(LogitsProcessor):
     def _ensure(self, index: int) -> None:
         grow = index + 1 - len(self._setting)
         if grow > 0:
-            for column in (self._setting, self._blocks, self._prompt, self._output):
+            for column in self._columns():
                 column.extend([None] * grow)
 
     def _columns(self) -> tuple[list[Any], ...]:
-        return self._setting, self._blocks, self._prompt, self._output
+        return self._setting, self._blocks, self._prompt, self._output, self._suppress
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
@@ -128,8 +130,7 @@ class EvalLogitsProcessor(LogitsProcessor):
         for index, params, prompt, output in batch_update.added:
             self._ensure(index)
             args = (params.extra_args or {})[XARG]
-            if self._suppress is None and args.get("suppress"):
-                self._suppress = torch.tensor(sorted(set(args["suppress"])), dtype=torch.int64, device=self._device)
+            self._suppress[index] = self._suppress_list(args.get("suppress") or ())
             found = _setting(args)
             if found is None:
                 self._setting[index] = self._blocks[index] = None
@@ -179,9 +180,29 @@ class EvalLogitsProcessor(LogitsProcessor):
                 inplace=True,
             )
             logits.index_copy_(0, index, sub)
-        if self._suppress is not None:
-            logits[:, self._suppress] = float("-inf")
+        suppressed: dict[int, list[int]] = {}  # rows by the id of their suppress list
+        for row in range(batch):
+            ids = self._suppress[row]
+            if ids is not None:
+                suppressed.setdefault(id(ids), []).append(row)
+        for rows in suppressed.values():
+            ids = self._suppress[rows[0]]
+            assert ids is not None
+            if len(rows) == batch:
+                logits[:, ids] = float("-inf")
+            else:
+                index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+                logits[index.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
         return logits
+
+    def _suppress_list(self, ids: Sequence[int]) -> torch.Tensor | None:
+        """One tensor per distinct list (rows asking for the same list share it)."""
+        if not ids:
+            return None
+        key = tuple(sorted({int(i) for i in ids}))
+        if key not in self._suppress_lists:
+            self._suppress_lists[key] = torch.tensor(key, dtype=torch.int64, device=self._device)
+        return self._suppress_lists[key]
 
 
 def row_seed(seed: int, job: RowJob) -> int:

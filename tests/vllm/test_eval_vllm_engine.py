@@ -122,6 +122,28 @@ def test_rows_follow_removals_moves_and_swaps() -> None:
     assert torch.equal(out, expected)
 
 
+def test_suppression_is_each_rows_own() -> None:
+    """A row that suppresses nothing (a rewrite) keeps every logit beside rows that suppress."""
+    processor = EvalLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    plain = job(2)  # unwatermarked
+    added = [
+        (0, sampling(plain), [1, 2], []),
+        (1, SamplingParams(max_tokens=8, extra_args=request_args(plain, SEED, [])), [1, 2], []),
+        (2, SamplingParams(max_tokens=8, extra_args=request_args(plain, SEED, [3, 4])), [1, 2], []),
+    ]
+    processor.update_state(BatchUpdate(batch_size=3, removed=[], added=added, moved=[]))
+    base = base_logits(3, seed=11)
+    out = processor.apply(base.clone())
+    assert torch.isinf(out[0, SUPPRESS]).all() and not torch.isinf(out[0, [3, 4]]).any()
+    assert torch.equal(out[1], base[1])
+    assert torch.isinf(out[2, [3, 4]]).all() and not torch.isinf(out[2, SUPPRESS]).any()
+    # the rows keep their own lists after a swap
+    processor.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+    out = processor.apply(base.clone())
+    assert torch.equal(out[0], base[0])
+    assert torch.isinf(out[1, SUPPRESS]).all()
+
+
 def test_requests_without_or_with_a_malformed_setting_are_refused() -> None:
     with pytest.raises(ValueError, match="xmark_eval"):
         EvalLogitsProcessor.validate_params(SamplingParams(max_tokens=4))
