@@ -445,9 +445,68 @@ def _pct(rate: dict[str, Any]) -> str:
     return f"{100 * rate['rate']:.1f} % ({rate['count']}/{rate['of']}; {100 * low:.1f}–{100 * high:.1f})"
 
 
+def _pooled(
+    results: dict[str, Any], size: int, attacks: Sequence[str], field: str, temperatures: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``field`` summed over the cells of ``attacks`` (and ``temperatures``, all when empty)."""
+    count = trials = 0
+    for key, cell in results["cells"].items():
+        cell_size, temperature, attack = key.split("/")
+        if int(cell_size) == size and attack in attacks and (not temperatures or temperature in temperatures):
+            count += cell[field]["count"]
+            trials += cell[field]["of"]
+    return _rate(count, trials)
+
+
+def goals(results: dict[str, Any], size: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """The issue's goals for one registry: (what, goal, measured rate)."""
+    null = results["null"][str(size)]
+    return [
+        (
+            "rewrites (paraphrase + summary, both temperatures): right user named",
+            "≥ 60 %",
+            _pooled(results, size, REWRITES, "named_right"),
+        ),
+        (
+            "rewrites keeping ≥ 30 % of the 3-grams: right user named",
+            "≥ 90 %",
+            _pooled(results, size, REWRITES, "named_when_kept_30pct"),
+        ),
+        ("rewrites: author among the top-5 leads", "≥ 95 %", _pooled(results, size, REWRITES, "author_in_top5_leads")),
+        ("rewrites: wrong user named", "0", _pooled(results, size, REWRITES, "named_wrong")),
+        (
+            "20 % token substitution, T = 0.7: right user named",
+            "≥ 95 %",
+            _pooled(results, size, ("substitution",), "named_right", ("0.7",)),
+        ),
+        (
+            "20 % token substitution, T = 0.7: wrong user named",
+            "0",
+            _pooled(results, size, ("substitution",), "named_wrong", ("0.7",)),
+        ),
+        (
+            "first 150 tokens, text in the log: right user named",
+            "≥ 99 % (at 10^6)",
+            _pooled(results, size, ("t150",), "named_right"),
+        ),
+        ("every attacked text: wrong user named", "0", _pooled(results, size, ATTACKS, "named_wrong")),
+        ("unwatermarked texts on the same prompts: named", "≤ 1 / 3,000", null["named"]),
+        (
+            "forged (never logged), of those named: not_found",
+            "100 %",
+            _pooled(results, size, ("forged",), "not_found_of_named"),
+        ),
+    ]
+
+
 def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "provenance.json").write_text(json.dumps({"meta": meta, **results}, indent=1) + "\n", encoding="utf-8")
+    measured = {
+        str(size): [{"what": what, "goal": target, **rate} for what, target, rate in goals(results, size)]
+        for size in meta["registries"]
+    }
+    document = {"meta": meta, **results, "goals": measured}
+    (out / "provenance.json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     lines = [
         "# Provenance: /trace with the generation log as second witness",
         "",
@@ -458,8 +517,9 @@ def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> No
         "",
     ]
     for size in meta["registries"]:
+        lines += [f"## Registry of {size:,}", "", "| goal | target | measured |", "|---|---|---|"]
+        lines += [f"| {what} | {target} | {_pct(rate)} |" for what, target, rate in goals(results, size)]
         lines += [
-            f"## Registry of {size:,}",
             "",
             "| T | attack | 3-grams kept (median) | named right | named wrong | by retrieval | author top lead "
             "| author in top-5 leads | corroborated (of named) | not found (of named) | named when ≥ 30 % kept |",
