@@ -75,6 +75,8 @@ class TraceOutcome:
     # the corrected p-value the reading was chosen by among key versions (smaller = stronger):
     # counting, the smaller of the detection and the best candidate's; likelihood, the best candidate's
     strength: float = 1.0
+    # the posterior confidence of the best-ranked candidate among this test's candidates (named or not)
+    confidence: float = 0.0
 
     @property
     def named(self) -> bool:
@@ -433,6 +435,7 @@ def analyze_counting(
         best.handle.id,
         None if attributed is None else _user_id(attributed.id),
         strength=best.strength,
+        confidence=attribution.confidence,
     )
 
 
@@ -526,4 +529,10 @@ def analyze_likelihood(
         identity_level=identity_level,
         identity_p_value=attribution.identity_p_value,
     )
-    return TraceOutcome(report, handle.id, None if named is None else _user_id(named.id), strength=attribution.p_value)
+    return TraceOutcome(
+        report,
+        handle.id,
+        None if named is None else _user_id(named.id),
+        strength=attribution.p_value,
+        confidence=attribution.confidence,
+    )

@@ -13,6 +13,15 @@ Order of the tests: the registry first (counting, then likelihood), then the ret
 (counting, then likelihood); the first test that names someone decides. A candidate set's p-values
 are also corrected for its own size (``xmark_core.attribute``), so the retrieved set's test pays
 for its handful of users rather than the whole registry.
+
+The retrieved set's test is exact for a text no one watermarked, but a text that carries another
+user's watermark can make a retrieved user whose message ID shares blocks with that user's pass
+it (a forged text, or an answer whose own generation the log does not hold). So a naming in the
+retrieved set stands only if the same decoder over the whole registry ranks that user first with
+the posterior confidence a naming needs there (``DEFAULT_MIN_CONFIDENCE``): only the registry's
+p-value, which pays for every registered user, may fall short. A registry user who explains the
+watermark as well or better withdraws it. The rule only withdraws namings, so the count stays
+valid.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from service.services.trace_analysis import (
     analyze_likelihood_by_length,
 )
 from service.vocabulary import TraceDecoder
-from xmark_core import DEFAULT_EDIT_RATE, ModelScores
+from xmark_core import DEFAULT_EDIT_RATE, DEFAULT_MIN_CONFIDENCE, ModelScores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -166,18 +175,33 @@ class TraceFanout:
         scores: ModelScores | None = None
         scored = False
         reported: TraceOutcome | None = None
+        # each decoder's outcome over the whole registry: a retrieved user's naming must agree with it
+        registry: dict[TraceDecoder, TraceOutcome] = {}
+
+        def stands(outcome: TraceOutcome, decoder: TraceDecoder, scope: CandidateScope) -> bool:
+            if not outcome.named:
+                return False
+            if scope == CandidateScope.REGISTRY:
+                return True
+            ranked = registry.get(decoder)
+            return ranked is not None and _ranks_first(ranked, outcome.attributed_user_id)
+
         for candidates in plan.candidate_sets:
             outcome = first = None
             if use_counting:
                 outcome = first = await run_counting(functools.partial(self.counting, candidates))
-                if first.named and counting_names:
+                if candidates.scope == CandidateScope.REGISTRY:
+                    registry[TraceDecoder.COUNTING] = first
+                if counting_names and stands(first, TraceDecoder.COUNTING, candidates.scope):
                     return FanoutOutcome(first, candidates.scope, plan.tries)
             if use_likelihood:
                 if not scored:
                     scores, scored = await score(), True
                 if scores is not None:
                     outcome = await run_likelihood(functools.partial(self.likelihood, candidates, scores, first))
-                    if outcome.named:
+                    if candidates.scope == CandidateScope.REGISTRY:
+                        registry[TraceDecoder.LIKELIHOOD] = outcome
+                    if stands(outcome, TraceDecoder.LIKELIHOOD, candidates.scope):
                         return FanoutOutcome(outcome, candidates.scope, plan.tries)
             if reported is None:
                 reported = outcome
@@ -197,6 +221,17 @@ class TraceFanout:
 
 async def _inline(work: Callable[[], T]) -> T:
     return work()
+
+
+def _ranks_first(outcome: TraceOutcome, user_id: int | None) -> bool:
+    """Whether ``outcome`` (a test over the whole registry) ranks ``user_id`` first, confidently."""
+    candidates = outcome.report.candidates
+    return (
+        user_id is not None
+        and bool(candidates)
+        and candidates[0].user_id == user_id
+        and outcome.confidence >= DEFAULT_MIN_CONFIDENCE
+    )
 
 
 def _unnamed(outcome: TraceOutcome) -> TraceOutcome:

@@ -135,9 +135,9 @@ def _run(fanout: TraceFanout, scores: ModelScores | None) -> Any:
 
 
 def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
-    """A short watermarked text among 20,000 registered users: the registry-wide tests name nobody;
-    the same text tested against the 5 users a content search returned names its author, and the
-    report says the candidate set that named."""
+    """A short watermarked text among 20,000 registered users: where the registry-wide tests name
+    nobody, the same text tested against the 5 users a content search returned can name its
+    author, never anyone else, and the report says the candidate set that named."""
     params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
     key = WatermarkKey.from_secret("fanout-narrowing-secret-0123456789", params)
     messages = random_messages(params, 20_000, seed=5)
@@ -147,7 +147,7 @@ def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
     named_by = {CandidateScope.REGISTRY: 0, CandidateScope.RETRIEVED: 0, None: 0}
     wrong = 0
     rows = 24
-    generation = generate(key, [messages[author - 1]] * rows, 40, top_k=20, seed=3, temperature=1.0)
+    generation = generate(key, [messages[author - 1]] * rows, 60, top_k=20, seed=3, temperature=1.0)
     for row in range(rows):
         ids = [int(t) for t in generation.tokens[row]]
         reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
@@ -158,9 +158,9 @@ def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
             wrong += 1
         assert result.tries == plan.tries == 2 * 1 * 2
     assert wrong == 0
-    # 40 tokens: rarely enough among 20,000 IDs, mostly enough among 5
-    assert named_by[CandidateScope.RETRIEVED] >= rows // 2, named_by
-    assert named_by[CandidateScope.RETRIEVED] > named_by[CandidateScope.REGISTRY], named_by
+    # 60 tokens: rarely enough among 20,000 IDs; among 5, enough whenever the registry-wide test
+    # ranks the author first with the confidence a naming needs (seeded: 1 of 24 here)
+    assert named_by[CandidateScope.RETRIEVED] >= 1, named_by
 
 
 def test_a_plan_without_leads_reports_the_registry_reading() -> None:
@@ -172,3 +172,37 @@ def test_a_plan_without_leads_reports_the_registry_reading() -> None:
     assert result.named_in is None
     assert result.outcome.report.decoder == TraceDecoder.COUNTING
     assert math.isclose(result.tries, 8)
+
+
+def test_a_retrieved_user_who_shares_blocks_with_the_real_author_is_not_named() -> None:
+    """A short text watermarked for user A, whose own generation the search did not return (a forged
+    text, or one the log no longer holds); one of the five leads holds an ID that differs from A's
+    in 2 of 32 bits. Tested alone, the leads let that neighbour pass for the author; within the
+    fan-out the registry does not rank it first with confidence, so no lead is named."""
+    params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
+    key = WatermarkKey.from_secret("fanout-neighbours-secret-0123456789", params)
+    messages = random_messages(params, 5_000, seed=8)
+    author = 777
+    bits = messages[author - 1].bits
+    flipped = list(bits)
+    for position in (3, 19):  # a registered user whose ID differs from A's in two bits
+        flipped[position] = "1" if flipped[position] == "0" else "0"
+    neighbours = [Message.from_bits("".join(flipped), params)]
+    leads = [len(messages) + 1, 11, 222, 3333, 4444]  # the neighbour and four unrelated users
+    handle = KeyVersionHandle(1, "v1", key, KeyVersionStatus.ACTIVE)
+    registry = _registry(params, messages + neighbours)
+    groups = [LengthGroup((handle,), registry)]
+    alone = [LengthGroup((handle,), registry.restricted(leads))]  # the leads as the only candidates
+    rows = 16
+    generation = generate(key, [messages[author - 1]] * rows, 80, top_k=20, seed=4, temperature=1.0)
+    named_alone = named_lead = 0
+    for row in range(rows):
+        ids = [int(t) for t in generation.tokens[row]]
+        reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+        lone = _run(TraceFanout(plan_for(alone, [], BOTH), reading), scores_of(generation, row))
+        named_alone += lone.outcome.attributed_user_id == leads[0]
+        result = _run(TraceFanout(plan_for(groups, leads, BOTH), reading), scores_of(generation, row))
+        named_lead += result.outcome.attributed_user_id in leads
+        assert result.outcome.attributed_user_id in (None, author)
+    assert named_alone >= rows // 2, "the leads alone should pass for the author: the case is not tested"
+    assert named_lead == 0
