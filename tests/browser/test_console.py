@@ -62,9 +62,16 @@ def _chat(server: Any, key: str) -> str:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=600)
     texts = []
     tokens = 0
-    for prompt in PROMPTS:
+    # answers sampled at temperature 1 may end early: ask again (the prompts in turn) until there
+    # is enough text to name the user, within a bound
+    for round_ in range(3 * len(PROMPTS)):
+        if round_ >= len(PROMPTS) and tokens >= 200:
+            break
         completion = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=1.0
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[round_ % len(PROMPTS)]}],
+            max_tokens=200,
+            temperature=1.0,
         )
         assert completion.usage is not None
         tokens += completion.usage.completion_tokens
