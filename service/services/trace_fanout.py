@@ -179,28 +179,24 @@ class TraceFanout:
         registry: dict[TraceDecoder, TraceOutcome] = {}
 
         def stands(outcome: TraceOutcome, decoder: TraceDecoder, scope: CandidateScope) -> bool:
-            if not outcome.named:
-                return False
+            """Records a registry outcome; whether ``outcome``'s naming stands."""
             if scope == CandidateScope.REGISTRY:
-                return True
+                registry[decoder] = outcome
+                return outcome.named
             ranked = registry.get(decoder)
-            return ranked is not None and _ranks_first(ranked, outcome.attributed_user_id)
+            return outcome.named and ranked is not None and _ranks_first(ranked, outcome.attributed_user_id)
 
         for candidates in plan.candidate_sets:
             outcome = first = None
             if use_counting:
                 outcome = first = await run_counting(functools.partial(self.counting, candidates))
-                if candidates.scope == CandidateScope.REGISTRY:
-                    registry[TraceDecoder.COUNTING] = first
-                if counting_names and stands(first, TraceDecoder.COUNTING, candidates.scope):
+                if stands(first, TraceDecoder.COUNTING, candidates.scope) and counting_names:
                     return FanoutOutcome(first, candidates.scope, plan.tries)
             if use_likelihood:
                 if not scored:
                     scores, scored = await score(), True
                 if scores is not None:
                     outcome = await run_likelihood(functools.partial(self.likelihood, candidates, scores, first))
-                    if candidates.scope == CandidateScope.REGISTRY:
-                        registry[TraceDecoder.LIKELIHOOD] = outcome
                     if stands(outcome, TraceDecoder.LIKELIHOOD, candidates.scope):
                         return FanoutOutcome(outcome, candidates.scope, plan.tries)
             if reported is None:
