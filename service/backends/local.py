@@ -114,6 +114,12 @@ class LocalStream:
         self._job.cancelled.set()
 
 
+# One model loads at a time in this process. transformers' loading is not thread-safe: two local
+# models (several served from a models file) loading at once on their own threads left one of
+# them with garbage weights, whose logits came out partly NaN now and then.
+LOAD_LOCK = threading.Lock()
+
+
 class LocalBackend:
     """The served model, run by transformers on this machine's CPU."""
 
@@ -231,7 +237,8 @@ class LocalBackend:
 
     def _run(self) -> None:
         try:
-            self._load()
+            with LOAD_LOCK:
+                self._load()
             scorer = self._scorer
             dtype = "" if scorer is None else str(next(scorer.parameters()).dtype).removeprefix("torch.")
             logger.info(
