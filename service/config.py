@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     vllm_api_key: SecretStr | None = None
     model_path: Path | None = None
     model_name: str = "smollm2-135m-instruct"
+    # Several models behind one gateway: a TOML file with one entry per served model (its name,
+    # aliases, backend, checkpoint or workers, limits); see service/fleet.py and docs/models.md.
+    # Unset: the one model the settings above describe.
+    models_file: Path | None = None
     retain_completions: bool = False
     # A non-streamed completion is sent as soon as it exists and its generations rows are written
     # as the response ends (as a stream's are). True: sent only once its rows have committed.
@@ -356,6 +360,13 @@ class Settings(BaseSettings):
                 )
             if self.api_key_pepper is None:
                 raise ValueError("XMARK_API_KEY_PEPPER is required outside the embedded SQLite default")
+        if self.models_file is not None:
+            clashing = [f"XMARK_{name.upper()}" for name in ("model_path", "vllm_urls") if getattr(self, name)]
+            if clashing:
+                raise ValueError(
+                    f"XMARK_MODELS_FILE describes every served model: unset {' and '.join(clashing)} "
+                    "(give each model's checkpoint or workers in the file)"
+                )
         if self.watermark_block_bits <= 0 or self.watermark_bits % self.watermark_block_bits:
             raise ValueError("watermark_bits must be a positive multiple of watermark_block_bits")
         return self

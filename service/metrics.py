@@ -39,14 +39,14 @@ class Metrics:
         )
         self.tokens_generated = Counter(
             "xmark_tokens",
-            "Tokens processed by the model backend (kind=prompt|completion).",
-            ["kind"],
+            "Tokens processed by a served model's backend (kind=prompt|completion).",
+            ["kind", "model"],
             registry=self.registry,
         )
         self.generations = Counter(
             "xmark_generations",
-            "Completed generations by finish reason.",
-            ["finish_reason"],
+            "Completed generations by finish reason and served model.",
+            ["finish_reason", "model"],
             registry=self.registry,
         )
         # generation records: spooled when the database does not take them, drained into it

@@ -23,6 +23,7 @@ from service.config import ConfigurationError, Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, RowWriter, create_engine, create_sessionmaker, session_scope
 from service.db.spool import SpooledWriter, open_generation_records
 from service.errors import ServiceUnavailableError
+from service.fleet import Fleet, ServedModel, model_settings
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
@@ -57,7 +58,8 @@ class Resources:
     keyring: Keyring
     api_key_hasher: ApiKeyHasher
     authenticator: Authenticator
-    backend: Backend
+    # the served models, each with its backend (the first is the default)
+    fleet: Fleet
     registry_cache: RegistryCache
     # every configured secret as text, redacted from error messages
     secret_values: tuple[str, ...]
@@ -75,6 +77,15 @@ class Resources:
     sketcher: Sketcher | None = None
     # PostgreSQL: the planner's statistics of the sketches' terms, cached for the process
     planner_statistics: PlannerStatistics = field(default_factory=PlannerStatistics)
+
+    @property
+    def backend(self) -> Backend:
+        """The default model's backend."""
+        return self.fleet.default.backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self.fleet.replace_backend(self.fleet.default.name, backend)
 
 
 async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
@@ -216,9 +227,14 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
                 settings.auth_cache_ttl_s, settings.auth_cache_size, refusal_ttl=settings.auth_negative_cache_ttl_s
             ),
         )
-        backend = build_backend(settings, metrics)
-        stack.push_async_callback(backend.close)
-        await backend.start()
+        served = []
+        for own, aliases in model_settings(settings):
+            backend = build_backend(own, metrics)
+            stack.push_async_callback(backend.close)
+            await backend.start()
+            # without a models file the one model follows the process settings themselves
+            served.append(ServedModel(own.model_name, backend, None if own is settings else own, aliases))
+        fleet = Fleet(served)
         admission = await stack.enter_async_context(open_admission(settings, metrics))
         if settings.keyring_refresh_seconds > 0:
             _background(
@@ -242,7 +258,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             keyring=keyring,
             api_key_hasher=hasher,
             authenticator=authenticator,
-            backend=backend,
+            fleet=fleet,
             registry_cache=RegistryCache(sessionmaker),
             secret_values=secret_values,
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",

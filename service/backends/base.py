@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from xmark_core import Message, ModelScores, WatermarkKey
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 # Below this temperature a request is decoded greedily, as vLLM does (its _SAMPLING_EPS): dividing
 # the logits by a temperature this small overflows float32 and sampling from the result fails.
@@ -32,8 +32,30 @@ class BackendError(GatewayError):
 
 @dataclass(frozen=True)
 class ChatTurn:
+    """One message of a chat prompt. ``tool_calls`` (OpenAI's shape) and a null ``content`` come
+    from an assistant turn that called tools; ``tool_call_id`` from a tool's result."""
+
     role: Role
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
+    null_content: bool = False
+
+    def as_message(self) -> dict[str, Any]:
+        """The turn as an OpenAI chat message, as the client sent it."""
+        message: dict[str, Any] = {"role": self.role, "content": None if self.null_content else self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The turn for a chat template (which reads a null content as empty, as vLLM does)."""
+        message = self.as_message()
+        if message["content"] is None:
+            message["content"] = ""
+        return message
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str)
     if request.prompt is not None:  # POST /v1/completions
         body["prompt"] = request.prompt
     else:
-        body["messages"] = [{"role": turn.role, "content": turn.content} for turn in request.messages]
+        body["messages"] = [turn.as_message() for turn in request.messages]
     if request.stop:
         body["stop"] = list(request.stop)
     if request.seed is not None:
@@ -499,12 +499,16 @@ class VllmBackend:
         tokenizer = self._tokenizer
         if tokenizer is None or self._state.closed:
             raise ServiceUnavailableError("The gateway is still starting; retry shortly")
-        conversation = [{"role": turn.role, "content": turn.content} for turn in request.messages]
+        conversation = [turn.as_template_message() for turn in request.messages]
+        # the tools' definitions are part of the prompt wherever the template renders them
+        tools = request.options.get("tools")
 
         def count() -> int:
             if request.prompt is not None:  # /v1/completions: the worker adds no template either
                 return len(tokenizer(request.prompt)["input_ids"])
-            encoded: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+            encoded: Any = tokenizer.apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=True, tokenize=True
+            )
             if hasattr(encoded, "keys"):
                 encoded = encoded["input_ids"]
             return len(encoded)

@@ -110,7 +110,7 @@ async def _generation(resources: ResourcesDep) -> GenerationService:
     return GenerationService(
         resources.generation_records,
         resources.settings,
-        resources.backend,
+        resources.fleet,
         resources.keyring,
         resources.metrics,
         admission=resources.admission,

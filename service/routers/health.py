@@ -61,12 +61,13 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request, resources: ResourcesDep) -> dict[str, str]:
-    """Ready when the database answers within 1.5 s and the model backend is ready (503 envelope
-    otherwise)."""
+    """Ready when the database answers within 1.5 s and at least one served model's backend is
+    ready (503 envelope otherwise). A model whose backend is down answers 503 for itself only
+    (its requests say so); the others keep serving through this replica."""
     if not await _database_answers(request, resources.engine):
         raise ServiceUnavailableError("The database is not reachable", code="database_unavailable")
-    if not getattr(resources.backend, "ready", False):
-        raise ServiceUnavailableError("The model backend is not ready yet", code="backend_not_ready")
+    if not any(getattr(model.backend, "ready", False) for model in resources.fleet):
+        raise ServiceUnavailableError("No model backend is ready yet", code="backend_not_ready")
     return {"status": "ready"}
 
 

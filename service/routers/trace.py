@@ -28,7 +28,7 @@ async def _tracing(session: SessionDep, resources: ResourcesDep) -> TracingServi
         session,
         resources.trace_records,
         resources.settings,
-        resources.backend,
+        resources.fleet,
         resources.keyring,
         resources.metrics,
         resources.registry_cache,

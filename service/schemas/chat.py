@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.schemas.text import SURROGATE_MESSAGE, Text, has_lone_surrogate
 
@@ -22,23 +22,63 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text = Field(min_length=1, max_length=256)
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    # null only on an assistant turn that made tool calls
+    content: str | list[TextPart] | None
     name: Text | None = Field(default=None, max_length=256)
+    # an assistant turn's tool calls; a tool turn answers one of them by its id
+    tool_calls: list[ToolCall] | None = Field(default=None, min_length=1, max_length=128)
+    tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("content")
     @classmethod
-    def _encodable(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+    def _encodable(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
         # checked here rather than on each form, so the error names ``content`` itself
-        texts = [value] if isinstance(value, str) else [part.text for part in value]
+        texts = [] if value is None else [value] if isinstance(value, str) else [part.text for part in value]
         if any(has_lone_surrogate(t) for t in texts):
             raise ValueError(SURROGATE_MESSAGE)
         return value
 
+    @model_validator(mode="after")
+    def _turn_shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message carries tool_call_id")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """A turn of a tool-using conversation (a tool result, or an assistant's tool calls)."""
+        return self.role == "tool" or self.tool_calls is not None
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -119,6 +119,9 @@ class TraceReport(BaseModel):
     # ("watermark+retrieval"); None when nobody is named
     named_by: Literal["watermark", "watermark+retrieval"] | None = None
     corroboration: Corroboration | None = None
+    # the served model the evidence points to: the model whose reading of the text decided (for a
+    # counting test, the first of the models that share that tokenizer); None without a watermark
+    model: str | None = None
 
 
 class ReportParams(BaseModel):
@@ -184,11 +187,13 @@ class SignedReport(BaseModel):
     # absent from reports signed before the generation log was a witness
     named_by: str | None = None
     corroboration: Corroboration | None = None
+    # absent from reports signed before the gateway served several models
+    model: str | None = None
 
     # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
     @model_serializer(mode="wrap")
     def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
-        return _drop_absent(handler(self), self, ("identity_p_value", "named_by", "corroboration"))
+        return _drop_absent(handler(self), self, ("identity_p_value", "named_by", "corroboration", "model"))
 
 
 class ReportSignature(BaseModel):

@@ -209,6 +209,7 @@ class Ticket:
     reserved_tokens: int
     window: int  # the tokens window the reservation was charged to
     shared: bool  # the caller's counters are in Redis (else in this process)
+    queue: str = ""  # the served model's queue it holds a slot of
     released: bool = False
 
     def release(self, used_tokens: int | None = None) -> None:
@@ -235,7 +236,8 @@ class Admission:
         self._metrics = metrics
         self._redis = redis
         self._prefix = key_prefix
-        self._queue: dict[str, float] = {}  # ticket -> lease expiry (monotonic)
+        # each served model's queue: ticket -> lease expiry (monotonic)
+        self._queues: dict[str, dict[str, float]] = {}
         self._users: dict[int, _LocalUser] = {}
         self._redis_skip_until = 0.0
         self._last_warning = -math.inf
@@ -250,35 +252,39 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        """Requests admitted to the backend by this process and not finished (leases not expired)."""
+        """Requests admitted to a backend by this process and not finished (leases not expired)."""
         now = time.monotonic()
-        return sum(1 for until in self._queue.values() if until > now)
+        return sum(1 for queue in self._queues.values() for until in queue.values() if until > now)
 
     # -- admission ---------------------------------------------------------------------------
 
-    async def admit(self, principal: Principal, cost_tokens: int) -> Ticket:
-        """Take a queue slot and the caller's allowances for a request reserving ``cost_tokens``;
-        raises ``RateLimitError`` (and takes nothing) when a limit is reached."""
+    async def admit(
+        self, principal: Principal, cost_tokens: int, *, queue: str = "", max_queued: int | None = None
+    ) -> Ticket:
+        """Take a slot of ``queue`` (a served model's: at most ``max_queued``, default
+        ``max_queued_requests``) and the caller's allowances for a request reserving
+        ``cost_tokens``; raises ``RateLimitError`` (and takes nothing) when a limit is reached.
+        The caller's allowances are the same whichever model the request goes to."""
         ticket_id = uuid.uuid4().hex
         now = time.monotonic()
-        self._queue = {t: until for t, until in self._queue.items() if until > now}
-        if len(self._queue) >= self._settings.max_queued_requests:
+        bound = self._settings.max_queued_requests if max_queued is None else max_queued
+        slots = self._queues[queue] = {t: until for t, until in self._queues.get(queue, {}).items() if until > now}
+        if len(slots) >= bound:
             self._metrics.admission_refusals.labels(limit=QUEUE).inc()
             raise RateLimitError(
-                f"The model is busy: {self._settings.max_queued_requests} requests are already queued or "
-                "generating; retry shortly",
+                f"The model is busy: {bound} requests are already queued or generating; retry shortly",
                 retry_after_s=SLOT_RETRY_AFTER_S,
                 param=QUEUE,
             )
-        self._queue[ticket_id] = now + self.lease_s
+        slots[ticket_id] = now + self.lease_s
         wall = time.time()
         try:
             limits = UserLimits.of(principal, self._settings)
             shared = await self._take_user_allowance(ticket_id, principal.user_id, limits, cost_tokens, wall)
         except BaseException:
-            self._queue.pop(ticket_id, None)
+            slots.pop(ticket_id, None)
             raise
-        return Ticket(self, ticket_id, principal.user_id, cost_tokens, int(wall // WINDOW_S), shared)
+        return Ticket(self, ticket_id, principal.user_id, cost_tokens, int(wall // WINDOW_S), shared, queue)
 
     async def _take_user_allowance(
         self, ticket_id: str, user_id: int, limits: UserLimits, cost: int, wall: float
@@ -418,7 +424,7 @@ class Admission:
 
     def release(self, ticket: Ticket, used_tokens: int | None) -> None:
         """``Ticket.release``: the local part at once, the Redis part in the background."""
-        self._queue.pop(ticket.id, None)
+        self._queues.get(ticket.queue, {}).pop(ticket.id, None)
         correction = 0 if used_tokens is None else used_tokens - ticket.reserved_tokens
         if not ticket.shared:
             self._release_local(ticket, correction)

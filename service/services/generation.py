@@ -49,10 +49,10 @@ from service.errors import (
     DatabaseUnavailableError,
     GatewayError,
     InvalidRequestError,
-    NotFoundError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from service.fleet import Fleet, ServedModel
 from service.models import utcnow
 from service.schemas.chat import (
     AssistantMessage,
@@ -76,6 +76,7 @@ from service.services.request_fields import (
     TEXT_COMPLETION_FIELDS,
     check_logprobs,
     refuse_message_extras,
+    refuse_tool_turns,
     refuse_unhonoured,
     sent_fields,
 )
@@ -122,6 +123,8 @@ class PreparedCompletion:
     stamp: WatermarkStamp
     key_version_id: int
     principal: Principal
+    # the model that generates it (its backend and its limits)
+    served: ServedModel
     # time.monotonic() by which the request must have finished (request_timeout_s after prepare)
     deadline: float = math.inf
 
@@ -208,7 +211,7 @@ class GenerationService:
         self,
         records: SpooledWriter,
         settings: Settings,
-        backend: Backend,
+        backend: Backend | Fleet,
         keyring: Keyring,
         metrics: Metrics,
         admission: Admission | None = None,
@@ -220,7 +223,8 @@ class GenerationService:
         self._sketcher = sketcher
         self._records = records
         self._settings = settings
-        self._backend = backend
+        # every served model; a service built around one backend serves that one
+        self._fleet = backend if isinstance(backend, Fleet) else Fleet.single(backend)
         self._keyring = keyring
         self._metrics = metrics
         # None: an admission point of this service's own (tests that build the service directly)
@@ -229,12 +233,12 @@ class GenerationService:
     # -- models ------------------------------------------------------------------------------
 
     def list_models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self._backend.model_id, created=0, owned_by=OWNED_BY)])
+        return ModelList(data=[ModelCard(id=name, created=0, owned_by=OWNED_BY) for name in self._fleet.names()])
 
     # -- validation --------------------------------------------------------------------------
 
-    def _max_tokens(self, body: SamplingRequest, default: int | None = None) -> int:
-        limit = self._settings.max_completion_tokens
+    def _max_tokens(self, served: ServedModel, body: SamplingRequest, default: int | None = None) -> int:
+        limit = served.limits(self._settings).max_completion_tokens
         requested, param = body.requested_max_tokens()
         if requested is None:
             return limit if default is None else min(default, limit)
@@ -246,32 +250,44 @@ class GenerationService:
 
     def prepare(self, principal: Principal, body: ChatCompletionRequest) -> PreparedCompletion:
         """Validate ``body`` against the gateway's limits; raises before anything is generated."""
-        self._check_model(body)
-        honoured = getattr(self._backend, "honoured_fields", DEFAULT_HONOURED)
+        served = self._fleet.resolve(body.model)
+        honoured = getattr(served.backend, "honoured_fields", DEFAULT_HONOURED)
         sent = sent_fields(body)
-        refuse_unhonoured(sent, honoured, self._settings.backend)
+        refuse_unhonoured(sent, honoured, served.limits(self._settings).backend)
         refuse_message_extras(body.messages)
         options = {name: value for name, value in sent.items() if name in honoured - DEFAULT_HONOURED}
         check_logprobs(options, allowed=self._settings.allow_logprobs, max_top=self._settings.max_top_logprobs)
-        turns = tuple(ChatTurn(message.role, message.text()) for message in body.messages)
+        refuse_tool_turns(body.messages, honoured, served.name)
+        turns = tuple(
+            ChatTurn(
+                message.role,
+                message.text(),
+                tool_calls=tuple(call.model_dump(mode="json") for call in message.tool_calls or ()),
+                tool_call_id=message.tool_call_id,
+                null_content=message.content is None,
+            )
+            for message in body.messages
+        )
         self._check_prompt_chars(sum(len(turn.content) for turn in turns), "messages")
         return self._prepared(
-            principal, body, "chatcmpl", messages=turns, max_tokens=self._max_tokens(body), options=options
+            principal,
+            served,
+            body,
+            "chatcmpl",
+            messages=turns,
+            max_tokens=self._max_tokens(served, body),
+            options=options,
         )
 
     def prepare_text(self, principal: Principal, body: CompletionRequest) -> PreparedCompletion:
         """``prepare`` for ``/v1/completions``: a raw text prompt, continued without the chat template."""
-        self._check_model(body)
-        refuse_unhonoured(sent_fields(body), TEXT_COMPLETION_FIELDS, self._settings.backend)
+        served = self._fleet.resolve(body.model)
+        refuse_unhonoured(sent_fields(body), TEXT_COMPLETION_FIELDS, served.limits(self._settings).backend)
         prompt = body.prompt_text()
         self._check_prompt_chars(len(prompt), "prompt")
         # OpenAI's default for this endpoint is 16 tokens
-        max_tokens = self._max_tokens(body, default=TEXT_COMPLETION_DEFAULT_MAX_TOKENS)
-        return self._prepared(principal, body, "cmpl", prompt=prompt, max_tokens=max_tokens)
-
-    def _check_model(self, body: SamplingRequest) -> None:
-        if body.model != self._backend.model_id:
-            raise NotFoundError(f"The model '{body.model}' does not exist", param="model", code="model_not_found")
+        max_tokens = self._max_tokens(served, body, default=TEXT_COMPLETION_DEFAULT_MAX_TOKENS)
+        return self._prepared(principal, served, body, "cmpl", prompt=prompt, max_tokens=max_tokens)
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self._settings.max_prompt_chars:
@@ -284,6 +300,7 @@ class GenerationService:
     def _prepared(
         self,
         principal: Principal,
+        served: ServedModel,
         body: SamplingRequest,
         id_prefix: str,
         *,
@@ -292,8 +309,8 @@ class GenerationService:
         prompt: str | None = None,
         options: dict[str, object] | None = None,
     ) -> PreparedCompletion:
-        if not self._backend.ready:
-            raise ServiceUnavailableError("The model is still loading; retry shortly")
+        if not served.backend.ready:
+            raise ServiceUnavailableError(f"The model '{served.name}' is still loading; retry shortly")
         handle = self._keyring.active()
         params = handle.key.params
         bits = principal.message_id_for(params.bits, params.block_bits)
@@ -319,11 +336,12 @@ class GenerationService:
         return PreparedCompletion(
             request_id=f"{id_prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=self._backend.model_id,
+            model=served.name,
             request=request,
             stamp=WatermarkStamp(handle.key, message, handle.name),
             key_version_id=handle.id,
             principal=principal,
+            served=served,
             deadline=time.monotonic() + self._settings.request_timeout_s,
         )
 
@@ -385,9 +403,9 @@ class GenerationService:
             )
             raise
         for row in rows:
-            self._metrics.generations.labels(finish_reason=row["finish_reason"]).inc()
-        self._metrics.tokens_generated.labels(kind="prompt").inc(prompt_tokens)
-        self._metrics.tokens_generated.labels(kind="completion").inc(
+            self._metrics.generations.labels(finish_reason=row["finish_reason"], model=prepared.model).inc()
+        self._metrics.tokens_generated.labels(kind="prompt", model=prepared.model).inc(prompt_tokens)
+        self._metrics.tokens_generated.labels(kind="completion", model=prepared.model).inc(
             sum(choice.completion_tokens for choice in choices)
         )
 
@@ -510,8 +528,9 @@ class GenerationService:
         allowances, reserving prompt + n x max_tokens tokens (``services.admission``).
         """
         request = prepared.request
-        prompt_tokens = await self._backend.count_prompt_tokens(request)
-        limit = self._settings.max_prompt_tokens
+        backend = prepared.served.backend
+        prompt_tokens = await backend.count_prompt_tokens(request)
+        limit = prepared.served.limits(self._settings).max_prompt_tokens
         if prompt_tokens > limit:
             raise InvalidRequestError(
                 f"The prompt has {prompt_tokens} tokens; the limit is {limit}",
@@ -519,11 +538,16 @@ class GenerationService:
                 code="context_length_exceeded",
             )
         with self._telemetry.span("queue", {"gen_ai.usage.input_tokens": prompt_tokens}):
-            ticket = await self._admission.admit(prepared.principal, prompt_tokens + request.n * request.max_tokens)
+            ticket = await self._admission.admit(
+                prepared.principal,
+                prompt_tokens + request.n * request.max_tokens,
+                queue=prepared.served.name,
+                max_queued=prepared.served.limits(self._settings).max_queued_requests,
+            )
         timeout_s = self._settings.request_timeout_s
         try:
             async with asyncio.timeout(max(0.0, prepared.deadline - time.monotonic())) as deadline:
-                stream = await self._backend.stream(request, prepared.stamp)
+                stream = await backend.stream(request, prepared.stamp)
         except TimeoutError:
             ticket.release(0)
             if not deadline.expired():
@@ -539,7 +563,7 @@ class GenerationService:
         request = prepared.request
         attributes: dict[str, AttributeValue] = {
             "gen_ai.operation.name": _operation(prepared),
-            "gen_ai.provider.name": f"xmark-gateway.{self._settings.backend}",
+            "gen_ai.provider.name": f"xmark-gateway.{prepared.served.limits(self._settings).backend}",
             "gen_ai.request.model": prepared.model,
             "gen_ai.request.max_tokens": request.max_tokens,
             "gen_ai.request.temperature": request.temperature,

@@ -119,7 +119,11 @@ class ProvenanceSearch:
         named_by = None
         if fanout.named_in is not None:
             named_by = "watermark+retrieval" if fanout.named_in == CandidateScope.RETRIEVED else "watermark"
-        report = outcome.report.model_copy(update={"named_by": named_by, "corroboration": corroboration})
+        shows = outcome.report.watermarked or outcome.report.attribution is not None
+        model = fanout.model if shows and fanout.model else None
+        report = outcome.report.model_copy(
+            update={"named_by": named_by, "corroboration": corroboration, "model": model}
+        )
         return replace(outcome, report=report)
 
     async def corroborate(self, query: Sketch | None, leads: Sequence[Lead], named: int | None) -> Corroboration:

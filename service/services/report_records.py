@@ -109,6 +109,7 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
         payload["identity_p_value"] = None if report.identity_p_value is None else float(report.identity_p_value)
     payload["named_by"] = report.named_by
     payload["corroboration"] = None if report.corroboration is None else report.corroboration.model_dump(mode="json")
+    payload["model"] = report.model
     signature = signer.sign(payload)
     columns = {
         "report_id": payload["report_id"],

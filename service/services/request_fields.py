@@ -17,12 +17,15 @@ request therefore falls in one of these classes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from service.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from service.schemas.chat import ChatMessage
 
 # What the gateway's chat route reads itself, whatever the backend.
 CORE_CHAT_FIELDS = frozenset({"model", "messages", "stream", "stream_options"})
@@ -180,3 +183,20 @@ def refuse_message_extras(messages: Iterable[BaseModel]) -> None:
                         param=f"messages.{i}.content.{j}.{name}",
                         code="unsupported_parameter",
                     )
+
+
+def refuse_tool_turns(messages: Sequence[ChatMessage], honoured: frozenset[str], model: str) -> None:
+    """Raise 400 ``unsupported_parameter`` for the first turn of a tool-using conversation (a tool
+    result, an assistant's tool calls) when the model's backend does not take tools: its chat
+    template cannot render them, and dropping them would change what the prompt means."""
+    if "tools" in honoured:
+        return
+    for i, message in enumerate(messages):
+        if message.uses_tools:
+            field = "tool_calls" if message.tool_calls is not None else "role"
+            raise InvalidRequestError(
+                f"messages[{i}] is a turn of a tool-using conversation ('{field}'), which the model "
+                f"'{model}' cannot render on this backend (tools need the vllm backend)",
+                param=f"messages.{i}.{field}",
+                code="unsupported_parameter",
+            )

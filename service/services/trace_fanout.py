@@ -1,16 +1,19 @@
 """/trace's fan-out and its one multiplicity count.
 
 A trace may test one text many times: against each candidate set (the whole registry; the users a
-content search of the generation log led to), under each key version of each message length, with
-each decoder (counting; likelihood). Each test's p-value is exact on its own; naming the best of
-them is valid at ``alpha`` only if every p-value is multiplied by the number of tests that *could*
-run, fixed before any of them looks at the watermark: ``FanoutPlan.tries``. The plan is chosen from
-what needs no watermark key (the request, whether a scorer is at hand, the text's length, and the
-retrieved candidates, which a content search chose), so it is the same whatever the watermark
-says. This module is the only place that counts; ``trace_analysis`` applies the count it is given.
+content search of the generation log led to), under each key version of each message length, in
+each reading of the text (one per tokenizer of the served models), with each decoder (counting,
+once per tokenization; likelihood, once per served model, with that model's scorer). Each test's
+p-value is exact on its own; naming the best of them is valid at ``alpha`` only if every p-value
+is multiplied by the number of tests that *could* run, fixed before any of them looks at the
+watermark: ``FanoutPlan.tries``. The plan is chosen from what needs no watermark key (the request,
+the served models, whether their scorers are at hand, the text's length, and the retrieved
+candidates, which a content search chose), so it is the same whatever the watermark says. This
+module is the only place that counts; ``trace_analysis`` applies the count it is given.
 
-Order of the tests: the registry first (counting, then likelihood), then the retrieved users
-(counting, then likelihood); the first test that names someone decides. A candidate set's p-values
+Order of the tests: the registry first, then the retrieved users; within each, every reading in
+the order of the models file (counting, then each of its models' likelihood); the first test that
+names someone decides, and its reading's model is the one the report names. A candidate set's p-values
 are also corrected for its own size (``xmark_core.attribute``), so the retrieved set's test pays
 for its handful of users rather than the whole registry.
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -64,15 +67,43 @@ class CandidateSet:
 
 
 @dataclass(frozen=True)
+class ReadingPlan:
+    """The tests of one tokenization of the text: the models that tokenize it this way (the first
+    names its counting test), the decoders, and the models whose scorer runs the likelihood test."""
+
+    models: tuple[str, ...]
+    decoders: tuple[TraceDecoder, ...]
+    scorers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.models or not self.decoders:
+            raise ValueError("a reading needs a model and a decoder")
+        if TraceDecoder.LIKELIHOOD in self.decoders and not self.scorers:
+            raise ValueError("a reading with the likelihood decoder needs a scorer")
+
+    @property
+    def tests(self) -> int:
+        """Tests of this reading per candidate set and key version."""
+        counting = 1 if TraceDecoder.COUNTING in self.decoders else 0
+        likelihood = len(self.scorers) if TraceDecoder.LIKELIHOOD in self.decoders else 0
+        return counting + likelihood
+
+
+@dataclass(frozen=True)
 class FanoutPlan:
-    """The tests a trace may run: candidate sets × key versions (of every length) × decoders."""
+    """The tests a trace may run: candidate sets × key versions (of every length) × the readings'
+    tests (a counting test per tokenization, a likelihood test per model)."""
 
     candidate_sets: tuple[CandidateSet, ...]
     decoders: tuple[TraceDecoder, ...]
+    # None: one reading, by the model "" (a plan of a single model's text, as evaluations build)
+    readings: tuple[ReadingPlan, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.candidate_sets or not self.decoders:
             raise ValueError("a plan needs at least one candidate set and one decoder")
+        if self.readings is not None and not self.readings:
+            raise ValueError("a plan needs at least one reading")
         counts = {self._versions(c) for c in self.candidate_sets}
         if len(counts) != 1 or 0 in counts:
             raise ValueError("every candidate set must read the same, non-empty, key versions")
@@ -86,9 +117,16 @@ class FanoutPlan:
         return self._versions(self.candidate_sets[0])
 
     @property
+    def reading_plans(self) -> tuple[ReadingPlan, ...]:
+        if self.readings is not None:
+            return self.readings
+        scorers = ("",) if TraceDecoder.LIKELIHOOD in self.decoders else ()
+        return (ReadingPlan(("",), self.decoders, scorers),)
+
+    @property
     def tries(self) -> int:
         """The number of tests, the factor every p-value of the trace is multiplied by."""
-        return len(self.candidate_sets) * self.key_versions * len(self.decoders)
+        return len(self.candidate_sets) * self.key_versions * sum(r.tests for r in self.reading_plans)
 
 
 @dataclass(frozen=True)
@@ -97,6 +135,8 @@ class FanoutOutcome:
     # the candidate set whose test named the user (None: nobody was named)
     named_in: CandidateScope | None
     tries: int
+    # the model of the reading whose test decided ("" for a plan without readings)
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,23 +162,33 @@ async def on_thread(work: Callable[[], T]) -> T:
     return await asyncio.to_thread(work)
 
 
+ScoreSource = Callable[[], Awaitable[ModelScores | None]]
+
+
 class TraceFanout:
     """Runs a plan's tests in order until one names someone."""
 
-    def __init__(self, plan: FanoutPlan, reading: TextReading) -> None:
+    def __init__(self, plan: FanoutPlan, reading: TextReading | Sequence[TextReading]) -> None:
         self.plan = plan
-        self.reading = reading
+        self.readings = (reading,) if isinstance(reading, TextReading) else tuple(reading)
+        if len(self.readings) != len(plan.reading_plans):
+            raise ValueError("one text reading per planned reading")
+        self.reading = self.readings[0]
 
-    def counting(self, candidates: CandidateSet) -> TraceOutcome:
-        r = self.reading
+    def counting(self, candidates: CandidateSet, reading: TextReading | None = None) -> TraceOutcome:
+        r = self.reading if reading is None else reading
         return analyze_counting_by_length(
             r.ids, r.tokenizer, candidates.groups, alpha=r.alpha, include_tokens=r.include_tokens, tries=self.plan.tries
         )
 
     def likelihood(
-        self, candidates: CandidateSet, scores: ModelScores, counting: TraceOutcome | None = None
+        self,
+        candidates: CandidateSet,
+        scores: ModelScores,
+        counting: TraceOutcome | None = None,
+        reading: TextReading | None = None,
     ) -> TraceOutcome:
-        r = self.reading
+        r = self.reading if reading is None else reading
         return analyze_likelihood_by_length(
             r.ids,
             scores,
@@ -155,55 +205,67 @@ class TraceFanout:
 
     async def run(
         self,
-        score: Callable[[], Awaitable[ModelScores | None]],
+        score: ScoreSource | Mapping[str, ScoreSource],
         *,
         run_counting: Runner[TraceOutcome],
         run_likelihood: Runner[TraceOutcome] = on_thread,
     ) -> FanoutOutcome:
         """Every planned test in order until one names someone.
 
-        ``score``: the model's scores of the text (awaited once, on the first likelihood test;
-        None when the scorer cannot read it: the counting decoder's outcome stands). ``run_*``
-        run the analyses (inline or on a worker thread). Without a naming, the registry's last
-        outcome is reported.
+        ``score``: the model's scores of the text (awaited once, on the model's first likelihood
+        test; None when the scorer cannot read it: the counting decoder's outcome stands); for a
+        plan of several readings, one source per scoring model. ``run_*`` run the analyses (inline
+        or on a worker thread). Without a naming, the registry outcome with the smallest p-value
+        over the readings is reported (each reading's last test).
         """
         plan = self.plan
-        use_counting = TraceDecoder.COUNTING in plan.decoders
-        use_likelihood = TraceDecoder.LIKELIHOOD in plan.decoders
         # with an identity level, counting gives its verdict but never the name
         counting_names = self.reading.identity_level is None
-        scores: ModelScores | None = None
-        scored = False
-        reported: TraceOutcome | None = None
-        # each decoder's outcome over the whole registry: a retrieved user's naming must agree with it
-        registry: dict[TraceDecoder, TraceOutcome] = {}
+        scored: dict[str, ModelScores | None] = {}
+        reported: list[tuple[TraceOutcome, str]] = []
+        # each (model, decoder)'s outcome over the whole registry: a retrieved user's naming must agree with it
+        registry: dict[tuple[str, TraceDecoder], TraceOutcome] = {}
 
-        def stands(outcome: TraceOutcome, decoder: TraceDecoder, scope: CandidateScope) -> bool:
+        async def scores_of(model: str) -> ModelScores | None:
+            if model not in scored:
+                source = score if callable(score) else score[model]
+                scored[model] = await source()
+            return scored[model]
+
+        def stands(outcome: TraceOutcome, model: str, decoder: TraceDecoder, scope: CandidateScope) -> bool:
             """Records a registry outcome; whether ``outcome``'s naming stands."""
             if scope == CandidateScope.REGISTRY:
-                registry[decoder] = outcome
+                registry[(model, decoder)] = outcome
                 return outcome.named
-            ranked = registry.get(decoder)
+            ranked = registry.get((model, decoder))
             return outcome.named and ranked is not None and _ranks_first(ranked, outcome.attributed_user_id)
 
         for candidates in plan.candidate_sets:
-            outcome = first = None
-            if use_counting:
-                outcome = first = await run_counting(functools.partial(self.counting, candidates))
-                if stands(first, TraceDecoder.COUNTING, candidates.scope) and counting_names:
-                    return FanoutOutcome(first, candidates.scope, plan.tries)
-            if use_likelihood:
-                if not scored:
-                    scores, scored = await score(), True
-                if scores is not None:
-                    outcome = await run_likelihood(functools.partial(self.likelihood, candidates, scores, first))
-                    if stands(outcome, TraceDecoder.LIKELIHOOD, candidates.scope):
-                        return FanoutOutcome(outcome, candidates.scope, plan.tries)
-            if reported is None:
-                reported = outcome
-        if reported is None:
+            for reading_plan, reading in zip(plan.reading_plans, self.readings, strict=True):
+                counted_by = reading_plan.models[0]
+                outcome = first = None
+                last_model = counted_by
+                if TraceDecoder.COUNTING in reading_plan.decoders:
+                    work = functools.partial(self.counting, candidates, reading)
+                    outcome = first = await run_counting(work)
+                    if stands(first, counted_by, TraceDecoder.COUNTING, candidates.scope) and counting_names:
+                        return FanoutOutcome(first, candidates.scope, plan.tries, counted_by)
+                if TraceDecoder.LIKELIHOOD in reading_plan.decoders:
+                    for model in reading_plan.scorers:
+                        scores = await scores_of(model)
+                        if scores is None:
+                            continue
+                        work = functools.partial(self.likelihood, candidates, scores, first, reading)
+                        outcome = await run_likelihood(work)
+                        last_model = model
+                        if stands(outcome, model, TraceDecoder.LIKELIHOOD, candidates.scope):
+                            return FanoutOutcome(outcome, candidates.scope, plan.tries, model)
+                if candidates.scope == CandidateScope.REGISTRY and outcome is not None:
+                    reported.append((outcome, last_model))
+        if not reported:
             raise RuntimeError("the plan ran no test (a likelihood-only plan whose scorer gave nothing)")
-        return FanoutOutcome(_unnamed(reported) if reported.named else reported, None, plan.tries)
+        best, model = min(reported, key=lambda pair: pair[0].report.p_value)
+        return FanoutOutcome(_unnamed(best) if best.named else best, None, plan.tries, model)
 
     def run_now(self, scores: ModelScores | None) -> FanoutOutcome:
         """``run`` with the scores at hand, every analysis inline (offline evaluations; not from
@@ -252,13 +314,15 @@ def plan_for(
     registry: Sequence[LengthGroup],
     retrieved_users: Sequence[int],
     decoders: tuple[TraceDecoder, ...],
+    readings: tuple[ReadingPlan, ...] | None = None,
 ) -> FanoutPlan:
     """The registry, and the retrieved users when a content search found any that hold a message
     ID of a length the registry reads. The retrieved set reads every key version the registry
-    reads (a length where no lead holds an ID has no candidate there), so the count is the same."""
+    reads (a length where no lead holds an ID has no candidate there), so the count is the same.
+    ``readings``: the text's readings by the served models (None: one, by one model)."""
     sets = [CandidateSet(CandidateScope.REGISTRY, tuple(registry))]
     if retrieved_users:
         groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(retrieved_users)) for g in registry)
         if any(len(g.snapshot) for g in groups):
             sets.append(CandidateSet(CandidateScope.RETRIEVED, groups))
-    return FanoutPlan(tuple(sets), decoders)
+    return FanoutPlan(tuple(sets), decoders, readings)

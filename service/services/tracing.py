@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -17,12 +18,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.db import RowWriter
 from service.errors import (
     InvalidRequestError,
-    NotFoundError,
     PayloadTooLargeError,
     ServiceUnavailableError,
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
+from service.fleet import Fleet, ServedModel, models_by_tokenizer
 from service.models import utcnow
 from service.repositories.provenance import PlannerStatistics, ProvenanceRepository
 from service.schemas.common import Principal
@@ -37,6 +38,7 @@ from service.services.reports import ReportSigner
 from service.services.trace_analysis import LengthGroup, TraceOutcome, group_by_length, tokenize
 from service.services.trace_fanout import (
     FanoutOutcome,
+    ReadingPlan,
     TextReading,
     TraceFanout,
     decoders_for,
@@ -96,13 +98,22 @@ async def prepare_null_distributions(keyring: Keyring, max_row_tokens: int) -> N
     )
 
 
+@dataclass(frozen=True)
+class _ModelsReading:
+    """The text in the tokens of one tokenizer, and the served models that share it."""
+
+    models: tuple[ServedModel, ...]
+    tokenizer: PreTrainedTokenizerBase
+    ids: list[int]
+
+
 class TracingService:
     def __init__(
         self,
         session: AsyncSession,
         records: RowWriter,
         settings: Settings,
-        backend: Backend,
+        backend: Backend | Fleet,
         keyring: Keyring,
         metrics: Metrics,
         registry: RegistryCache,
@@ -115,7 +126,8 @@ class TracingService:
         self._session = session
         self._records = records
         self._settings = settings
-        self._backend = backend
+        # every served model; a service built around one backend traces for that one
+        self._fleet = backend if isinstance(backend, Fleet) else Fleet.single(backend)
         self._keyring = keyring
         self._metrics = metrics
         self._registry = registry
@@ -131,10 +143,9 @@ class TracingService:
         identity_level = self._identity_level(request)
         if len(request.text) > settings.max_trace_chars:
             raise PayloadTooLargeError(f"text is longer than {settings.max_trace_chars} characters", param="text")
-        if request.model is not None and request.model != self._backend.model_id:
-            raise NotFoundError(f"The model '{request.model}' does not exist", param="model", code="model_not_found")
-        tokenizer = self._backend.tokenizer
-        if tokenizer is None:
+        models = list(self._fleet) if request.model is None else [self._fleet.resolve(request.model)]
+        by_tokenizer = models_by_tokenizer(models)
+        if not by_tokenizer:
             raise ServiceUnavailableError("The tokenizer is still loading; retry shortly")
         versions = self._keyring.usable()
         if not versions:
@@ -144,15 +155,18 @@ class TracingService:
             LengthGroup(group, await self._registry.snapshot(group[0].key.params, self._session))
             for group in group_by_length(versions)
         ]
-        tokenizing = functools.partial(tokenize, tokenizer, request.text)
-        if len(request.text) <= INLINE_TOKENIZE_CHARS:
-            ids = tokenizing()
-        else:
-            ids = await asyncio.to_thread(tokenizing)
+        readings = []
+        for sharing, tokenizer in by_tokenizer:  # models sharing a tokenizer tokenize once
+            tokenizing = functools.partial(tokenize, tokenizer, request.text)
+            if len(request.text) <= INLINE_TOKENIZE_CHARS:
+                ids = tokenizing()
+            else:
+                ids = await asyncio.to_thread(tokenizing)
+            readings.append(_ModelsReading(sharing, tokenizer, ids))
         # the second witness: the logged completions the text resembles (content only, no key)
         outcome = await self._provenance.witness(
             request.text,
-            functools.partial(self._analyze, request, ids, tokenizer, groups, identity_level=identity_level),
+            functools.partial(self._analyze, request, readings, groups, identity_level=identity_level),
             inline=len(request.text) <= INLINE_TOKENIZE_CHARS,
         )
         report = outcome.report
@@ -222,8 +236,7 @@ class TracingService:
     async def _analyze(
         self,
         request: TraceRequest,
-        ids: list[int],
-        tokenizer: PreTrainedTokenizerBase,
+        readings: Sequence[_ModelsReading],
         groups: Sequence[LengthGroup],
         lead_users: list[int],
         *,
@@ -231,7 +244,8 @@ class TracingService:
     ) -> FanoutOutcome:
         """The fan-out's plan for this request, run (``trace_fanout``): counting, likelihood, or
         counting then likelihood (``auto``), over the registry and then the users the generation
-        log's leads point to, every message length's key versions, corrected for all of them.
+        log's leads point to, every message length's key versions, every served model's reading
+        (counting once per tokenizer, likelihood with each model's scorer), corrected for all of them.
 
         The counting decoder runs inline for texts short in tokens. The likelihood decoder's
         forward pass runs on the backend (the local model's thread, or a worker), and its analysis
@@ -244,42 +258,60 @@ class TracingService:
         """
         settings = self._settings
         limit = settings.trace_likelihood_max_tokens
-        requested = request.decoder
-        if len(ids) < 3:
-            requested = TraceDecoder.COUNTING
-        elif requested == TraceDecoder.LIKELIHOOD or (identity_level is not None and len(ids) > limit):
-            if len(ids) > limit:
-                raise InvalidRequestError(
-                    f"The text has {len(ids)} tokens; the likelihood decoder reads at most {limit} "
-                    + ("(use decoder counting or auto)" if identity_level is None else "(the identity test needs it)"),
-                    param="decoder",
-                    code="text_too_long_for_decoder",
-                )
-            requested = TraceDecoder.LIKELIHOOD
-        # auto escalates to the likelihood decoder only when a scorer can read the text; with an
-        # identity level it always does (its scoring errors are the request's)
-        scorer = identity_level is not None or (len(ids) <= limit and self._backend.ready)
-        decoders = decoders_for(requested, scorer_available=scorer)
-        plan = plan_for(groups, lead_users, decoders)
+        must_score = request.decoder == TraceDecoder.LIKELIHOOD or identity_level is not None
+        plans: list[ReadingPlan] = []
+        for reading in readings:
+            ids = reading.ids
+            requested = request.decoder
+            if len(ids) < 3:
+                requested = TraceDecoder.COUNTING
+            elif requested == TraceDecoder.LIKELIHOOD or (identity_level is not None and len(ids) > limit):
+                if len(ids) > limit:
+                    raise InvalidRequestError(
+                        f"The text has {len(ids)} tokens; the likelihood decoder reads at most {limit} "
+                        + (
+                            "(use decoder counting or auto)"
+                            if identity_level is None
+                            else "(the identity test needs it)"
+                        ),
+                        param="decoder",
+                        code="text_too_long_for_decoder",
+                    )
+                requested = TraceDecoder.LIKELIHOOD
+            # auto escalates to the likelihood decoder only where a scorer can read the text; with
+            # an identity level it always does (its scoring errors are the request's)
+            scorers = tuple(
+                m.name for m in reading.models if identity_level is not None or (len(ids) <= limit and m.backend.ready)
+            )
+            decoders = decoders_for(requested, scorer_available=bool(scorers))
+            if TraceDecoder.LIKELIHOOD in decoders and not scorers:
+                scorers = tuple(m.name for m in reading.models)  # asked for: its errors are the request's
+            if TraceDecoder.LIKELIHOOD not in decoders:
+                scorers = ()
+            plans.append(ReadingPlan(tuple(m.name for m in reading.models), decoders, scorers))
+        used = tuple(d for d in (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD) if any(d in p.decoders for p in plans))
+        plan = plan_for(groups, lead_users, used, tuple(plans))
         fanout = TraceFanout(
             plan,
-            TextReading(
-                ids,
-                tokenizer,
-                alpha=settings.trace_alpha,
-                temperature=settings.trace_temperature,
-                edit_rate=settings.trace_edit_rate,
-                include_tokens=request.include_tokens,
-                identity_level=identity_level,
-            ),
+            [
+                TextReading(
+                    reading.ids,
+                    reading.tokenizer,
+                    alpha=settings.trace_alpha,
+                    temperature=settings.trace_temperature,
+                    edit_rate=settings.trace_edit_rate,
+                    include_tokens=request.include_tokens,
+                    identity_level=identity_level,
+                )
+                for reading in readings
+            ],
         )
-        must_score = requested == TraceDecoder.LIKELIHOOD or identity_level is not None
 
-        async def score() -> ModelScores | None:
+        async def score(model: ServedModel, ids: list[int]) -> ModelScores | None:
             if must_score:
-                return await self._backend.score(ids, settings.trace_top_k)
+                return await model.backend.score(ids, settings.trace_top_k)
             try:
-                return await self._backend.score(ids, settings.trace_top_k)
+                return await model.backend.score(ids, settings.trace_top_k)
             except (
                 ServiceUnavailableError,
                 UpstreamUnavailableError,
@@ -287,12 +319,18 @@ class TracingService:
                 InvalidRequestError,
             ) as exc:
                 # no model at hand, or one that cannot read this text (e.g. a worker's shorter context)
-                logger.warning("trace scoring unavailable; counting decided", extra={"error_type": type(exc).__name__})
+                logger.warning(
+                    "trace scoring unavailable; counting decided",
+                    extra={"error_type": type(exc).__name__, "model": model.name},
+                )
                 return None
 
-        inline = len(ids) <= INLINE_ANALYSIS_TOKENS
+        sources = {
+            model.name: functools.partial(score, model, reading.ids) for reading in readings for model in reading.models
+        }
+        inline = max(len(reading.ids) for reading in readings) <= INLINE_ANALYSIS_TOKENS
 
         async def run(work: Callable[[], TraceOutcome]) -> TraceOutcome:  # long texts off the event loop
             return work() if inline else await asyncio.to_thread(work)
 
-        return await fanout.run(score, run_counting=run)
+        return await fanout.run(sources, run_counting=run)

@@ -66,8 +66,8 @@ async def test_completion_is_returned_and_recorded(
 ) -> None:
     principal, key = user_key
     metrics = app.state.resources.metrics
-    completion_counter = metrics.tokens_generated.labels(kind="completion")
-    prompt_counter = metrics.tokens_generated.labels(kind="prompt")
+    completion_counter = metrics.tokens_generated.labels(kind="completion", model=MODEL)
+    prompt_counter = metrics.tokens_generated.labels(kind="prompt", model=MODEL)
     counted = (completion_counter._value.get(), prompt_counter._value.get())
     before = await _generation_count(db_session)
     response = await client.post("/v1/chat/completions", json=_body(), headers=_auth(key))
@@ -105,7 +105,7 @@ async def test_completion_is_returned_and_recorded(
     assert row.completion_text is None  # retain_completions is off by default
     assert completion_counter._value.get() == counted[0] + usage["completion_tokens"]
     assert prompt_counter._value.get() == counted[1] + usage["prompt_tokens"]
-    assert metrics.generations.labels(finish_reason=choice["finish_reason"])._value.get() >= 1
+    assert metrics.generations.labels(finish_reason=choice["finish_reason"], model=MODEL)._value.get() >= 1
 
 
 async def test_max_completion_tokens_limits_the_output(client: httpx.AsyncClient, user_key: Any) -> None:
@@ -230,7 +230,20 @@ def _long_prompt(settings: Any) -> str:
 BAD_BODIES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("empty messages", {"messages": []}, 422, "messages"),
     ("unknown role", {"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages.0.role"),
-    ("tool role", {"messages": [{"role": "tool", "content": "hi"}]}, 422, "messages.0.role"),
+    ("tool turn without its call's id", {"messages": [{"role": "tool", "content": "hi"}]}, 422, "messages.0"),
+    (
+        "tool_call_id on a user turn",
+        {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+        422,
+        "messages.0",
+    ),
+    ("null content without tool calls", {"messages": [{"role": "assistant", "content": None}]}, 422, "messages.0"),
+    (
+        "empty tool_calls",
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
+        422,
+        "messages.0.tool_calls",
+    ),
     (
         "image part",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

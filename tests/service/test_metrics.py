@@ -52,7 +52,7 @@ async def test_requests_are_counted_by_route_template_and_status(client: httpx.A
 
 async def test_domain_counters_are_exposed(app: Any, client: httpx.AsyncClient) -> None:
     metrics: Metrics = app.state.resources.metrics
-    metrics.tokens_generated.labels(kind="completion").inc(5)
+    metrics.tokens_generated.labels(kind="completion", model="m").inc(5)
     metrics.trace_verdicts.labels(verdict="watermarked", attributed="yes").inc()
     text = (await client.get("/metrics")).text
     assert _sample(text, "xmark_tokens_total", kind="completion") >= 5
@@ -62,7 +62,7 @@ async def test_domain_counters_are_exposed(app: Any, client: httpx.AsyncClient) 
 
 def test_each_metrics_object_has_its_own_registry() -> None:
     first, second = Metrics(), Metrics()
-    first.generations.labels(finish_reason="stop").inc()
+    first.generations.labels(finish_reason="stop", model="m").inc()
     assert b'finish_reason="stop"' in first.render()
     assert b'finish_reason="stop"' not in second.render()
 

@@ -112,8 +112,17 @@ async def test_refused_fields_are_400_and_generate_nothing(
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "assistant", "content": "x", "tool_calls": []}, "messages.0.tool_calls"),
-        ({"role": "user", "content": "x", "tool_call_id": "c1"}, "messages.0.tool_call_id"),
+        # turns of a tool-using conversation, on a backend that cannot render tools
+        (
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            "messages.0.tool_calls",
+        ),
+        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.0.role"),
+        ({"role": "user", "content": "x", "refusal": "no"}, "messages.0.refusal"),
         (
             {"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]},
             "messages.0.content.0.cache_control",
