@@ -15,7 +15,7 @@ from service.keyring import Keyring, params_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, open_resources, sync_keyring
-from service.routers import admin, chat, completions, console, health, me, trace
+from service.routers import admin, chat, completions, console, health, me, responses, trace
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
 from service.telemetry import TracingMiddleware
@@ -95,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(TracingMiddleware)
     # routes are matched in this order: the busiest first
     app.include_router(chat.router)
+    app.include_router(responses.router)
     app.include_router(completions.router)
     app.include_router(trace.router)
     app.include_router(trace.public_router)

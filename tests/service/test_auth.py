@@ -38,6 +38,7 @@ ADMIN = frozenset({"admin"})
 ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/models"): ALL_ROLES,
     ("POST", "/v1/chat/completions"): ALL_ROLES,
+    ("POST", "/v1/responses"): ALL_ROLES,
     ("POST", "/v1/completions"): ALL_ROLES,
     ("POST", "/trace"): frozenset({"auditor", "admin"}),
     ("GET", "/trace/{report_id}"): frozenset({"auditor", "admin"}),
@@ -60,6 +61,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/admin/key-versions/{version_id}/retire"): ADMIN,
 }
 BODIES: dict[str, Any] = {
+    "/v1/responses": {"model": "smollm2-135m-instruct", "input": "hi", "max_output_tokens": 1},
     "/v1/chat/completions": {
         "model": "smollm2-135m-instruct",
         "messages": [{"role": "user", "content": "hi"}],
