@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -15,6 +16,12 @@ if TYPE_CHECKING:
     from xmark_core import Message, ModelScores, WatermarkKey
 
 Role = Literal["system", "user", "assistant", "tool"]
+
+# One model or tokenizer loads at a time in this process. transformers' loading is not
+# thread-safe: two backends (several models served from a models file) loading at once on worker
+# threads failed with an ImportError from its lazy imports, or left a model with garbage weights
+# whose logits came out partly NaN now and then.
+LOAD_LOCK = threading.Lock()
 
 # Below this temperature a request is decoded greedily, as vLLM does (its _SAMPLING_EPS): dividing
 # the logits by a temperature this small overflows float32 and sampling from the result fails.

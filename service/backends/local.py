@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.backends.base import (
+    LOAD_LOCK,
     BackendError,
     ChoiceDelta,
     GenerationRequest,
@@ -112,12 +113,6 @@ class LocalStream:
 
     def cancel(self) -> None:
         self._job.cancelled.set()
-
-
-# One model loads at a time in this process. transformers' loading is not thread-safe: two local
-# models (several served from a models file) loading at once on their own threads left one of
-# them with garbage weights, whose logits came out partly NaN now and then.
-LOAD_LOCK = threading.Lock()
 
 
 class LocalBackend:

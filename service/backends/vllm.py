@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 
 from service.backends.base import (
+    LOAD_LOCK,
     ChoiceDelta,
     GenerationRequest,
     GenerationResult,
@@ -455,7 +456,8 @@ class VllmBackend:
         def load() -> PreTrainedTokenizerBase:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
+            with LOAD_LOCK:  # transformers' loading is not thread-safe
+                return AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
 
         def vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
             """config.json's vocab_size (the logits width, which may exceed the tokenizer's length)."""

@@ -60,15 +60,18 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(request: Request, resources: ResourcesDep) -> dict[str, str]:
+async def readyz(request: Request, resources: ResourcesDep) -> dict[str, object]:
     """Ready when the database answers within 1.5 s and at least one served model's backend is
     ready (503 envelope otherwise). A model whose backend is down answers 503 for itself only
     (its requests say so); the others keep serving through this replica."""
     if not await _database_answers(request, resources.engine):
         raise ServiceUnavailableError("The database is not reachable", code="database_unavailable")
-    if not any(getattr(model.backend, "ready", False) for model in resources.fleet):
+    models = {
+        model.name: "ready" if getattr(model.backend, "ready", False) else "not_ready" for model in resources.fleet
+    }
+    if "ready" not in models.values():
         raise ServiceUnavailableError("No model backend is ready yet", code="backend_not_ready")
-    return {"status": "ready"}
+    return {"status": "ready", "models": models}
 
 
 @router.get("/metrics", response_class=Response)

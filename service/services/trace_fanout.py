@@ -11,9 +11,9 @@ the served models, whether their scorers are at hand, the text's length, and the
 candidates, which a content search chose), so it is the same whatever the watermark says. This
 module is the only place that counts; ``trace_analysis`` applies the count it is given.
 
-Order of the tests: the registry first, then the retrieved users; within each, every reading in
-the order of the models file (counting, then each of its models' likelihood); the first test that
-names someone decides, and its reading's model is the one the report names. A candidate set's p-values
+Order of the tests: the registry first, then the retrieved users; within each, every reading's
+counting test (in the order of the models file), then every model's likelihood test; the first
+test that names someone decides, and its reading's model is the one the report names. A candidate set's p-values
 are also corrected for its own size (``xmark_core.attribute``), so the retrieved set's test pays
 for its handful of users rather than the whole registry.
 
@@ -241,15 +241,20 @@ class TraceFanout:
             return outcome.named and ranked is not None and _ranks_first(ranked, outcome.attributed_user_id)
 
         for candidates in plan.candidate_sets:
-            for reading_plan, reading in zip(plan.reading_plans, self.readings, strict=True):
-                counted_by = reading_plan.models[0]
-                outcome = first = None
-                last_model = counted_by
+            readings = list(zip(plan.reading_plans, self.readings, strict=True))
+            # every reading's counting test first (cheap), then the likelihood tests (a forward
+            # pass each): a text one model's counting test names costs no other model's pass
+            counted: list[TraceOutcome | None] = []
+            for reading_plan, reading in readings:
+                first = None
                 if TraceDecoder.COUNTING in reading_plan.decoders:
-                    work = functools.partial(self.counting, candidates, reading)
-                    outcome = first = await run_counting(work)
-                    if stands(first, counted_by, TraceDecoder.COUNTING, candidates.scope) and counting_names:
-                        return FanoutOutcome(first, candidates.scope, plan.tries, counted_by)
+                    model = reading_plan.models[0]
+                    first = await run_counting(functools.partial(self.counting, candidates, reading))
+                    if stands(first, model, TraceDecoder.COUNTING, candidates.scope) and counting_names:
+                        return FanoutOutcome(first, candidates.scope, plan.tries, model)
+                counted.append(first)
+            for (reading_plan, reading), first in zip(readings, counted, strict=True):
+                outcome, last_model = first, reading_plan.models[0]
                 if TraceDecoder.LIKELIHOOD in reading_plan.decoders:
                     for model in reading_plan.scorers:
                         scores = await scores_of(model)

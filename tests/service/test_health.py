@@ -24,7 +24,7 @@ async def test_readyz_reports_ready_once_the_backend_is(app: Any, client: httpx.
     finally:
         app.state.resources.backend = original
     assert response.status_code == 200
-    assert response.json() == {"status": "ready"}
+    assert response.json() == {"status": "ready", "models": {app.state.resources.fleet.default.name: "ready"}}
 
 
 async def test_readyz_is_503_while_the_backend_loads(app: Any, client: httpx.AsyncClient) -> None:
