@@ -26,6 +26,7 @@ import pytest
 from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
 from service.config import Settings
 from service.security import generate_api_key
+from service.test_model import TEST_MODEL_NAME
 
 REPO_ROOT = Path(__file__).absolute().parents[2]
 WORKER_START_TIMEOUT_S = 900.0
@@ -136,8 +137,7 @@ def e2e_config(settings: Settings, migrated_database: str) -> E2EConfig:
     )
 
 
-@pytest.fixture(scope="session")
-def vllm_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+def _worker(e2e_config: E2EConfig, model_path: Path, served_name: str, log_dir: Path) -> Iterator[ManagedProcess]:
     port = free_port()
     env = _base_environment()
     env.update(
@@ -146,9 +146,9 @@ def vllm_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory)
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         }
     )
-    command = vllm_serve_command(e2e_config.model_path, port, max_num_seqs=8)
+    command = vllm_serve_command(model_path, port, max_num_seqs=8, served_model_name=served_name)
     worker = ManagedProcess(
-        "vllm worker", command, env, tmp_path_factory.mktemp("vllm") / "worker.log", f"http://127.0.0.1:{port}/health"
+        f"vllm worker ({served_name})", command, env, log_dir / "worker.log", f"http://127.0.0.1:{port}/health"
     )
     worker.start()
     try:
@@ -159,30 +159,24 @@ def vllm_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="session")
-def gateway(
-    e2e_config: E2EConfig, vllm_worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ManagedProcess]:
+def vllm_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    yield from _worker(e2e_config, e2e_config.model_path, MODEL_NAME, tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="session")
+def test_model_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    """A second worker, serving the test model (a tokenizer of its own; `make model` builds it)."""
+    path = REPO_ROOT / "var" / "models" / TEST_MODEL_NAME
+    if not (path / "config.json").is_file():
+        pytest.skip(f"no test model at {path} (run `make model`)")
+    yield from _worker(e2e_config, path, TEST_MODEL_NAME, tmp_path_factory.mktemp("vllm-test-model"))
+
+
+def _gateway(env_update: dict[str, str], var_dir: Path) -> Iterator[ManagedProcess]:
     port = free_port()
-    var_dir = tmp_path_factory.mktemp("gateway-var")
     env = _base_environment()
-    env.update(
-        {
-            "XMARK_DATABASE_URL": e2e_config.database_url,
-            "XMARK_BACKEND": "vllm",
-            "XMARK_VLLM_URLS": vllm_worker.health_url.removesuffix("/health"),
-            "XMARK_VLLM_HEALTH_INTERVAL_S": "1",
-            "XMARK_VLLM_TIMEOUT_S": "120",
-            "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
-            "XMARK_API_KEY_PEPPER": e2e_config.api_key_pepper,
-            "XMARK_BOOTSTRAP_ADMIN_KEY": e2e_config.admin_key,
-            "XMARK_MODEL_PATH": str(e2e_config.model_path),
-            "XMARK_MODEL_NAME": MODEL_NAME,
-            "XMARK_VAR_DIR": str(var_dir),
-            "XMARK_RETAIN_COMPLETIONS": "true",
-            # the pass-through tests read log-probabilities (off by default)
-            "XMARK_ALLOW_LOGPROBS": "true",
-        }
-    )
+    env.update(env_update)
+    env["XMARK_VAR_DIR"] = str(var_dir)
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     process = ManagedProcess("gateway", command, env, var_dir / "gateway.log", f"http://127.0.0.1:{port}/readyz")
     process.start()
@@ -191,3 +185,65 @@ def gateway(
         yield process
     finally:
         process.stop()
+
+
+def _gateway_settings(e2e_config: E2EConfig) -> dict[str, str]:
+    return {
+        "XMARK_DATABASE_URL": e2e_config.database_url,
+        "XMARK_BACKEND": "vllm",
+        "XMARK_VLLM_HEALTH_INTERVAL_S": "1",
+        "XMARK_VLLM_TIMEOUT_S": "120",
+        "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
+        "XMARK_API_KEY_PEPPER": e2e_config.api_key_pepper,
+        "XMARK_BOOTSTRAP_ADMIN_KEY": e2e_config.admin_key,
+        "XMARK_RETAIN_COMPLETIONS": "true",
+        # the pass-through tests read log-probabilities (off by default)
+        "XMARK_ALLOW_LOGPROBS": "true",
+    }
+
+
+@pytest.fixture(scope="session")
+def fleet_gateway(
+    e2e_config: E2EConfig,
+    vllm_worker: ManagedProcess,
+    test_model_worker: ManagedProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ManagedProcess]:
+    """A gateway serving both workers' models from a models file (one vLLM worker per model)."""
+    var_dir = tmp_path_factory.mktemp("fleet-gateway-var")
+    models = var_dir / "models.toml"
+    models.write_text(
+        f"""
+[[models]]
+name = "{MODEL_NAME}"
+backend = "vllm"
+urls = ["{vllm_worker.health_url.removesuffix("/health")}"]
+path = "{e2e_config.model_path}"
+
+[[models]]
+name = "{TEST_MODEL_NAME}"
+backend = "vllm"
+urls = ["{test_model_worker.health_url.removesuffix("/health")}"]
+path = "{REPO_ROOT / "var" / "models" / TEST_MODEL_NAME}"
+"""
+    )
+    for process in _gateway({**_gateway_settings(e2e_config), "XMARK_MODELS_FILE": str(models)}, var_dir):
+        # ready once any model is; the tests want both
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+        while set(httpx.get(process.health_url, timeout=5.0).json()["models"].values()) != {"ready"}:
+            assert time.monotonic() < deadline, f"a model never became ready:\n{process.log_tail()}"
+            time.sleep(0.5)
+        yield process
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    e2e_config: E2EConfig, vllm_worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
+    settings = {
+        **_gateway_settings(e2e_config),
+        "XMARK_VLLM_URLS": vllm_worker.health_url.removesuffix("/health"),
+        "XMARK_MODEL_PATH": str(e2e_config.model_path),
+        "XMARK_MODEL_NAME": MODEL_NAME,
+    }
+    yield from _gateway(settings, tmp_path_factory.mktemp("gateway-var"))

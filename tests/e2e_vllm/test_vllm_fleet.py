@@ -1,0 +1,155 @@
+"""Two CPU vLLM workers with different models (and tokenizers) behind one gateway, a tool-using
+conversation round trip and the Responses API, all through the official ``openai`` client.
+
+Processes come from conftest.py: a worker serving SmolLM2, a worker serving the test model (a
+tokenizer of its own), and a gateway whose models file lists both.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm.sampling_params", reason="vLLM is not importable in this interpreter; run `make test-vllm`")
+
+from openai import AsyncOpenAI
+
+from service.test_model import TEST_MODEL_NAME
+from tests.e2e_vllm.test_vllm_e2e import MODEL, create_user, gateway_base, generation_rows, trace
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model]
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "record_observation",
+        "description": "Record the lighthouse keeper's weather observation in the log book.",
+        "parameters": {
+            "type": "object",
+            "properties": {"observation": {"type": "string", "minLength": 800}},
+            "required": ["observation"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+async def fleet_people(fleet_gateway: Any, e2e_config: Any) -> dict[str, dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=60.0) as client:
+        return {
+            name: await create_user(client, e2e_config.admin_key, f"fleet-{name}", role)
+            for name, role in (("ann", "user"), ("ben", "user"), ("dora", "user"), ("auditor", "auditor"))
+        }
+
+
+def _client(gateway: Any, key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=gateway_base(gateway) + "/v1", api_key=key, timeout=600.0, max_retries=0)
+
+
+async def _long_answer(client: AsyncOpenAI, model: str) -> str:
+    """About 300 tokens of one model's answer (asked again while an answer ends early)."""
+    texts: list[str] = []
+    tokens = 0
+    for _ in range(4):
+        completion = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=300, temperature=1.0
+        )
+        texts.append(completion.choices[0].message.content or "")
+        assert completion.usage is not None
+        tokens += completion.usage.completion_tokens
+        if tokens >= 240:
+            break
+    return "\n\n".join(texts)
+
+
+async def test_each_model_answers_and_each_answer_names_its_caller_and_its_model(
+    fleet_gateway: Any, fleet_people: dict[str, dict[str, Any]]
+) -> None:
+    ann, ben, auditor = fleet_people["ann"], fleet_people["ben"], fleet_people["auditor"]
+    models = await _client(fleet_gateway, ann["api_key"]).models.list()
+    assert [model.id for model in models.data] == [MODEL, TEST_MODEL_NAME]
+    texts = {
+        (ann["id"], MODEL): await _long_answer(_client(fleet_gateway, ann["api_key"]), MODEL),
+        (ben["id"], TEST_MODEL_NAME): await _long_answer(_client(fleet_gateway, ben["api_key"]), TEST_MODEL_NAME),
+    }
+    async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
+        for (user_id, model), text in texts.items():
+            report = await trace(http, auditor["api_key"], text)
+            assert report["attribution"] is not None, (model, report["p_value"], report["decoder"])
+            assert report["attribution"]["user_id"] == user_id
+            assert report["model"] == model
+        unknown = await http.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {ann['api_key']}"},
+        )
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_tool_round_trip_is_watermarked_and_traced_to_the_caller(
+    fleet_gateway: Any, e2e_config: Any, fleet_people: dict[str, dict[str, Any]]
+) -> None:
+    dora, auditor = fleet_people["dora"], fleet_people["auditor"]
+    client = _client(fleet_gateway, dora["api_key"])
+    messages: list[Any] = [{"role": "user", "content": PROMPT + " Record the weather first."}]
+    call = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "record_observation"}},
+        max_tokens=300,
+        temperature=1.0,
+    )
+    message = call.choices[0].message
+    assert message.tool_calls, message
+    tool_call = message.tool_calls[0]
+    arguments = tool_call.function.arguments  # type: ignore[union-attr]
+    function = {"name": "record_observation", "arguments": arguments}
+    called = {"id": tool_call.id, "type": "function", "function": function}
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [called]},
+        {"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps({"status": "recorded"})},
+    ]
+    final = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=1.0)
+    answer = final.choices[0].message.content or ""
+    assert final.usage is not None and final.usage.prompt_tokens > call.usage.prompt_tokens  # type: ignore[union-attr]
+    async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
+        for text in (arguments, answer):  # each turn the model wrote names the caller on its own
+            report = await trace(http, auditor["api_key"], text)
+            assert report["attribution"] is not None, (report["p_value"], report["scored_tokens"])
+            assert report["attribution"]["user_id"] == dora["id"]
+    rows = await generation_rows(e2e_config.database_url, [dora["id"]])
+    recorded = {row["completion_text"] for row in rows}
+    assert answer in recorded  # the final answer is recorded as generated
+    assert any(arguments in text for text in recorded if text)  # the call's arguments too
+
+
+async def test_the_responses_api_on_vllm_streamed_and_not(
+    fleet_gateway: Any, fleet_people: dict[str, dict[str, Any]]
+) -> None:
+    ann, auditor = fleet_people["ann"], fleet_people["auditor"]
+    client = _client(fleet_gateway, ann["api_key"])
+    response = await client.responses.create(
+        model=MODEL, instructions="You are a storyteller.", input=PROMPT, max_output_tokens=200, temperature=1.0
+    )
+    assert response.output_text
+    assert response.usage is not None and response.usage.output_tokens > 0
+    streamed: list[str] = []
+    completed: Any = None
+    stream = await client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=200, stream=True)
+    async for event in stream:
+        if event.type == "response.output_text.delta":
+            streamed.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            completed = event.response
+    assert completed is not None and completed.output_text == "".join(streamed)
+    async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
+        report = await trace(http, auditor["api_key"], response.output_text + "\n\n" + "".join(streamed))
+    assert report["attribution"] is not None, report["p_value"]
+    assert report["attribution"]["user_id"] == ann["id"]
+    assert report["model"] == MODEL
