@@ -454,9 +454,11 @@ class VllmBackend:
 
     async def _load_tokenizer(self) -> None:
         def load() -> PreTrainedTokenizerBase:
-            from transformers import AutoTokenizer
+            # transformers' (lazy) imports and loading are not thread-safe: another backend's
+            # tokenizer may be loading on another thread
+            with LOAD_LOCK:
+                from transformers import AutoTokenizer
 
-            with LOAD_LOCK:  # transformers' loading is not thread-safe
                 return AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
 
         def vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -10,13 +10,14 @@ from typing import Any
 from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
+from service.fleet import model_settings, tokenizer_fingerprint
 from service.keyring import Keyring, params_from_settings
 from service.repositories.provenance import ProvenanceRepository
 from service.resources import sketcher_for
 from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegistryCache
 from service.services.trace_analysis import LengthGroup, group_by_length, tokenize
-from service.services.trace_fanout import FanoutOutcome, TextReading, TraceFanout, on_thread, plan_for
+from service.services.trace_fanout import FanoutOutcome, ReadingPlan, TextReading, TraceFanout, on_thread, plan_for
 from service.vocabulary import TraceDecoder
 
 
@@ -29,12 +30,19 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
     if len(text) > settings.max_trace_chars:
         raise PayloadTooLargeError(f"text is longer than {settings.max_trace_chars} characters", param="text")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    tokenizer = AutoTokenizer.from_pretrained(settings.resolved_model_path(), local_files_only=True)
+    # every served model's tokenizer (a models file may list several); models sharing one read alike
+    by_tokenizer: dict[str, tuple[list[str], Any]] = {}
+    for own, _ in model_settings(settings):
+        tokenizer = AutoTokenizer.from_pretrained(own.resolved_model_path(), local_files_only=True)
+        by_tokenizer.setdefault(tokenizer_fingerprint(tokenizer), ([], tokenizer))[0].append(own.model_name)
     params = params_from_settings(settings)
     secrets = load_secrets(settings)
     keyring = Keyring(params, secrets.watermark)
     engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
-    ids = await asyncio.to_thread(tokenize, tokenizer, text)
+    tokenized = [
+        (names, tokenizer, await asyncio.to_thread(tokenize, tokenizer, text))
+        for names, tokenizer in by_tokenizer.values()
+    ]
     try:
         sessionmaker = create_sessionmaker(engine)
         async with sessionmaker() as session:
@@ -49,11 +57,14 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
             ]
 
             async def analyze(lead_users: list[int]) -> FanoutOutcome:
-                plan = plan_for(groups, lead_users, (TraceDecoder.COUNTING,))
-                reading = TextReading(
-                    ids, tokenizer, alpha=settings.trace_alpha, temperature=settings.trace_temperature
-                )
-                return await TraceFanout(plan, reading).run(_no_scores, run_counting=on_thread)
+                counting = (TraceDecoder.COUNTING,)
+                readings = tuple(ReadingPlan(tuple(names), counting) for names, _, _ in tokenized)
+                plan = plan_for(groups, lead_users, counting, readings)
+                texts = [
+                    TextReading(ids, tokenizer, alpha=settings.trace_alpha, temperature=settings.trace_temperature)
+                    for _, tokenizer, ids in tokenized
+                ]
+                return await TraceFanout(plan, texts).run(_no_scores, run_counting=on_thread)
 
             provenance = ProvenanceSearch(
                 ProvenanceRepository(session), sketcher_for(settings, secrets.api_key_pepper), settings
