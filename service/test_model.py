@@ -71,7 +71,7 @@ CHAT_TEMPLATE = (
 
 def default_test_model_path(settings: Settings) -> Path:
     """Where ``xmark build-test-model`` puts the checkpoint by default: beside the served model."""
-    return settings.var_dir / "models" / TEST_MODEL_NAME
+    return settings.resolved_models_dir / TEST_MODEL_NAME
 
 
 def _corpus_sha256() -> str:

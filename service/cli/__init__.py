@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         "build-test-model", help="build the random-weight test model (its own BPE tokenizer) if it is missing"
     )
     test_model.add_argument(
-        "--path", type=Path, default=None, help="checkpoint directory (default XMARK_VAR_DIR/models/xmark-test-bpe)"
+        "--path", type=Path, default=None, help="checkpoint directory (default XMARK_MODELS_DIR/xmark-test-bpe)"
     )
     test_model.set_defaults(func=cmd_build_test_model)
 

@@ -139,3 +139,27 @@ def test_the_fleet_resolves_names_and_aliases_and_refuses_the_rest() -> None:
     assert raised.value.code == "model_not_found"
     with pytest.raises(ValueError, match="used twice"):
         Fleet([ServedModel("alpha", FakeBackend("alpha")), ServedModel("b", FakeBackend("b"), aliases=("alpha",))])
+
+
+def test_the_models_dir_names_the_default_checkpoints(tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "ckpts" / "alpha")
+    settings = _settings(tmp_path, "[[models]]\nname = 'alpha'", models_dir=str(tmp_path / "ckpts"))
+    ((alpha, _),) = model_settings(settings)
+    assert alpha.resolved_model_path() == tmp_path / "ckpts" / "alpha"
+    single = Settings(database_url="sqlite+aiosqlite:///x.db", var_dir=tmp_path, models_dir=tmp_path / "ckpts")  # type: ignore[call-arg]
+    assert single.resolved_model_path() == tmp_path / "ckpts" / "smollm2-135m-instruct"
+    # a deployment file's empty variable means unset
+    assert Settings(database_url="sqlite+aiosqlite:///x.db", models_file="", models_dir="").models_file is None  # type: ignore[call-arg,arg-type]
+
+
+def test_the_deployment_models_files_are_valid(tmp_path: Path) -> None:
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    compose = load_models_file(repo / "deploy" / "models.compose.toml")
+    manifest = yaml.safe_load((repo / "deploy" / "k8s" / "models-configmap.yaml").read_text())
+    (tmp_path / "k8s.toml").write_text(manifest["data"]["models.toml"])
+    k8s = load_models_file(tmp_path / "k8s.toml")
+    for entries in (compose, k8s):
+        assert [e.name for e in entries] == ["smollm2-135m-instruct", "xmark-test-bpe"]
+        assert all(e.backend == "vllm" and e.urls for e in entries)
