@@ -37,6 +37,10 @@ WEATHER_TOOL = {
 }
 
 
+# the tool's answer asks for the story: a 135M model otherwise often ends with a line of thanks
+TOOL_RESULT = {"status": "recorded", "next": "Now write the long, detailed story of at least 400 words."}
+
+
 @pytest.fixture(scope="module")
 async def fleet_people(fleet_gateway: Any, e2e_config: Any) -> dict[str, dict[str, Any]]:
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=60.0) as client:
@@ -94,7 +98,10 @@ async def test_each_model_answers_and_each_answer_names_its_caller_and_its_model
 async def _round_trip(client: AsyncOpenAI) -> tuple[str, int, str, int]:
     """One tool-using conversation: the call (its arguments and tokens), the tool's result sent
     back, the final answer (its text and tokens)."""
-    messages: list[Any] = [{"role": "user", "content": PROMPT + " Record the weather first."}]
+    messages: list[Any] = [
+        {"role": "system", "content": "Once the weather is recorded, write the long story the user asked for."},
+        {"role": "user", "content": PROMPT + " Record the weather first."},
+    ]
     call = await client.chat.completions.create(
         model=MODEL,
         messages=messages,
@@ -111,7 +118,7 @@ async def _round_trip(client: AsyncOpenAI) -> tuple[str, int, str, int]:
     called = {"id": tool_call.id, "type": "function", "function": function}
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [called]},
-        {"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps({"status": "recorded"})},
+        {"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps(TOOL_RESULT)},
     ]
     final = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=1.0)
     assert call.usage is not None and final.usage is not None
@@ -131,7 +138,7 @@ async def test_a_tool_round_trip_is_watermarked_and_traced_to_the_caller(
     call_tokens = answer_tokens = 0
     # a model may close the JSON, or answer, early: round trips are gathered until each side holds
     # enough text to name the caller with confidence (about 150 tokens)
-    for _ in range(5):
+    for _ in range(8):
         arguments, used, answer, answered = await _round_trip(client)
         calls.append(arguments)
         answers.append(answer)
@@ -139,6 +146,7 @@ async def test_a_tool_round_trip_is_watermarked_and_traced_to_the_caller(
         answer_tokens += answered
         if min(call_tokens, answer_tokens) >= 200:
             break
+    assert min(call_tokens, answer_tokens) >= 120, (call_tokens, answer_tokens)  # enough text to trace
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
         for texts in (calls, answers):  # the calls and the answers each name the caller on their own
             report = await trace(http, auditor["api_key"], "\n\n".join(texts))
