@@ -80,12 +80,10 @@ path = "{repo / "var" / "models" / TEST_MODEL_NAME}"
     return path
 
 
-async def _generate(backend: Any, stamp: WatermarkStamp, topic: str, tokens: int, seed: int) -> str:
+async def _generate(backend: Any, stamp: WatermarkStamp, topic: str, tokens: int) -> str:
+    # no seed: seeded requests are generated one at a time, unseeded ones share batches
     request = GenerationRequest(
-        (ChatTurn("user", f"Write a long, detailed story about {topic}."),),
-        max_tokens=tokens,
-        temperature=1.0,
-        seed=seed,
+        (ChatTurn("user", f"Write a long, detailed story about {topic}."),), max_tokens=tokens, temperature=1.0
     )
     result = await backend.generate(request, stamp)
     return str(result.choices[0].text)
@@ -126,13 +124,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     author = rng.choice(users)
                     key = handle.key if watermarked else other
                     stamp = WatermarkStamp(key, Message.from_bits(author.message_id, params), handle.name)
-                    jobs.append((author.id if watermarked else None, stamp, rng.choice(TOPICS), rng.randrange(2**31)))
+                    jobs.append((author.id if watermarked else None, stamp, rng.choice(TOPICS)))
                 outputs = await asyncio.gather(
-                    *(_generate(served.backend, stamp, topic, args.tokens, seed) for _, stamp, topic, seed in jobs)
+                    *(_generate(served.backend, stamp, topic, args.tokens) for _, stamp, topic in jobs)
                 )
-                for (author_id, _, _, _), text in zip(jobs, outputs, strict=True):
+                for (author_id, _, _), text in zip(jobs, outputs, strict=True):
                     texts.append({"model": served.name, "author": author_id, "text": text})
             generation_s = time.perf_counter() - started
+            print(f"generated {len(texts)} texts in {generation_s:.0f} s", file=sys.stderr, flush=True)
             headers = {"Authorization": f"Bearer {auditor.api_key}"}
             transport = httpx.ASGITransport(app=app)
             results: dict[str, dict[str, Any]] = {}
