@@ -83,6 +83,10 @@ function verdictBox(report) {
     el("p", { class: "verdict-head", text: report.watermarked ? "Watermarked" : "Not watermarked" }),
     el("p", { class: "verdict-p" }, "p-value ", el("strong", { class: "p-value", text: formatP(report.p_value) }), ` (${report.decoder} decoder)`),
   );
+  if (report.model) {
+    // the served model whose reading of the text decided (several models: docs/models.md)
+    box.append(el("p", { class: "verdict-model" }, "Model: ", el("strong", { class: "model", text: report.model })));
+  }
   const who = el("p", { class: "attribution" });
   if (named) {
     who.dataset.userId = String(named.user_id);

@@ -109,6 +109,7 @@ def test_admin_creates_a_user_and_traces_their_text_to_them(
     text = _chat(live_server, user_key)
     _trace_in_console(page, text)
     expect(page.locator(".verdict-head")).to_have_text("Watermarked")
+    expect(page.locator(".verdict-model .model")).to_have_text("smollm2-135m-instruct")  # the model that wrote it
     expect(page.locator(".named-user")).to_contain_text("console-alice")
     expect(page.locator("table.candidates")).to_contain_text("console-alice")
     # the second witness: the answer was served, so the user's generation log holds it
