@@ -62,7 +62,7 @@ from service.schemas.responses import (
     ResponseUsage,
 )
 from service.services.generation import GenerationService, PreparedCompletion
-from service.services.request_fields import GATEWAY_OWNED, sent_fields
+from service.services.request_fields import GATEWAY_OWNED, equals_neutral, sent_fields
 from service.vocabulary import FinishReason
 
 router = APIRouter(prefix="/v1", tags=["responses"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)
@@ -132,9 +132,8 @@ def _without_nulls(value: Any) -> Any:
 def _is_neutral(name: str, value: Any) -> bool:
     if value is None or name in ANY_VALUE:
         return True
-    value = _without_nulls(value)
     # bool is an int: ``top_logprobs: false`` is not 0, and ``store: 0`` is not false
-    return any(value == n and (type(value) is bool) == (type(n) is bool) for n in NEUTRAL_VALUES.get(name, ()))
+    return equals_neutral(_without_nulls(value), NEUTRAL_VALUES.get(name, ()))
 
 
 def refuse_unsupported(body: ResponseRequest) -> None:

@@ -109,12 +109,14 @@ KNOWN_CHAT_FIELDS = frozenset(
 )
 
 
-def _is_neutral(name: str, value: Any) -> bool:
-    neutral = NEUTRAL_VALUES.get(name)
-    if neutral is None:
-        return False
-    # bool is an int: `True == 1` must not make top_logprobs=1 look neutral, so compare types too
+def equals_neutral(value: Any, neutral: Iterable[Any]) -> bool:
+    """Whether ``value`` is one of the ``neutral`` values (those that change nothing). bool is an
+    int: `True == 1` must not make top_logprobs=1 look neutral, so types are compared too."""
     return any(value == n and (type(value) is bool) == (type(n) is bool) for n in neutral)
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    return equals_neutral(value, NEUTRAL_VALUES.get(name, ()))
 
 
 def refuse_unhonoured(fields: Mapping[str, Any], honoured: frozenset[str], backend: str) -> None:
