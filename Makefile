@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-provenance-chat bench-fleet bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -90,9 +90,13 @@ bench-provenance-chat: venv model
 	$(BIN)/python -m benchmarks.provenance_chat --json
 
 # /trace over two models with different tokenizers: right and wrong users and models, nulls
-# named, and the cost against a one-model trace of the same texts (docs/benchmarks.md)
+# named, and the cost against a one-model trace of the same texts (docs/benchmarks.md); the
+# vLLM form runs one CPU vLLM worker per model
 bench-fleet: venv model
 	$(BIN)/python -m benchmarks.fleet_trace --json
+
+bench-fleet-vllm: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.fleet_trace --backend vllm --json
 
 # A gateway through a database outage and a hang on a PostgreSQL server of its own (not CI);
 # prints one JSON object: records_missing and records_duplicated must be 0.
