@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     # so that they do not compete with the client and the next request, and completions finishing
     # close together share one commit (0 writes at once); see docs/service.md.
     record_linger_ms: float = 20.0
+    # While this many completions' records are being written (a slow or locked database), a
+    # non-streamed completion is sent only once its own record is durable: the backlog of writes
+    # after responses stays bounded and clients slow down instead of being refused.
+    record_backlog_limit: int = 512
 
     # OpenTelemetry traces (service/telemetry.py): off unless an OTLP/HTTP endpoint is set, under
     # the standard OpenTelemetry variable names
@@ -282,6 +286,13 @@ class Settings(BaseSettings):
     def _max_tokens_range(cls, value: int) -> int:
         if not 3 <= value <= 100_000:
             raise ValueError("must be between 3 and 100000")
+        return value
+
+    @field_validator("record_backlog_limit")
+    @classmethod
+    def _backlog_range(cls, value: int) -> int:
+        if not 1 <= value <= 1_000_000:
+            raise ValueError("must be between 1 and 1000000")
         return value
 
     @field_validator("record_linger_ms")

@@ -1,7 +1,11 @@
 """The HTTP server of ``xmark serve`` (uvicorn), configured from Settings, and its HTTP protocol.
 
 uvicorn's own options cover idle keep-alive connections (``timeout_keep_alive``) and the number of
-connections and requests in progress (``limit_concurrency``: 503 beyond it). Its default parser
+connections (``limit_concurrency``: 503 beyond it). uvicorn also counts against that limit every
+request task still running, and a task runs on after its response while the gateway writes the
+completion's record: under load those tasks, not connections, passed the limit and clients got 503
+with nothing down. :class:`GatewayHttpProtocol` counts connections only; the work after responses
+is bounded by the gateway itself (``max_records_after_response``). Its default parser
 (httptools) bounds neither the size of a request head nor the time it takes to arrive:
 ``h11_max_incomplete_event_size`` applies to the h11 parser only, and a header of 64 MB, or one
 sent a byte at a time, is read for as long as the client keeps sending. :class:`GatewayHttpProtocol`
@@ -17,7 +21,6 @@ import json
 from typing import Any
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
@@ -79,7 +82,12 @@ async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """httptools with a bounded request head.
+    """httptools with a bounded request head and a cap on connections alone.
+
+    * Connections: a request arriving while more than ``limit_concurrency`` connections are open
+      is answered 503 ``overloaded`` (``Retry-After: 1``) and its connection closed. Requests whose
+      response has gone out but whose task still runs (the record written after the response) do
+      not count, unlike in uvicorn's own check.
 
     * Size: a request line and headers over ``h11_max_incomplete_event_size`` bytes are answered
       431 and the connection is closed; at most that much plus one read is ever buffered for a head.
@@ -97,6 +105,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        # uvicorn's check (connections or tasks at the limit) is replaced by ``_start_asgi_task``'s
+        self.max_connections = self.limit_concurrency
+        self.limit_concurrency = None
         self.max_head_bytes = config.h11_max_incomplete_event_size or DEFAULT_MAX_HEAD_BYTES
         self.head_timeout_s = float(config.timeout_keep_alive)
         self._reading_head = True
@@ -198,7 +209,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # -- over limit_concurrency --------------------------------------------------------------
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        if app is service_unavailable:
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
             cycle.keep_alive = False
             app = _over_capacity
         super()._start_asgi_task(cycle, app)

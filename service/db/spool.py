@@ -244,6 +244,11 @@ class SpooledWriter:
         return self.writer.direct
 
     @property
+    def in_flight(self) -> int:
+        """Writes under way now (each a completion's rows, in the database's or the spool's hands)."""
+        return len(self._in_memory)
+
+    @property
     def spooling(self) -> bool:
         """Whether new records go to the spool (the database failed and has not been drained into since)."""
         return self._spooling

@@ -15,7 +15,8 @@ completion is sent as soon as it exists, a stream as it is generated. The insert
 does not take in time goes to the local spool and is drained into the database when it answers
 again (``service.db.spool``). A non-streamed completion's rows first linger ``record_linger_ms``
 (group commit). With ``record_before_response`` a completion is sent (a stream: its ``[DONE]``)
-only once its rows are durable, in the database or the spool.
+only once its rows are durable, in the database or the spool; so is a non-streamed completion
+while ``record_backlog_limit`` records are being written (the database has fallen behind).
 """
 
 from __future__ import annotations
@@ -478,7 +479,8 @@ class GenerationService:
             span.set_attributes(_genai_response(prepared, result.prompt_tokens, result.choices))
         model_ms = (time.perf_counter() - started) * 1000
         completion = self._completion(prepared, result)
-        if self._settings.record_before_response:
+        if self._settings.record_before_response or self._records.in_flight >= self._settings.record_backlog_limit:
+            # asked for, or the writes after responses have fallen behind: this client waits for its record
             await self._record_durably(prepared, result.prompt_tokens, result.choices, streamed=False)
             return CompletedChat(completion, model_ms)
         after = functools.partial(

@@ -1,0 +1,137 @@
+"""Saturation: many clients on one gateway process whose database has fallen behind.
+
+Every client keeps one keep-alive connection busy with back-to-back non-streamed completions
+(the fake backend answers at once) while another connection holds the generations table against
+writes for a few seconds, so that every record written after its response waits. The connection
+cap is set a little above the clients. uvicorn's own check counted every request task still running
+against that cap, and a task runs on after its response while its record is written: the backlog
+of records passed the cap and clients got 503 although nothing was down. Now the cap counts
+connections, and once ``record_backlog_limit`` records are being written a completion waits for
+its own record instead: every request gets its completion (or a documented 429), and every
+completion answered is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from benchmarks.launch import free_port
+from benchmarks.pg_admin import create_database, drop_database, sibling_url
+from service.config import Settings
+from service.db import upgrade_database
+from service.security import generate_api_key
+from tests.conftest import make_test_settings
+from tests.service.live_gateway import gateway_process
+
+pytestmark = [pytest.mark.postgres]
+
+LOAD_S = 6.0
+LOCK_AFTER_S = 0.5
+LOCK_S = 3.0
+BACKLOG_LIMIT = 32
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+async def saturation_database(settings: Settings) -> AsyncIterator[str]:
+    url = sibling_url(settings.database_url, f"xmark_saturation_{uuid.uuid4().hex[:8]}")
+    await create_database(url)
+    try:
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+    finally:
+        await drop_database(url)
+
+
+def _asyncpg_dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+async def _hold_generations(dsn: str) -> None:
+    """After ``LOCK_AFTER_S``, block every write to the generations table for ``LOCK_S`` (reads go on)."""
+    await asyncio.sleep(LOCK_AFTER_S)
+    connection = await asyncpg.connect(dsn, timeout=10)
+    try:
+        async with connection.transaction():
+            await connection.execute("LOCK TABLE generations IN EXCLUSIVE MODE")
+            await asyncio.sleep(LOCK_S)
+    finally:
+        await connection.close()
+
+
+async def _recorded(dsn: str, user_id: int) -> int:
+    connection = await asyncpg.connect(dsn, timeout=10)
+    try:
+        return int(await connection.fetchval("SELECT count(*) FROM generations WHERE user_id = $1", user_id))
+    finally:
+        await connection.close()
+
+
+@pytest.mark.parametrize("clients", [64, 256])
+async def test_saturated_clients_get_no_503_while_the_database_lags_and_every_answer_is_recorded(
+    saturation_database: str, tmp_path: Path, clients: int
+) -> None:
+    admin_key = generate_api_key().plaintext
+    settings = make_test_settings(
+        tmp_path,
+        database_url=saturation_database,
+        bootstrap_admin_key=SecretStr(admin_key),
+        port=free_port(),
+        max_connections=clients + 8,
+        record_backlog_limit=BACKLOG_LIMIT,
+        # slow, not down: the lock ends within the database timeout
+        database_timeout_s=LOCK_S + 5.0,
+        max_queued_requests=4 * clients,
+        user_max_parallel_requests=0,
+        user_requests_per_minute=0,
+        user_tokens_per_minute=0,
+    )
+    statuses: Counter[int] = Counter()
+    errors: Counter[str] = Counter()
+    with gateway_process(settings, tmp_path / "gateway.log"):
+        base_url = f"http://{settings.host}:{settings.port}"
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60.0) as client:
+            response = await client.post(
+                "/admin/users", json={"name": "busy", "role": "user"}, headers={"Authorization": f"Bearer {admin_key}"}
+            )
+            assert response.status_code == 201, response.text
+            user = response.json()
+            headers = {"Authorization": f"Bearer {user['api_key']}"}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            end = time.monotonic() + LOAD_S
+
+            async def one_client() -> None:
+                while time.monotonic() < end:
+                    try:
+                        response = await client.post("/v1/chat/completions", json=body, headers=headers)
+                    except httpx.TransportError as exc:
+                        errors[f"{type(exc).__name__} at {time.monotonic() - end + LOAD_S:.1f} s"] += 1
+                        continue
+                    statuses[response.status_code] += 1
+                    if response.status_code != 200:
+                        errors[response.text[:200]] += 1
+
+            locker = asyncio.create_task(_hold_generations(_asyncpg_dsn(saturation_database)))
+            await asyncio.gather(*(one_client() for _ in range(clients)))
+            await locker
+        answered = statuses[200]
+        # the records written after their responses land once the table is free again
+        deadline = time.monotonic() + 30.0
+        while (recorded := await _recorded(_asyncpg_dsn(saturation_database), user["id"])) < answered:
+            assert time.monotonic() < deadline, f"{answered} completions answered, {recorded} recorded"
+            await asyncio.sleep(0.2)
+    assert set(statuses) <= {200, 429} and not errors, f"{dict(statuses)}: {dict(errors)}"
+    # the clients kept the gateway busy through the lock: more completions than the backlog allows
+    assert answered > 4 * BACKLOG_LIMIT, dict(statuses)
+    assert recorded == answered
