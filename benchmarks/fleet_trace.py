@@ -7,10 +7,11 @@ model is generated under a random user's watermark (temperature 1, ``--tokens`` 
 of null: ``--nulls-per-model`` texts per model sampled from the same model with no watermark at all
 (transformers' own sampling for the local backend, the worker without the watermark's arguments for
 vLLM), and ``--foreign-per-model`` texts under a watermark key this gateway does not hold. Every
-text is traced over HTTP twice: with ``model`` naming the model that wrote it (the cost of a
-one-model trace) and without (both models read it, each tokenizer once). Reported: right and wrong
-users and models per model (Wilson 95 % intervals), nulls named, and the two-model trace's latency
-against the one-model trace's, measured on the same texts in the same run.
+text is traced over HTTP twice, in alternating order: with ``model`` naming the model that wrote
+it (the cost of a one-model trace) and without (both models read it, each tokenizer once).
+Reported: right and wrong users and models per model (Wilson 95 % intervals), nulls named, and the
+two-model trace's latency against the one-model trace's, measured on the same texts in the same
+run.
 
     python -m benchmarks.fleet_trace --json
     .venv-vllm/bin/python -m benchmarks.fleet_trace --backend vllm --json
@@ -280,6 +281,8 @@ async def _measure(args: argparse.Namespace, app: Any, workers: dict[str, Worker
     results: dict[str, dict[str, Any]] = {}
     one_all: list[float] = []
     both_all: list[float] = []
+    first_s: list[float] = []  # each text's first trace, whichever it was, and its second
+    second_s: list[float] = []
     async with httpx.AsyncClient(transport=transport, base_url="http://bench", timeout=600) as client:
 
         async def traced(body: dict[str, Any]) -> tuple[dict[str, Any], float]:
@@ -309,8 +312,15 @@ async def _measure(args: argparse.Namespace, app: Any, workers: dict[str, Worker
                     "two_models_s": [],
                 },
             )
-            one, one_s = await traced({"text": item["text"], "model": item["model"]})
-            both, both_s = await traced({"text": item["text"]})
+            # the order alternates, so that whatever a second read of the same text saves falls on both
+            if done % 2:
+                one, one_s = await traced({"text": item["text"], "model": item["model"]})
+                both, both_s = await traced({"text": item["text"]})
+            else:
+                both, both_s = await traced({"text": item["text"]})
+                one, one_s = await traced({"text": item["text"], "model": item["model"]})
+            (first_s if done % 2 else second_s).append(one_s)
+            (second_s if done % 2 else first_s).append(both_s)
             cell["one_model_s"].append(one_s)
             cell["two_models_s"].append(both_s)
             named = both["attribution"]["user_id"] if both["attribution"] else None
@@ -355,6 +365,8 @@ async def _measure(args: argparse.Namespace, app: Any, workers: dict[str, Worker
     summary["foreign_named_ci95"] = wilson(totals["foreign_named"], totals["foreign"])
     summary["cost_ratio_mean"] = round(sum(both_all) / sum(one_all), 3)
     summary["cost_ratio_p50"] = round(statistics.median(both_all) / statistics.median(one_all), 3)
+    # a second trace of the same text against its first, over both kinds: an order effect shows here
+    summary["second_over_first_trace"] = round(sum(second_s) / sum(first_s), 3)
     return summary
 
 
