@@ -27,7 +27,6 @@ import os
 import platform
 import random
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 import httpx
 
 from benchmarks.launch import free_port, vllm_serve_command
+from benchmarks.vllm_overhead import stop_server, wait_healthy
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.config import Settings
 from service.db import session_scope, upgrade_database
@@ -120,19 +120,11 @@ class Worker:
             )
 
     async def wait_healthy(self) -> None:
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        async with httpx.AsyncClient(base_url=self.url) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    tail = self.log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"the {self.name} worker exited during start-up:\n{tail}")
-                try:
-                    if (await client.get("/health", timeout=2.0)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(1.0)
-        raise TimeoutError(f"the {self.name} worker was not healthy within {WORKER_START_TIMEOUT_S:.0f} s")
+        try:
+            await wait_healthy(self.url, self.process, WORKER_START_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the {self.name} worker: {exc}\n{tail}") from None
 
     async def unwatermarked(self, client: httpx.AsyncClient, topic: str, tokens: int) -> str:
         """The model's own sampling: no watermark arguments, so the logits processor passes through."""
@@ -147,14 +139,7 @@ class Worker:
         return str(response.json()["choices"][0]["message"]["content"])
 
     def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        stop_server(self.process)
 
 
 def _sample_unwatermarked(name: str, topics: list[str], tokens: int, seed: int, batch: int = 16) -> list[str]:

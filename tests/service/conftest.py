@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,8 +14,22 @@ from sqlalchemy import Table
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings, parse_secret_entries
-from service.db import create_engine
+from service.db import create_engine, upgrade_database
+
+
+@asynccontextmanager
+async def own_database(settings: Settings, prefix: str) -> AsyncIterator[str]:
+    """A database beside the test database, created, migrated and dropped here (for a server in
+    another thread or process, whose rows are committed for real)."""
+    url = sibling_url(settings.database_url, f"{prefix}_{uuid.uuid4().hex[:8]}")
+    await create_database(url)
+    try:
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+    finally:
+        await drop_database(url)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import asyncio
 import re
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,10 @@ import pytest
 from pydantic import SecretStr
 
 from benchmarks.launch import free_port
-from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings
-from service.db import upgrade_database
 from service.security import generate_api_key
 from tests.conftest import make_test_settings
+from tests.service.conftest import own_database
 from tests.service.live_gateway import gateway_process
 
 pytestmark = [pytest.mark.postgres]
@@ -56,13 +54,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 async def edge_database(settings: Settings) -> AsyncIterator[str]:
-    url = sibling_url(settings.database_url, f"xmark_edge_{uuid.uuid4().hex[:8]}")
-    await create_database(url)
-    try:
-        await asyncio.to_thread(upgrade_database, url)
+    async with own_database(settings, "xmark_edge") as url:
         yield url
-    finally:
-        await drop_database(url)
 
 
 @pytest.fixture(scope="module")

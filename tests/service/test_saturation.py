@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,11 +25,10 @@ import pytest
 from pydantic import SecretStr
 
 from benchmarks.launch import free_port
-from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings
-from service.db import upgrade_database
 from service.security import generate_api_key
 from tests.conftest import make_test_settings
+from tests.service.conftest import own_database
 from tests.service.live_gateway import gateway_process
 
 pytestmark = [pytest.mark.postgres]
@@ -44,13 +42,8 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture
 async def saturation_database(settings: Settings) -> AsyncIterator[str]:
-    url = sibling_url(settings.database_url, f"xmark_saturation_{uuid.uuid4().hex[:8]}")
-    await create_database(url)
-    try:
-        await asyncio.to_thread(upgrade_database, url)
+    async with own_database(settings, "xmark_saturation") as url:
         yield url
-    finally:
-        await drop_database(url)
 
 
 def _asyncpg_dsn(url: str) -> str:

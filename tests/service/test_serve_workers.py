@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from benchmarks.launch import free_port
-from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings
-from service.db import upgrade_database
 from service.security import generate_api_key
 from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, checkpoint_path
+from tests.service.conftest import own_database
 
 pytestmark = [pytest.mark.model, pytest.mark.postgres]
 
@@ -38,13 +36,8 @@ WORKERS = 2
 @pytest.fixture
 async def database(settings: Settings) -> AsyncIterator[str]:
     """A database created, migrated and dropped here (the server's rows are committed for real)."""
-    url = sibling_url(settings.database_url, f"xmark_workers_{uuid.uuid4().hex[:8]}")
-    await create_database(url)
-    try:
-        await asyncio.to_thread(upgrade_database, url)
+    async with own_database(settings, "xmark_workers") as url:
         yield url
-    finally:
-        await drop_database(url)
 
 
 def _log_lines(log: Path) -> list[dict[str, Any]]:
