@@ -5,7 +5,7 @@ connections (``limit_concurrency``: 503 beyond it). uvicorn also counts against 
 request task still running, and a task runs on after its response while the gateway writes the
 completion's record: under load those tasks, not connections, passed the limit and clients got 503
 with nothing down. :class:`GatewayHttpProtocol` counts connections only; the work after responses
-is bounded by the gateway itself (``max_records_after_response``). Its default parser
+is bounded by the gateway itself (``record_backlog_limit``). Its default parser
 (httptools) bounds neither the size of a request head nor the time it takes to arrive:
 ``h11_max_incomplete_event_size`` applies to the h11 parser only, and a header of 64 MB, or one
 sent a byte at a time, is read for as long as the client keeps sending. :class:`GatewayHttpProtocol`
