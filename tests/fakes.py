@@ -185,6 +185,9 @@ class FakeBackend:
             raise ServiceUnavailableError("The model is still loading; retry shortly")
         return prompt_tokens(request)
 
+    async def prompt_token_bound(self, request: GenerationRequest) -> int:
+        return await self.count_prompt_tokens(request)
+
     async def generate(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationResult:
         return await collect(await self.stream(request, stamp), request.n)
 

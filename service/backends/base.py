@@ -76,7 +76,8 @@ class GenerationRequest:
     ``options``: the further OpenAI fields the client sent that this backend declared it honours
     (``honoured_fields``), as sent, e.g. ``tools`` or ``logprobs`` for a vLLM worker.
     ``prompt``: a raw text prompt (``/v1/completions``), continued as it is, without the chat
-    template; ``messages`` is then empty.
+    template; ``messages`` is then empty. ``streamed`` False: the client takes the completion whole
+    (a backend may then generate it without streaming).
     """
 
     messages: tuple[ChatTurn, ...]
@@ -89,6 +90,7 @@ class GenerationRequest:
     user_id: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     prompt: str | None = None
+    streamed: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -222,6 +224,12 @@ class Backend(Protocol):
         """The prompt's length in the served model's tokens, chat template included (what the
         gateway checks against ``max_prompt_tokens`` and charges to a user's tokens per minute
         before anything is queued). Raises ``ServiceUnavailableError`` while not ready."""
+        ...
+
+    async def prompt_token_bound(self, request: GenerationRequest) -> int:
+        """At least ``count_prompt_tokens(request)``, and cheaper to know where the backend can (the
+        gateway reserves it and counts exactly only when the bound meets a limit); a backend
+        without a cheaper bound returns the exact count."""
         ...
 
     async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> GenerationStream:

@@ -279,6 +279,10 @@ class LocalBackend:
         self._check_ready()
         return len(await self._prompt_ids(request))
 
+    async def prompt_token_bound(self, request: GenerationRequest) -> int:
+        """The exact count: ``stream`` needs the prompt's ids anyway (and reuses these)."""
+        return await self.count_prompt_tokens(request)
+
     async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> LocalStream:
         self._check_ready()
         prompt_ids = await self._prompt_ids(request)

@@ -1,9 +1,11 @@
 """Remote vLLM workers (``XMARK_BACKEND=vllm``): the gateway's client side.
 
 Each worker is a ``vllm serve`` OpenAI server running the XMark logits processor
-(``xmark_core.vllm_v1`` / ``xmark_core.vllm_v2``). The gateway keeps one httpx AsyncClient per
-worker, sends each request to the healthy worker with the fewest requests in flight, and
-streams the worker's SSE deltas through as they arrive.
+(``xmark_core.vllm_v1`` / ``xmark_core.vllm_v2``). The gateway keeps one aiohttp ClientSession
+(a pool of keep-alive connections) per worker, sends each request to the healthy worker with the
+fewest requests in flight, and streams the worker's SSE deltas through as they arrive. aiohttp
+rather than httpx: a streamed upstream request costs it about a quarter of httpx's CPU time
+(docs/benchmarks.md, "The gateway's own cost"), and every completion is one.
 
 * The watermark is the gateway's decision: the upstream body is built from the validated
   request alone, with the gateway's own ``vllm_xargs`` (the caller's message and the key
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 import numpy as np
 
 from service.backends.base import (
@@ -70,6 +72,10 @@ COMPLETIONS_PATH = "/v1/completions"
 HEALTH_PATH = "/health"
 HEALTH_TIMEOUT_S = 2.0
 MAX_UPSTREAM_ERROR_CHARS = 500
+MAX_WORKER_CONNECTIONS = 256  # open connections to one worker (more requests wait for one)
+CONNECT_TIMEOUT_S = 5.0
+MAX_EVENT_BYTES = 64 * 1024 * 1024  # one SSE line of a worker's stream
+PROMPT_BOUND_SLACK = 8  # tokens a tokenizer may add beyond the text's bytes (see prompt_token_bound)
 # vLLM's "This model's maximum context length is N tokens. However, ..."
 _CONTEXT_LENGTH = re.compile(r"maximum context length is (\d+) tokens")
 
@@ -88,12 +94,17 @@ def _origin(url: str) -> str:
     return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
 
 
+# what a lost or refused worker connection raises (a timeout is told apart first)
+_CONNECTION_ERRORS = (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, OSError)
+
+
 @dataclass
 class Worker:
-    """One upstream vLLM server and what the gateway knows about it."""
+    """One upstream vLLM server and what the gateway knows about it. ``session`` exists between
+    the backend's ``start`` and ``close`` (aiohttp binds it to the running event loop)."""
 
     url: str
-    client: httpx.AsyncClient
+    session: aiohttp.ClientSession | None = None
     healthy: bool = False
     in_flight: int = 0
     served: int = 0
@@ -101,6 +112,12 @@ class Worker:
     @property
     def origin(self) -> str:
         return _origin(self.url)
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
+        return self.session
 
 
 class WorkerPool:
@@ -129,9 +146,10 @@ class WorkerPool:
 
     async def check(self, worker: Worker) -> bool:
         try:
-            response = await worker.client.get(HEALTH_PATH, timeout=HEALTH_TIMEOUT_S)
-            ok = response.status_code == 200
-        except httpx.HTTPError:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                async with worker.client.get(worker.url + HEALTH_PATH) as response:
+                    ok = response.status == 200
+        except (TimeoutError, ServiceUnavailableError, *_CONNECTION_ERRORS):
             ok = False
         self.mark(worker, ok)
         return ok
@@ -162,6 +180,13 @@ PASS_THROUGH_FIELDS = frozenset(
 )
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str) -> dict[str, Any]:
     """The OpenAI request sent to a worker: the validated fields plus the gateway's watermark args."""
     body: dict[str, Any] = {
@@ -170,11 +195,12 @@ def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str)
         "temperature": request.temperature,
         "top_p": request.top_p,
         "n": request.n,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": request.streamed,
         "return_token_ids": True,
         "vllm_xargs": {XARG_MESSAGE: stamp.message.bits, XARG_KEY_VERSION: stamp.key_version},
     }
+    if request.streamed:
+        body["stream_options"] = {"include_usage": True}
     if request.prompt is not None:  # POST /v1/completions
         body["prompt"] = request.prompt
     else:
@@ -260,15 +286,24 @@ def _score_rejected(upstream_message: str, tokens: int) -> InvalidRequestError:
     return InvalidRequestError(f"The model worker could not score the text: {upstream_message}", param="text")
 
 
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines, each at most MAX_EVENT_BYTES (aiohttp's own line limit, 128 KiB, is below
+    a first event that carries a long prompt's token ids)."""
+    while line := await content.readuntil(b"\n", max_size=MAX_EVENT_BYTES):
+        yield line
+
+
 class VllmStream:
     """The deltas of one upstream SSE response, as the gateway's ChoiceDelta values."""
 
-    def __init__(self, pool: WorkerPool, worker: Worker, response: httpx.Response, n: int, *, timeout_s: float) -> None:
+    def __init__(
+        self, pool: WorkerPool, worker: Worker, response: aiohttp.ClientResponse, n: int, *, timeout_s: float
+    ) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
         self._worker = worker
         self._response = response
-        self._lines: AsyncIterator[str] = response.aiter_lines()
+        self._lines: AsyncIterator[bytes] = _lines(response.content)
         self._tokens = [0] * n
         self._open = set(range(n))
         self._pending: deque[ChoiceDelta] = deque()
@@ -304,21 +339,26 @@ class VllmStream:
         """Consume one SSE data line; False at the end of the stream."""
         try:
             while True:
-                async with asyncio.timeout(self._timeout_s):
-                    line = await anext(self._lines, None)
+                # the wait for each read is bounded by the session's sock_read timeout (aiohttp's
+                # own timer, moved on as data arrives): no timer of our own per event
+                line = await anext(self._lines, None)
                 if line is None:
                     return False
-                if not line.startswith("data:"):
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
+                    # read to the end of the body (the chunked terminator): only a response read
+                    # to its end goes back to the pool as a keep-alive connection
+                    async for _ in self._lines:
+                        pass
                     return False
                 self._handle(json.loads(data))
                 return True
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             await self.aclose()
             raise UpstreamTimeoutError("The model worker did not answer in time") from None
-        except (httpx.TransportError, json.JSONDecodeError):
+        except (*_CONNECTION_ERRORS, ValueError):  # ValueError: a malformed event (JSONDecodeError)
             self.connection_lost = True
             self._pool.mark(self._worker, False)
             await self.aclose()
@@ -344,28 +384,28 @@ class VllmStream:
             text = delta.get("content") or choice.get("text") or ""  # chat, or /v1/completions
             tool_calls = tuple(delta.get("tool_calls") or ())
             logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
-            raw_reason = choice.get("finish_reason")
-            reason: FinishReason | None = None
-            if raw_reason is not None:
-                if raw_reason == "error":
-                    raise UpstreamUnavailableError("The model worker failed while generating")
-                reason = _FINISH_REASONS.get(raw_reason, FinishReason.STOP)
+            reason = _finish_reason(choice.get("finish_reason"))
+            if reason is not None:
                 self._open.discard(index)
             if text or tool_calls or logprobs or reason is not None or choice.get("token_ids"):
                 self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason, tool_calls, logprobs))
 
     async def aclose(self) -> None:
+        """End the response: a stream read to its end hands its connection back to the pool; one
+        left midway closes its connection (vLLM aborts the request)."""
         if self._closed:
             return
         self._closed = True
         self._worker.in_flight -= 1
-        with contextlib.suppress(httpx.HTTPError):
-            await self._response.aclose()
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
 
     @property
     def upstream_closed(self) -> bool:
         """True once the upstream response is closed (vLLM aborts a request whose client left)."""
-        return self._response.is_closed
+        return self._closed
 
     def cancel(self) -> None:
         """Stop generating: closing the upstream response makes vLLM abort the request."""
@@ -373,6 +413,60 @@ class VllmStream:
             return
         with contextlib.suppress(RuntimeError):  # no running loop: nothing left to close from
             self._close_task = asyncio.get_running_loop().create_task(self.aclose())
+
+
+def _finish_reason(raw: Any) -> FinishReason | None:
+    if raw is None:
+        return None
+    if raw == "error":
+        raise UpstreamUnavailableError("The model worker failed while generating")
+    return _FINISH_REASONS.get(raw, FinishReason.STOP)
+
+
+def deltas_from_completion(payload: Any, n: int) -> tuple[int, list[ChoiceDelta]]:
+    """A worker's non-streamed answer as (prompt tokens, one whole delta per choice)."""
+    try:
+        usage = payload.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or len(payload.get("prompt_token_ids") or ()))
+        deltas = []
+        for choice in payload["choices"]:
+            index = int(choice["index"])
+            if not 0 <= index < n:
+                continue
+            message = choice.get("message") or {}
+            text = message.get("content") or choice.get("text") or ""  # chat, or /v1/completions
+            # whole calls: each one's position in the list is the index a streamed delta would carry
+            tool_calls = tuple({**call, "index": k} for k, call in enumerate(message.get("tool_calls") or ()))
+            logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
+            tokens = len(choice.get("token_ids") or ())
+            if not tokens and n == 1:  # a worker that does not return token ids: the usage is this choice's
+                tokens = int(usage.get("completion_tokens") or 0)
+            reason = _finish_reason(choice.get("finish_reason")) or FinishReason.STOP
+            deltas.append(ChoiceDelta(index, text, tokens, reason, tool_calls, logprobs))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UpstreamUnavailableError("The model worker answered with a malformed completion") from None
+    return prompt_tokens, deltas
+
+
+class WholeCompletion:
+    """A worker's non-streamed answer, already complete, as a GenerationStream of one delta per
+    choice (a client that does not stream gets one parse of one JSON body instead of an SSE event
+    per token)."""
+
+    def __init__(self, prompt_tokens: int, deltas: list[ChoiceDelta]) -> None:
+        self.prompt_tokens = prompt_tokens
+        self._pending = deque(deltas)
+
+    def __aiter__(self) -> WholeCompletion:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        if not self._pending:
+            raise StopAsyncIteration
+        return self._pending.popleft()
+
+    def cancel(self) -> None:
+        """Nothing to stop: the worker has finished (a client that left earlier closed the request)."""
 
 
 @dataclass
@@ -396,28 +490,16 @@ class VllmBackend:
         timeout_s: float = 60.0,
         api_key: str | None = None,
         health_interval_s: float = 5.0,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not urls:
             raise ValueError("XMARK_VLLM_URLS must name at least one worker")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_id = model_id
         self._tokenizer_path = tokenizer_path
         self._health_interval_s = health_interval_s
         self._timeout_s = timeout_s
-        self._pool = WorkerPool(
-            [
-                Worker(
-                    url=url.rstrip("/"),
-                    client=httpx.AsyncClient(
-                        base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=limits, transport=transport
-                    ),
-                )
-                for url in urls
-            ]
-        )
+        self._whole_timeout = aiohttp.ClientTimeout(total=None, connect=min(CONNECT_TIMEOUT_S, timeout_s))
+        self._pool = WorkerPool([Worker(url=url.rstrip("/")) for url in urls])
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._vocab_size = 0  # the model's logits width, from the checkpoint's config
         self._state = _Lifecycle()
@@ -438,9 +520,26 @@ class VllmBackend:
     def pool(self) -> WorkerPool:
         return self._pool
 
+    def _session(self) -> aiohttp.ClientSession:
+        """A worker's connection pool: at most MAX_WORKER_CONNECTIONS open, kept alive between
+        requests; each wait is bounded by the backend's timeout (the connect by CONNECT_TIMEOUT_S)."""
+        connector = aiohttp.TCPConnector(
+            limit=MAX_WORKER_CONNECTIONS, limit_per_host=MAX_WORKER_CONNECTIONS, enable_cleanup_closed=False
+        )
+        # sock_read: the longest wait for the worker's next bytes (its answer's head, each token)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=min(CONNECT_TIMEOUT_S, self._timeout_s), sock_read=self._timeout_s
+        )
+        return aiohttp.ClientSession(
+            connector=connector, headers=self._headers, timeout=timeout, raise_for_status=False, auto_decompress=False
+        )
+
     async def start(self) -> None:
         if self._state.health_task is not None:
             return
+        for worker in self._pool.workers:
+            if worker.session is None:
+                worker.session = self._session()
         self._state.tokenizer_task = asyncio.create_task(self._load_tokenizer())
         await self._pool.check_all()
         self._state.health_task = asyncio.create_task(self._watch_health())
@@ -493,45 +592,72 @@ class VllmBackend:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         for worker in self._pool.workers:
-            await worker.client.aclose()
+            if worker.session is not None:
+                await worker.session.close()
 
     # -- requests ----------------------------------------------------------------------------
+
+    def _ready_tokenizer(self) -> PreTrainedTokenizerBase:
+        tokenizer = self._tokenizer
+        if tokenizer is None or self._state.closed:
+            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
+        return tokenizer
+
+    @staticmethod
+    def _rendered(tokenizer: PreTrainedTokenizerBase, request: GenerationRequest) -> str:
+        """The prompt as the worker sees it before tokenizing: the chat template applied (with the
+        tools' definitions, wherever the template renders them), or a completion's prompt."""
+        if request.prompt is not None:  # /v1/completions: the worker adds no template either
+            return request.prompt
+        conversation = [turn.as_template_message() for turn in request.messages]
+        rendered: Any = tokenizer.apply_chat_template(
+            conversation, tools=request.options.get("tools"), add_generation_prompt=True, tokenize=False
+        )
+        return str(rendered)
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The prompt's tokens by the gateway's copy of the served checkpoint's tokenizer and chat
         template (the workers apply the same), counted off the event loop; no worker round trip."""
-        tokenizer = self._tokenizer
-        if tokenizer is None or self._state.closed:
-            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
-        conversation = [turn.as_template_message() for turn in request.messages]
-        # the tools' definitions are part of the prompt wherever the template renders them
-        tools = request.options.get("tools")
+        tokenizer = self._ready_tokenizer()
 
         def count() -> int:
-            if request.prompt is not None:  # /v1/completions: the worker adds no template either
-                return len(tokenizer(request.prompt)["input_ids"])
-            encoded: Any = tokenizer.apply_chat_template(
-                conversation, tools=tools, add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(encoded, "keys"):
-                encoded = encoded["input_ids"]
-            return len(encoded)
+            text = self._rendered(tokenizer, request)
+            # a completion's prompt gets the tokenizer's own special tokens (BOS), as on the worker
+            return len(tokenizer(text, add_special_tokens=request.prompt is not None)["input_ids"])
 
         return await asyncio.to_thread(count)
 
-    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> VllmStream:
+    async def prompt_token_bound(self, request: GenerationRequest) -> int:
+        """The rendered prompt's UTF-8 length plus ``PROMPT_BOUND_SLACK``, with no tokenizing.
+
+        Every token of a byte-level BPE or SentencePiece tokenizer stands for at least one byte of
+        the text (a special token such as ``<|im_start|>`` for many), so a prompt of B bytes has at
+        most B tokens; the slack covers what a tokenizer adds that is not in the text (a BOS token,
+        SentencePiece's leading space). Rendering a short chat costs tens of microseconds on the
+        event loop, tokenizing it a hundred and a thread hop; a prompt whose bound meets a limit is
+        then counted exactly (``count_prompt_tokens``)."""
+        return len(self._rendered(self._ready_tokenizer(), request).encode()) + PROMPT_BOUND_SLACK
+
+    async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> VllmStream | WholeCompletion:
+        """The worker's stream, or (``request.streamed`` False) its whole answer: a client that does
+        not stream is served by a non-streamed upstream request. Leaving while it runs (this
+        coroutine cancelled) closes the upstream connection, and vLLM aborts the request."""
         if not self.ready:
             raise ServiceUnavailableError("The gateway is still starting; retry shortly")
         body = upstream_body(request, stamp, self.model_id)
+        path = CHAT_PATH if request.prompt is None else COMPLETIONS_PATH
         tried: set[str] = set()
         while True:
             worker = self._pool.pick(tried)
             if worker is None:
                 raise UpstreamUnavailableError("No model worker is available; retry shortly")
             tried.add(worker.url)
-            stream = await self._open(
-                worker, body, request.n, CHAT_PATH if request.prompt is None else COMPLETIONS_PATH
-            )
+            if not request.streamed:
+                payload = await self._post(worker, path, body, whole=True)
+                if payload is not None:
+                    return WholeCompletion(*deltas_from_completion(payload, request.n))
+                continue
+            stream = await self._open(worker, body, request.n, path)
             if stream is not None:
                 return stream
 
@@ -541,27 +667,27 @@ class VllmBackend:
         worker.served += 1
         try:
             async with asyncio.timeout(self._timeout_s):
-                response = await worker.client.send(worker.client.build_request("POST", path, json=body), stream=True)
-        except (TimeoutError, httpx.TimeoutException):
+                response = await worker.client.post(worker.url + path, data=_json_bytes(body), headers=JSON_HEADERS)
+        except TimeoutError:
             worker.in_flight -= 1
             raise UpstreamTimeoutError("The model worker did not answer in time") from None
-        except httpx.TransportError:
+        except _CONNECTION_ERRORS:
             worker.in_flight -= 1
             self._pool.mark(worker, False)
             return None
         except BaseException:
             worker.in_flight -= 1
             raise
-        if response.status_code != 200:
+        if response.status != 200:
             try:
-                await response.aread()
-                payload: Any = response.json()
-            except (httpx.HTTPError, ValueError):
+                async with asyncio.timeout(self._timeout_s):
+                    payload: Any = json.loads(await response.read())
+            except (TimeoutError, ValueError, *_CONNECTION_ERRORS):
                 payload = None
             finally:
-                await response.aclose()
+                response.close()
                 worker.in_flight -= 1
-            error = self._refusal(worker, response.status_code, payload)
+            error = self._refusal(worker, response.status, payload)
             if error is None:
                 return None
             raise error
@@ -603,28 +729,37 @@ class VllmBackend:
             if payload is not None:
                 return scores_from_completion(payload, body["prompt"], top_k, self._vocab_size)
 
-    async def _post(self, worker: Worker, path: str, body: dict[str, Any]) -> Any | None:
-        """POST ``body`` to ``worker`` and return its JSON answer; None: try another worker."""
+    async def _post(self, worker: Worker, path: str, body: dict[str, Any], *, whole: bool = False) -> Any | None:
+        """POST ``body`` to ``worker`` and return its JSON answer; None: try another worker.
+
+        ``whole``: a non-streamed generation, whose answer comes only once every token exists; the
+        backend's timeout then bounds the connect alone, and the request's own deadline (the
+        caller's, ``request_timeout_s``) the rest."""
         worker.in_flight += 1
         worker.served += 1
         try:
-            async with asyncio.timeout(self._timeout_s):
-                response = await worker.client.post(path, json=body)
-        except (TimeoutError, httpx.TimeoutException):
+            async with asyncio.timeout(None if whole else self._timeout_s):
+                options: dict[str, Any] = {"timeout": self._whole_timeout} if whole else {}
+                async with worker.client.post(
+                    worker.url + path, data=_json_bytes(body), headers=JSON_HEADERS, **options
+                ) as response:
+                    status = response.status
+                    content = await response.read()
+        except TimeoutError:
             raise UpstreamTimeoutError("The model worker did not answer in time") from None
-        except httpx.TransportError:
+        except _CONNECTION_ERRORS:
             self._pool.mark(worker, False)
             return None
         finally:
             worker.in_flight -= 1
         try:
-            payload: Any = response.json()
+            payload: Any = json.loads(content)
         except ValueError:
-            if response.status_code == 200:
+            if status == 200:
                 raise UpstreamUnavailableError("The model worker answered with malformed JSON") from None
             payload = None
-        if response.status_code != 200:
-            error = self._refusal(worker, response.status_code, payload)
+        if status != 200:
+            error = self._refusal(worker, status, payload)
             if error is None:
                 return None
             raise error

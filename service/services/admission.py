@@ -186,13 +186,21 @@ class _LocalUser:
 
     leases: dict[str, float] = field(default_factory=dict)
     windows: dict[tuple[str, int], int] = field(default_factory=dict)
+    window: int = -1  # the window the counts were last pruned for
 
     def count(self, kind: str, window: int) -> int:
         return self.windows.get((kind, window), 0)
 
-    def prune(self, now: float, window: int) -> None:
+    def prune_leases(self, now: float) -> None:
         self.leases = {ticket: until for ticket, until in self.leases.items() if until > now}
+
+    def prune_windows(self, window: int) -> None:
         self.windows = {key: n for key, n in self.windows.items() if key[1] >= window - 1}
+        self.window = window
+
+    def prune(self, now: float, window: int) -> None:
+        self.prune_leases(now)
+        self.prune_windows(window)
 
     @property
     def idle(self) -> bool:
@@ -268,7 +276,9 @@ class Admission:
         ticket_id = uuid.uuid4().hex
         now = time.monotonic()
         bound = self._settings.max_queued_requests if max_queued is None else max_queued
-        slots = self._queues[queue] = {t: until for t, until in self._queues.get(queue, {}).items() if until > now}
+        slots = self._queues.setdefault(queue, {})
+        if len(slots) >= bound:  # full: leases that outlived their request (expired) make room first
+            slots = self._queues[queue] = {t: until for t, until in slots.items() if until > now}
         if len(slots) >= bound:
             self._metrics.admission_refusals.labels(limit=QUEUE).inc()
             raise RateLimitError(
@@ -333,7 +343,12 @@ class Admission:
                 if counted.idle:
                     del self._users[uid]
         user = self._users.setdefault(user_id, _LocalUser())
-        user.prune(now, window)
+        # pruned only where it can change the outcome: windows once a new one begins, leases (each
+        # released with its request; expired only if one outlived it) when they are at the limit
+        if user.window != window:
+            user.prune_windows(window)
+        if limits.parallel and len(user.leases) >= limits.parallel:
+            user.prune_leases(now)
         if limits.parallel and len(user.leases) >= limits.parallel:
             raise self._refuse(PARALLEL, limits, cost, len(user.leases), 0, wall)
         for kind, limit, amount, name in (

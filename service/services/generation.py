@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -70,7 +71,7 @@ from service.schemas.chat import (
 )
 from service.schemas.common import Principal
 from service.schemas.completions import TEXT_COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
-from service.services.admission import Admission, Ticket
+from service.services.admission import Admission, Ticket, UserLimits
 from service.services.provenance import sketch_columns
 from service.services.request_fields import (
     DEFAULT_HONOURED,
@@ -146,6 +147,11 @@ class AdmittedStream:
         self._deadline = deadline
         self._timeout_s = timeout_s
         self._tokens = [0] * n
+        # one timer for the whole stream (not one per delta): at the deadline it cancels the read
+        # in progress, which then raises RequestTimeoutError
+        self._timer: asyncio.TimerHandle | None = None
+        self._reader: asyncio.Task[object] | None = None
+        self._expired = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -159,29 +165,44 @@ class AdmittedStream:
         return self
 
     async def __anext__(self) -> ChoiceDelta:
-        deadline = asyncio.timeout(max(0.0, self._deadline - time.monotonic()))
+        if self._timer is None and not self._expired:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._expire)
+        self._reader = asyncio.current_task()
         try:
-            async with deadline:
-                delta = await anext(self._inner)
-        except TimeoutError:
+            if self._expired:
+                raise asyncio.CancelledError
+            delta = await anext(self._inner)
+        except asyncio.CancelledError:
             self._end()
-            if not deadline.expired():
-                raise
-            self._inner.cancel()
-            raise RequestTimeoutError(
-                f"The request did not finish within {self._timeout_s:g} seconds", code="request_timeout"
-            ) from None
-        except BaseException:  # the end, a failure, or the reader was cancelled
+            reader = self._reader
+            # cancelled by the deadline alone (not also by someone else): the request timed out
+            if self._expired and reader is not None and reader.uncancel() == 0:
+                self._inner.cancel()
+                raise RequestTimeoutError(
+                    f"The request did not finish within {self._timeout_s:g} seconds", code="request_timeout"
+                ) from None
+            raise
+        except BaseException:  # the end, a failure
             self._end()
             raise
+        finally:
+            self._reader = None
         self._tokens[delta.index] = delta.completion_tokens
         return delta
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._reader is not None:
+            self._reader.cancel()
 
     def cancel(self) -> None:
         self._inner.cancel()
         self._end()
 
     def _end(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         self._ticket.release(self.prompt_tokens + sum(self._tokens))
 
 
@@ -452,7 +473,7 @@ class GenerationService:
         (the client went away), ``error`` for a backend failure or the deadline (the client gets
         a 5xx). Refusals before anything was queued (limits, validation) record nothing.
         """
-        stream = await self.open_stream(prepared)
+        stream = await self.open_stream(prepared, streamed=False)
         choices = [ChoiceResult(i) for i in range(prepared.request.n)]
         try:
             async for delta in stream:
@@ -521,7 +542,7 @@ class GenerationService:
 
     # -- streamed ----------------------------------------------------------------------------
 
-    async def open_stream(self, prepared: PreparedCompletion) -> GenerationStream:
+    async def open_stream(self, prepared: PreparedCompletion, *, streamed: bool = True) -> GenerationStream:
         """Admit and enqueue the generation; refusals (prompt too long, a limit reached, not
         ready) surface here, before anything is queued or any byte is sent.
 
@@ -529,17 +550,22 @@ class GenerationService:
         ``max_prompt_tokens``; then the admission point takes a queue slot and the caller's
         allowances, reserving prompt + n x max_tokens tokens (``services.admission``).
         """
-        request = prepared.request
+        request = prepared.request if streamed else dataclasses.replace(prepared.request, streamed=False)
         backend = prepared.served.backend
-        prompt_tokens = await backend.count_prompt_tokens(request)
         limit = prepared.served.limits(self._settings).max_prompt_tokens
+        # a cheap upper bound is reserved where it cannot change the outcome; counted exactly where
+        # it meets the prompt limit or the caller's tokens per minute
+        prompt_tokens = await backend.prompt_token_bound(request)
+        per_minute = UserLimits.of(prepared.principal, self._settings).tokens_per_minute
+        if prompt_tokens > limit or (per_minute and prompt_tokens + request.n * request.max_tokens > per_minute):
+            prompt_tokens = await backend.count_prompt_tokens(request)
         if prompt_tokens > limit:
             raise InvalidRequestError(
                 f"The prompt has {prompt_tokens} tokens; the limit is {limit}",
                 param="messages",
                 code="context_length_exceeded",
             )
-        with self._telemetry.span("queue", {"gen_ai.usage.input_tokens": prompt_tokens}):
+        with self._telemetry.span("queue", {"xmark.reserved_prompt_tokens": prompt_tokens}):
             ticket = await self._admission.admit(
                 prepared.principal,
                 prompt_tokens + request.n * request.max_tokens,

@@ -1,4 +1,4 @@
-"""The gateway's vLLM backend against scripted upstreams (httpx.MockTransport).
+"""The gateway's vLLM backend against scripted upstreams (aiohttp servers on loopback ports).
 
 The real worker is exercised by tests/e2e_vllm; these tests cover what a live engine cannot be
 made to do on demand: a worker that refuses connections, times out, drops the stream after some
@@ -10,13 +10,14 @@ against the checkpoint run in-process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
+from aiohttp import web
 
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.backends.vllm import VllmBackend, upstream_body
@@ -72,6 +73,27 @@ def completion_events(pieces: list[list[str]], finish: str = "length") -> list[b
     return sse(*events)
 
 
+def whole_answer(texts: list[str], finish: str = "length", tool_calls: list[Any] | None = None) -> dict[str, Any]:
+    """vLLM's non-streamed chat completion (``return_token_ids``): one choice per text."""
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text or None, "tool_calls": tool_calls or []},
+            "finish_reason": finish,
+            "logprobs": None,
+            "token_ids": [100 + t for t in range(len(text.split()) or 1)],
+        }
+        for i, text in enumerate(texts)
+    ]
+    total = sum(len(c["token_ids"]) for c in choices)
+    return {
+        "object": "chat.completion",
+        "choices": choices,
+        "prompt_token_ids": PROMPT_IDS,
+        "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": total, "total_tokens": total + 5},
+    }
+
+
 TEXT_IDS = [1, 9690, 198, 2683, 359, 42]
 TOP_K = 4
 OUTSIDE_LOGPROB = -11.5  # the text's own token where it is not among the top k
@@ -118,69 +140,127 @@ def prompt_logprobs_answer(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class FakeWorker:
-    """A scripted vLLM server: records what it receives, answers what the test says."""
+class Reset(Exception):
+    """In a scripted stream: the worker drops the connection there."""
 
-    def __init__(self, name: str) -> None:
+
+class FakeWorker:
+    """A scripted vLLM server on a loopback port: records what it receives, answers what the test
+    says (a list of SSE chunks, pauses in seconds and ``Reset`` marks, or an ``aiohttp.web``
+    response)."""
+
+    def __init__(self, name: str, upstreams: Upstreams) -> None:
         self.name = name
+        self.upstreams = upstreams
         self.requests: list[dict[str, Any]] = []
         self.health_status = 200
         self.on_chat: Callable[[dict[str, Any]], Any] = lambda body: completion_events([["Cats", " are", " great"]])
         self.on_completion: Callable[[dict[str, Any]], Any] = prompt_logprobs_answer
+        self.on_whole: Callable[[dict[str, Any]], Any] = lambda body: whole_answer(["Cats are great"])
+        self.whole_delay_s = 0.0
+        self.left_early = 0  # non-streamed requests whose client closed the connection before the answer
         self.paths: list[str] = []
+        self.connections: set[Any] = set()  # the client ends of the connections requests came on
+        self.url = ""
+        self._runner: web.AppRunner | None = None
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(self.health_status)
-        body = json.loads(request.content)
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.name in self.upstreams.refused:  # the connection ends before any answer
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        if request.path == "/health":
+            return web.Response(status=self.health_status)
+        if self.name in self.upstreams.timing_out:
+            await asyncio.sleep(3600)
+        body = json.loads(await request.read())
+        assert request.transport is not None
+        self.connections.add(request.transport.get_extra_info("peername"))
         self.requests.append(body)
-        self.paths.append(request.url.path)
-        if request.url.path == "/v1/completions":  # scoring: one JSON answer
+        self.paths.append(request.path)
+        if request.path == "/v1/completions" and "prompt_logprobs" in body:  # scoring: one JSON answer
             answer = self.on_completion(body)
-            return answer if isinstance(answer, httpx.Response) else httpx.Response(200, json=answer)
+            return answer if isinstance(answer, web.StreamResponse) else web.json_response(answer)
+        if body.get("stream") is False:  # a whole answer, once every token exists
+            waited = 0.0
+            while waited < self.whole_delay_s:
+                await asyncio.sleep(0.01)
+                waited += 0.01
+                if request.transport is None or request.transport.is_closing():
+                    self.left_early += 1
+                    return web.Response()
+            answer = self.on_whole(body)
+            return answer if isinstance(answer, web.StreamResponse) else web.json_response(answer)
         answer = self.on_chat(body)
-        if isinstance(answer, httpx.Response):
+        if isinstance(answer, web.StreamResponse):
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(answer))
-
-    async def _stream(self, chunks: Any) -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            if isinstance(chunk, Exception):
-                raise chunk
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in answer:
+            if isinstance(chunk, Reset):
+                assert request.transport is not None
+                request.transport.abort()
+                return response
             if isinstance(chunk, float):  # a pause, in seconds
                 await asyncio.sleep(chunk)
                 continue
-            yield chunk
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+
+LIVE: list[Upstreams] = []
 
 
 class Upstreams:
-    """Several fake workers behind one MockTransport, routed by host."""
+    """Several fake workers, each a real server on a loopback port (started by ``started``)."""
 
     def __init__(self, *names: str) -> None:
-        self.workers = {name: FakeWorker(name) for name in names}
+        self.workers = {name: FakeWorker(name, self) for name in names}
         self.refused: set[str] = set()
         self.timing_out: set[str] = set()
+        LIVE.append(self)
+
+    async def start(self) -> None:
+        for worker in self.workers.values():
+            if not worker.url:
+                await worker.start()
 
     def urls(self) -> list[str]:
-        return [f"http://{name}:8000" for name in self.workers]
+        return [worker.url for worker in self.workers.values()]
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        if host in self.refused:
-            raise httpx.ConnectError("connection refused", request=request)
-        if host in self.timing_out and request.url.path != "/health":
-            raise httpx.ReadTimeout("timed out", request=request)
-        return await self.workers[host].handle(request)
+    async def stop(self) -> None:
+        for worker in self.workers.values():
+            await worker.stop()
 
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
+
+@pytest.fixture(autouse=True)
+async def _stop_upstreams() -> AsyncIterator[None]:
+    yield
+    while LIVE:
+        await LIVE.pop().stop()
 
 
 async def started(upstreams: Upstreams, **options: Any) -> VllmBackend:
     path = checkpoint_path()
     if not (path / "tokenizer.json").is_file():
         pytest.skip("the SmolLM2 checkpoint is not built (make model)")
-    backend = VllmBackend(upstreams.urls(), MODEL, path, transport=upstreams.transport(), **options)
+    await upstreams.start()
+    backend = VllmBackend(upstreams.urls(), MODEL, path, **options)
     await backend.start()
     assert await backend.wait_ready(120)
     return backend
@@ -308,6 +388,156 @@ async def test_stream_passes_deltas_through_with_token_counts() -> None:
         await backend.close()
 
 
+async def test_requests_reuse_one_keep_alive_connection() -> None:
+    """A stream read to its end hands its connection back: one connection serves every request."""
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams)
+    try:
+        for _ in range(5):
+            assert (await backend.generate(REQUEST, STAMP)).choices[0].text == "Cats are great"
+        await backend.score(TEXT_IDS, TOP_K)
+        worker = upstreams.workers["w1"]
+        assert len(worker.requests) == 6
+        assert len(worker.connections) == 1
+    finally:
+        await backend.close()
+
+
+BOUND_TEXTS = (
+    "Hi",
+    "Tell me about cats.",
+    "日本語の文章を書いてください。東京は日本の首都です。" * 5,
+    "emoji 😀🎉👩‍👩‍👧‍👦 and accents: déjà vu, naïve, Ångström",
+    "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # code\n" * 20,
+    "    \n\n\t  spaces   and\ttabs  \n",
+    "a" * 3000,
+    " ".join(str(i) for i in range(500)),
+    "<|im_start|>user\nspecial tokens typed by a user<|im_end|>",
+)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "xmark-test-bpe"])
+async def test_prompt_token_bound_is_never_below_the_exact_count(model: str) -> None:
+    """The bound the gateway reserves without tokenizing (the rendered prompt's bytes plus a slack)
+    holds for chats, tools and text completions, in any script, with both tokenizers."""
+    path = checkpoint_path().parent / model
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"the {model} checkpoint is not built (make model)")
+    upstreams = Upstreams("w1")
+    await upstreams.start()
+    backend = VllmBackend(upstreams.urls(), model, path)
+    await backend.start()
+    try:
+        assert await backend.wait_ready(120)
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        requests = []
+        for text in BOUND_TEXTS:
+            requests.append(GenerationRequest(messages=(ChatTurn("user", text),), max_tokens=4))
+            requests.append(
+                GenerationRequest(messages=(ChatTurn("system", text), ChatTurn("user", text)), max_tokens=4)
+            )
+            requests.append(GenerationRequest(messages=(), prompt=text, max_tokens=4))
+            if model == "smollm2-135m-instruct":  # its template renders tools
+                requests.append(
+                    GenerationRequest(messages=(ChatTurn("user", text),), max_tokens=4, options={"tools": tools})
+                )
+        for request in requests:
+            exact = await backend.count_prompt_tokens(request)
+            bound = await backend.prompt_token_bound(request)
+            assert exact <= bound, (request, exact, bound)
+        # and it is a bound, not a count: far above the tokens for text that tokenizes well
+        long = GenerationRequest(messages=(ChatTurn("user", "word " * 400),), max_tokens=4)
+        assert await backend.prompt_token_bound(long) > 2 * await backend.count_prompt_tokens(long)
+    finally:
+        await backend.close()
+
+
+WHOLE = dataclasses.replace(REQUEST, streamed=False)
+
+
+async def test_a_client_that_does_not_stream_gets_a_non_streamed_upstream_request() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_whole = lambda body: whole_answer(["Cats are great", "Dogs too"])
+    backend = await started(upstreams)
+    try:
+        result = await backend.generate(dataclasses.replace(WHOLE, n=2), STAMP)
+        assert result.prompt_tokens == len(PROMPT_IDS)
+        assert [(c.text, c.completion_tokens, c.finish_reason) for c in result.choices] == [
+            ("Cats are great", 3, "length"),
+            ("Dogs too", 2, "length"),
+        ]
+        (sent,) = upstreams.workers["w1"].requests
+        assert sent["stream"] is False and "stream_options" not in sent
+        assert sent["vllm_xargs"] == {"xmark_message": STAMP.message.bits, "xmark_key_version": "v1"}
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_whole_tool_calls_are_kept_with_their_arguments() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "publish", "arguments": '{"story": "x"}'}}
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_whole = lambda body: whole_answer([""], finish="tool_calls", tool_calls=[call])
+    backend = await started(upstreams)
+    try:
+        (choice,) = (await backend.generate(WHOLE, STAMP)).choices
+        assert choice.finish_reason == "tool_calls" and choice.text == ""
+        assert choice.tool_calls == [call]
+        assert choice.generated_text() == '{"story": "x"}'
+    finally:
+        await backend.close()
+
+
+async def test_a_whole_answer_may_take_longer_than_the_worker_timeout() -> None:
+    """The timeout bounds the wait for each of a stream's bytes; a non-streamed answer arrives only
+    at the end, so the request's own deadline (the caller's) bounds it instead."""
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].whole_delay_s = 0.5
+    backend = await started(upstreams, timeout_s=0.2)
+    try:
+        assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
+    finally:
+        await backend.close()
+
+
+async def test_leaving_a_whole_request_closes_its_upstream_connection() -> None:
+    upstreams = Upstreams("w1")
+    worker = upstreams.workers["w1"]
+    worker.whole_delay_s = 5.0
+    backend = await started(upstreams)
+    try:
+        task = asyncio.create_task(backend.generate(WHOLE, STAMP))
+        for _ in range(200):
+            if worker.requests:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if worker.left_early:
+                break
+            await asyncio.sleep(0.02)
+        assert worker.left_early == 1  # vLLM aborts a request whose connection closed
+        assert backend.pool.workers[0].in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_a_malformed_or_failed_whole_answer_is_a_503() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_whole = lambda body: {"choices": [{"message": {}}]}
+    backend = await started(upstreams)
+    try:
+        with pytest.raises(UpstreamUnavailableError, match="malformed"):
+            await backend.generate(WHOLE, STAMP)
+        upstreams.workers["w1"].on_whole = lambda body: whole_answer(["x"], finish="error")
+        with pytest.raises(UpstreamUnavailableError, match="failed while generating"):
+            await backend.generate(WHOLE, STAMP)
+    finally:
+        await backend.close()
+
+
 async def test_generate_collects_every_choice() -> None:
     upstreams = Upstreams("w1")
     upstreams.workers["w1"].on_chat = lambda body: completion_events([["A", "B"], ["C", "D", "E"]], finish="stop")
@@ -404,7 +634,7 @@ async def test_refused_connection_is_retried_on_another_worker() -> None:
 async def test_timeout_is_a_504() -> None:
     upstreams = Upstreams("w1")
     upstreams.timing_out.add("w1")
-    backend = await started(upstreams)
+    backend = await started(upstreams, timeout_s=0.3)
     try:
         with pytest.raises(UpstreamTimeoutError) as caught:
             await backend.generate(REQUEST, STAMP)
@@ -431,7 +661,7 @@ async def test_slow_stream_times_out_between_chunks() -> None:
 async def test_a_stream_that_already_produced_tokens_is_not_retried() -> None:
     upstreams = Upstreams("w1", "w2")
     events = completion_events([["a", "b", "c"]])
-    upstreams.workers["w1"].on_chat = lambda body: [*events[:3], httpx.ReadError("connection reset")]
+    upstreams.workers["w1"].on_chat = lambda body: [*events[:3], Reset()]
     backend = await started(upstreams, health_interval_s=3600)
     try:
         stream = await backend.stream(REQUEST, STAMP)
@@ -449,7 +679,7 @@ async def test_a_stream_that_already_produced_tokens_is_not_retried() -> None:
 
 async def test_connection_lost_before_the_first_token_is_retried() -> None:
     upstreams = Upstreams("w1", "w2")
-    upstreams.workers["w1"].on_chat = lambda body: [httpx.ReadError("connection reset")]
+    upstreams.workers["w1"].on_chat = lambda body: [Reset()]
     backend = await started(upstreams, health_interval_s=3600)
     try:
         result = await backend.generate(REQUEST, STAMP)
@@ -461,8 +691,8 @@ async def test_connection_lost_before_the_first_token_is_retried() -> None:
 
 async def test_upstream_rejection_is_a_400_with_the_workers_reason() -> None:
     upstreams = Upstreams("w1")
-    upstreams.workers["w1"].on_chat = lambda body: httpx.Response(
-        400, json={"error": {"message": "This model's maximum context length is 2048 tokens.", "code": 400}}
+    upstreams.workers["w1"].on_chat = lambda body: web.json_response(
+        {"error": {"message": "This model's maximum context length is 2048 tokens.", "code": 400}}, status=400
     )
     backend = await started(upstreams)
     try:
@@ -571,9 +801,9 @@ async def test_score_is_retried_on_another_worker_when_one_is_down() -> None:
 
 async def test_score_of_a_text_longer_than_the_context_is_a_400_on_the_text() -> None:
     upstreams = Upstreams("w1")
-    upstreams.workers["w1"].on_completion = lambda body: httpx.Response(
-        400,
-        json={
+    upstreams.workers["w1"].on_completion = lambda body: web.json_response(
+        status=400,
+        data={
             "error": {
                 "message": "This model's maximum context length is 1024 tokens. However, your prompt contains "
                 "6 input tokens, which exceeds this limit even without any output tokens. "
@@ -599,7 +829,7 @@ async def test_score_of_a_text_longer_than_the_context_is_a_400_on_the_text() ->
 async def test_score_timeout_is_a_504_and_a_malformed_answer_a_503() -> None:
     upstreams = Upstreams("w1")
     upstreams.timing_out.add("w1")
-    backend = await started(upstreams)
+    backend = await started(upstreams, timeout_s=0.3)
     try:
         with pytest.raises(UpstreamTimeoutError):
             await backend.score(TEXT_IDS, TOP_K)
@@ -614,7 +844,8 @@ async def test_score_timeout_is_a_504_and_a_malformed_answer_a_503() -> None:
 
 async def test_score_before_the_backend_is_ready_is_a_503() -> None:
     upstreams = Upstreams("w1")
-    backend = VllmBackend(upstreams.urls(), MODEL, checkpoint_path(), transport=upstreams.transport())
+    await upstreams.start()
+    backend = VllmBackend(upstreams.urls(), MODEL, checkpoint_path())
     try:
         with pytest.raises(ServiceUnavailableError) as caught:
             await backend.score(TEXT_IDS, TOP_K)
