@@ -488,6 +488,21 @@ async def test_whole_tool_calls_are_kept_with_their_arguments() -> None:
         await backend.close()
 
 
+async def test_a_request_with_tools_keeps_the_upstream_stream() -> None:
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].on_chat = lambda body: tool_call_events()
+    backend = await started(upstreams)
+    try:
+        tools = [{"type": "function", "function": {"name": "publish", "parameters": {"type": "object"}}}]
+        request = dataclasses.replace(WHOLE, max_tokens=8, options={"tools": tools})
+        (choice,) = (await backend.generate(request, STAMP)).choices
+        assert choice.tool_calls[0]["function"]["arguments"] == '{"story": "Once upon"}'
+        (sent,) = upstreams.workers["w1"].requests
+        assert sent["stream"] is True
+    finally:
+        await backend.close()
+
+
 async def test_a_whole_answer_may_take_longer_than_the_worker_timeout() -> None:
     """The timeout bounds the wait for each of a stream's bytes; a non-streamed answer arrives only
     at the end, so the request's own deadline (the caller's) bounds it instead."""
