@@ -5,11 +5,14 @@ unit of work, once its one-minute resolution has passed. A miss reads the key an
 short unit of work of its own (never the request's), which also records the use when due, and
 caches the result if the key was accepted. A refusal (401 unknown or revoked, 403 user
 disabled or deleted) is remembered by the key's HMAC for a short while (``AuthCache.refusal``), so
-a client repeating a refused key costs no database query either.
+a client repeating a refused key costs no database query either. Concurrent misses of one key
+share one read (a burst from one client on a cold cache is one query, not one per request, which
+could take every connection of the pool and turn the burst into 503s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime
 
@@ -20,7 +23,7 @@ from service.db import is_database_fault, session_scope
 from service.errors import AuthenticationError, PermissionDeniedError
 from service.repositories.api_keys import ApiKeyRepository
 from service.schemas.common import Principal
-from service.security import ApiKeyHasher
+from service.security import ApiKeyHasher, ParsedKey
 from service.services.auth_cache import AuthCache, CachedPrincipal
 from service.services.keys import ApiKeyService, parse_bearer, touch_due
 
@@ -37,6 +40,7 @@ class Authenticator:
         self._sessionmaker = sessionmaker
         self._hasher = hasher
         self.cache = cache
+        self._reading: dict[str, asyncio.Task[Principal]] = {}  # key hash -> the read in progress
 
     async def authenticate(self, authorization: str | None) -> Principal:
         """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user."""
@@ -60,6 +64,22 @@ class Authenticator:
                         raise
                     logger.warning("last_used_at not written", extra={"error_type": type(exc).__name__})
             return entry.principal
+        read = self._reading.get(key_hash)
+        if read is None:
+            read = asyncio.ensure_future(self._read(parsed, key_hash, now))
+            self._reading[key_hash] = read
+            read.add_done_callback(lambda done: self._finished(key_hash, done))
+        # shielded: a request that leaves does not cancel the read the others wait for
+        return await asyncio.shield(read)
+
+    def _finished(self, key_hash: str, read: asyncio.Task[Principal]) -> None:
+        if self._reading.get(key_hash) is read:
+            del self._reading[key_hash]
+        if not read.cancelled():
+            read.exception()  # retrieved here too: every waiter may have left
+
+    async def _read(self, parsed: ParsedKey, key_hash: str, now: datetime) -> Principal:
+        """The key and its user from the database (a cache miss); the result is cached."""
         epoch = self.cache.epoch
         async with session_scope(self._sessionmaker) as session:
             keys = ApiKeyService(session, self._hasher)

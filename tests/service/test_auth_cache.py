@@ -4,6 +4,7 @@ remembered for a short while (negative cache) without ever blocking a valid key.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -154,6 +155,22 @@ async def test_a_cached_key_needs_no_database_round_trip(
         assert again.status_code == 200
     assert sql == []
     assert cache.hits == 3
+
+
+async def test_a_burst_of_one_key_on_a_cold_cache_is_one_database_read(
+    client: httpx.AsyncClient, make_user: Any, cache: AuthCache, sql: list[str]
+) -> None:
+    """Concurrent misses of one key share one read: a burst must not take a connection per request
+    (at 256 concurrent requests that emptied the pool and answered 503)."""
+    _, key = await make_user("user")
+    sql.clear()
+    responses = await asyncio.gather(*(client.get("/v1/models", headers=bearer(key)) for _ in range(32)))
+    assert [r.status_code for r in responses] == [200] * 32
+    reads = [s for s in sql if "api_keys" in s and s.lstrip().upper().startswith("SELECT")]
+    assert len(reads) == 1, reads
+    sql.clear()
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    assert sql == []  # and the result is cached
 
 
 async def test_only_the_hmac_of_the_key_is_a_cache_key(
