@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from typing import Any
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
+from uvicorn.supervisors import Multiprocess
 
 from service.config import Settings
 from service.errors import envelope
@@ -213,3 +215,74 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             cycle.keep_alive = False
             app = _over_capacity
         super()._start_asgi_task(cycle, app)
+
+
+def _reuse_port_socket(config: Config) -> socket.socket:
+    """A listening socket of its own on ``config``'s host and port, bound with SO_REUSEPORT."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((config.host, config.port))
+        sock.listen(config.backlog)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class ReusePortMultiprocess(Multiprocess):
+    """uvicorn's worker supervisor, each worker listening on a socket of its own (SO_REUSEPORT).
+
+    With one shared listening socket, whichever worker is awake accepts: under load every new
+    connection went to the busy worker (eight keep-alive connections to ``--workers 2`` all landed
+    on one, and the second core sat idle). With a socket per worker the kernel spreads connections
+    over the workers by their address. uvicorn hands each new worker ``self.sockets``; here each
+    read of it binds a fresh socket, and the supervisor closes its own copy once the worker has
+    been started (the worker holds the socket from then on: a worker that dies takes its socket
+    and the connections waiting on it away, and its replacement binds a new one).
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._handed: list[socket.socket] = []
+        super().__init__(config, sockets=[])
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        sock = _reuse_port_socket(self.config)
+        self._handed.append(sock)
+        return [sock]
+
+    @sockets.setter
+    def sockets(self, value: list[socket.socket]) -> None:
+        """uvicorn's own assignment: the sockets are made per worker instead."""
+
+    def _close_handed(self) -> None:
+        while self._handed:
+            self._handed.pop().close()
+
+    def init_processes(self) -> None:
+        try:
+            super().init_processes()
+        finally:
+            self._close_handed()
+
+    def restart_all(self) -> None:
+        try:
+            super().restart_all()
+        finally:
+            self._close_handed()
+
+    def keep_subprocess_alive(self) -> None:
+        try:
+            super().keep_subprocess_alive()
+        finally:
+            self._close_handed()
+
+
+def run_workers(app: str, workers: int, **options: Any) -> None:
+    """``uvicorn.run(app, factory=True, workers=workers, **options)`` with a socket per worker."""
+    config = Config(app, factory=True, workers=workers, **options)
+    ReusePortMultiprocess(config).run()

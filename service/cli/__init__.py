@@ -83,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.app import configure_process_logging, create_app, prepare_database
     from service.metrics import MULTIPROCESS_DIR_ENV
+    from service.server import run_workers
     from service.server import server_options as build_server_options
 
     settings = _settings()
@@ -97,12 +98,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if workers == 1:
         uvicorn.run(create_app(settings), **server_options)
         return 0
-    # Several processes share the port; their metrics meet in one folder (a fresh one unless
-    # PROMETHEUS_MULTIPROC_DIR names one).
+    # Several processes share the port (a listening socket each: the kernel spreads the connections
+    # over them, see service.server.ReusePortMultiprocess); their metrics meet in one folder (a
+    # fresh one unless PROMETHEUS_MULTIPROC_DIR names one).
     with contextlib.ExitStack() as stack:
         if not os.environ.get(MULTIPROCESS_DIR_ENV):
             os.environ[MULTIPROCESS_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="xmark-metrics-"))
-        uvicorn.run("service.app:create_worker_app", factory=True, workers=workers, **server_options)
+        run_workers("service.app:create_worker_app", workers, **server_options)
     return 0
 
 

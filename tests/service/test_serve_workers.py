@@ -5,6 +5,7 @@ sum over both workers whichever answers, and the whole server stops cleanly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -73,6 +74,24 @@ async def _get(base: str, path: str, key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         return await client.get(path, headers=headers)
+
+
+def _listening_inodes(pid: int, port: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds that listen on ``port`` (from /proc)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    listening.add(int(fields[9]))
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                held.add(int(target[8:-1]))
+    return listening & held
 
 
 def _models_served(exposition: str) -> float:
@@ -144,6 +163,26 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
             assert response.status_code == 200, response.text
             served_models.add(await _served_by(log, response.headers["x-request-id"]))
         assert served_models == started
+
+        # each worker listens on a socket of its own (SO_REUSEPORT), the supervisor on none: the
+        # kernel spreads connections over the workers, where with one shared socket a busy worker
+        # took every new connection
+        listening = {pid: _listening_inodes(pid, port) for pid in {server.pid, *started}}
+        assert listening[server.pid] == set()
+        assert all(len(listening[pid]) == 1 for pid in started)
+        assert len(set().union(*(listening[pid] for pid in started))) == WORKERS
+        # sixteen keep-alive connections opened at once: both workers take some (all on one worker
+        # by chance: 2 in 2**16)
+        clients = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(16)]
+        try:
+            answers = await asyncio.gather(
+                *(c.get("/v1/models", headers={"Authorization": f"Bearer {alice}"}) for c in clients)
+            )
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+        models_requests += len(answers)
+        assert {a.status_code for a in answers} == {200}
+        assert {await _served_by(log, a.headers["x-request-id"]) for a in answers} == started
 
         # /metrics is the sum over the workers, whichever worker answers it
         answered: set[int] = set()
