@@ -14,7 +14,7 @@ from service.errors import install_error_handlers
 from service.keyring import Keyring, params_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
-from service.resources import bootstrap_admin, open_resources, sync_keyring
+from service.resources import bootstrap_admin, freeze_start_up_heap_in_this_process, open_resources, sync_keyring
 from service.routers import admin, chat, completions, console, health, me, responses, trace
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
@@ -65,6 +65,7 @@ def create_worker_app() -> FastAPI:
     settings from the environment, as in the process that started it."""
     settings = Settings()
     configure_process_logging(settings)
+    freeze_start_up_heap_in_this_process()
     return create_app(settings)
 
 

@@ -83,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from service.app import configure_process_logging, create_app, prepare_database
     from service.metrics import MULTIPROCESS_DIR_ENV
+    from service.resources import freeze_start_up_heap_in_this_process
     from service.server import run_workers
     from service.server import server_options as build_server_options
 
@@ -96,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # start-up then finds them done. With several processes, this also spares their race for them.
     asyncio.run(prepare_database(settings))
     if workers == 1:
+        freeze_start_up_heap_in_this_process()
         uvicorn.run(create_app(settings), **server_options)
         return 0
     # Several processes share the port (a listening socket each: the kernel spreads the connections

@@ -141,6 +141,10 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
         started = {line["pid"] for line in _log_lines(log) if line["message"] == "gateway started"}
         assert len(started) == WORKERS and server.pid not in started
         assert len(list(temp.glob("xmark-metrics-*"))) == 1
+        # each worker moves its start-up heap out of the collector's reach once its start-up is done
+        await _wait_for(log, "start-up heap frozen", WORKERS, server)
+        frozen = [line for line in _log_lines(log) if line["message"] == "start-up heap frozen"]
+        assert {line["pid"] for line in frozen} == started and all(line["objects"] > 10_000 for line in frozen)
         # the start-up writes were made once, by the parent, before the workers started
         assert await _count(observer, "SELECT count(*) FROM users WHERE role = 'admin'") == 1
         assert await _count(observer, "SELECT count(*) FROM key_versions") == len(TEST_WATERMARK_SECRETS)
