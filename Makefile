@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -156,6 +156,27 @@ $(VLLM_STAMP): pyproject.toml
 	@touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+# LiteLLM's proxy, the peer gateway the benchmarks compare against (benchmarks/litellm), in a
+# virtualenv of its own: every package pinned with its hash, none of it in the product's dependencies.
+LITELLM_VENV := .venv-litellm
+LITELLM_BIN := $(LITELLM_VENV)/bin
+LITELLM_STAMP := $(LITELLM_VENV)/.installed
+
+$(LITELLM_STAMP): benchmarks/litellm/requirements.txt
+	@test -x $(LITELLM_BIN)/python || $(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_BIN)/pip install --disable-pip-version-check -q --require-hashes -r benchmarks/litellm/requirements.txt
+	LITELLM_LOCAL_MODEL_COST_MAP=True $(LITELLM_BIN)/python -c "import litellm.proxy.proxy_server"
+	@touch $(LITELLM_STAMP)
+
+venv-litellm: $(LITELLM_STAMP)
+
+# Gateways side by side (docs/benchmarks.md, "The gateway's own cost"): direct to the upstream vs
+# xmark serve (vLLM backend, PostgreSQL) vs LiteLLM's proxy, on a fake upstream and (with
+# .venv-vllm) the CPU vLLM worker; a table, then one JSON object on the last line.
+bench-gateways: venv model venv-litellm check-postgres
+	@test -x $(VLLM_BIN)/python || echo "no $(VLLM_VENV): the vLLM upstream is skipped (make venv-vllm)"
+	$(BIN)/python -m benchmarks.bench_gateways
 
 # The vLLM adapters and the gateway's vllm backend, then the real end-to-end run (a CPU vllm serve).
 test-vllm: venv-vllm model check-postgres

@@ -1,0 +1,84 @@
+"""The gateway benchmark's own tools (benchmarks.fake_upstream, benchmarks.loadgen), run for real on
+loopback: what they report must be true, or every figure built on them is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from benchmarks.launch import free_port
+
+BODY = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.fake_upstream", "--port", str(port), "--tokens", "5"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the fake upstream did not start"
+            time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _load(url: str, *extra: str, body: str = BODY) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.loadgen", "--url", url, "--body", body, "--seconds", "0.5"]
+    done = subprocess.run([*command, "--warmup", "0.1", *extra], capture_output=True, text=True, check=True)
+    return dict(json.loads(done.stdout))
+
+
+async def test_the_fake_upstream_speaks_openai_streamed_and_not(upstream: str) -> None:
+    async with httpx.AsyncClient(base_url=upstream) as client:
+        plain = (await client.post("/v1/chat/completions", content=BODY)).json()
+        assert plain["choices"][0]["message"]["content"] == "Hello there, how can"
+        assert plain["usage"]["completion_tokens"] == 5
+        streamed = await client.post("/v1/chat/completions", content=BODY.replace("{", '{"stream": true, ', 1))
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]) == "Hello there, how can"
+        assert chunks[0]["prompt_token_ids"] and all(c["choices"][0]["token_ids"] for c in chunks if c["choices"])
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        assert (await client.post("/v1/nothing", content=BODY)).status_code == 404
+
+
+async def test_the_load_generator_keeps_its_connections_and_counts_right(upstream: str) -> None:
+    url = f"{upstream}/v1/chat/completions"
+    result = await asyncio.to_thread(_load, url, "--concurrency", "4", "--count-tokens")
+    assert result["connections"] == 4  # keep-alive: one connection per client, never one per request
+    assert result["requests"] > 20 and result["errors"] == {} and result["transport_errors"] == 0
+    assert result["answered"] >= result["requests"]  # the warm-up's answers too
+    assert result["tokens"] == 5 * result["requests"]
+    assert 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"]
+    streamed = await asyncio.to_thread(_load, url, "--count-tokens", body=BODY.replace("{", '{"stream": true, ', 1))
+    assert streamed["events_per_request"] == 7  # five tokens, the usage chunk, [DONE]
+    assert streamed["tokens"] == 5 * streamed["requests"]
+
+
+async def test_the_load_generator_counts_refusals_by_status_with_a_sample(upstream: str) -> None:
+    result = await asyncio.to_thread(_load, f"{upstream}/v1/nothing")
+    assert result["requests"] == 0 and result["errors"]["404"] > 0
+    assert set(result["error_samples"]) == {"404"}
