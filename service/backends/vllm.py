@@ -72,6 +72,7 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 HEALTH_PATH = "/health"
 HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
 MAX_UPSTREAM_ERROR_CHARS = 500
 MAX_WORKER_CONNECTIONS = 256  # open connections to one worker (more requests wait for one)
 CONNECT_TIMEOUT_S = 5.0
@@ -146,9 +147,11 @@ class WorkerPool:
         worker.healthy = healthy
 
     async def check(self, worker: Worker) -> bool:
+        """One health probe, bounded by HEALTH_TIMEOUT_S alone: the session's own bounds are the
+        request timeout's, which may be far shorter than a busy worker needs to answer /health."""
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                async with worker.client.get(worker.url + HEALTH_PATH) as response:
+                async with worker.client.get(worker.url + HEALTH_PATH, timeout=HEALTH_TIMEOUT) as response:
                     ok = response.status == 200
         except (TimeoutError, ServiceUnavailableError, *_CONNECTION_ERRORS):
             ok = False

@@ -154,6 +154,7 @@ class FakeWorker:
         self.upstreams = upstreams
         self.requests: list[dict[str, Any]] = []
         self.health_status = 200
+        self.health_delay_s = 0.0
         self.on_chat: Callable[[dict[str, Any]], Any] = lambda body: completion_events([["Cats", " are", " great"]])
         self.on_completion: Callable[[dict[str, Any]], Any] = prompt_logprobs_answer
         self.on_whole: Callable[[dict[str, Any]], Any] = lambda body: whole_answer(["Cats are great"])
@@ -184,6 +185,7 @@ class FakeWorker:
             request.transport.close()
             return web.Response()
         if request.path == "/health":
+            await asyncio.sleep(self.health_delay_s)
             return web.Response(status=self.health_status)
         if self.name in self.upstreams.timing_out:
             await asyncio.sleep(3600)
@@ -510,6 +512,20 @@ async def test_a_whole_answer_may_take_longer_than_the_worker_timeout() -> None:
     upstreams.workers["w1"].whole_delay_s = 0.5
     backend = await started(upstreams, timeout_s=0.2)
     try:
+        assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
+    finally:
+        await backend.close()
+
+
+async def test_a_health_probe_is_bounded_by_its_own_timeout_not_the_request_timeout() -> None:
+    """A worker slower to answer /health than the (short) request timeout is still in rotation: the
+    probe's bound is HEALTH_TIMEOUT_S. (Bounded by the session's request timeout, the start-up probe
+    took a busy worker out of rotation and the first request got 503.)"""
+    upstreams = Upstreams("w1")
+    upstreams.workers["w1"].health_delay_s = 0.3
+    backend = await started(upstreams, timeout_s=0.1, health_interval_s=3600)
+    try:
+        assert backend.pool.workers[0].healthy
         assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
     finally:
         await backend.close()
