@@ -9,6 +9,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import ApiKey, User
+from service.vocabulary import Role, UserStatus
 
 
 class ApiKeyRepository:
@@ -51,6 +52,16 @@ class ApiKeyRepository:
             .order_by(ApiKey.id)
         )
         return [(key, user) for key, user in (await self._session.execute(stmt)).all()]
+
+    async def count_live_admin_keys(self) -> int:
+        """Unrevoked keys of active admins: the keys the admin API can still be reached with."""
+        stmt = (
+            select(func.count())
+            .select_from(ApiKey)
+            .join(User, User.id == ApiKey.user_id)
+            .where(ApiKey.revoked_at.is_(None), User.role == Role.ADMIN, User.status == UserStatus.ACTIVE)
+        )
+        return int(await self._session.scalar(stmt) or 0)
 
     async def revoke_all_for_user(self, user_id: int, when: datetime) -> None:
         stmt = (

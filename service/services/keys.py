@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
 from service.models import ApiKey, MessageId, User
 from service.repositories.api_keys import ApiKeyRepository
+from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.message_ids import MessageIdRepository
 from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, ApiKeyPage, IssuedKey
@@ -113,10 +114,26 @@ class ApiKeyService:
         return ApiKeyPage.of([key_out(k) for k in rows], total=total, limit=limit, offset=offset)
 
     async def revoke_key(self, user_id: int, key_id: int) -> ApiKeyOut:
+        """Revoke a key; the last unrevoked key of the active admins is refused (409 ``last_admin_key``),
+        as taking the last active admin away is: nobody could reach the admin API afterwards."""
+        # the admins' guard first (before the row is read), so two admins revoking each other's last
+        # keys at once cannot both pass the count (service.repositories.guards)
+        await lock_guarded_set(self._session, Guard.ACTIVE_ADMINS)
         key = await self._keys.get(user_id, key_id)
         if key is None:
             raise NotFoundError(f"API key {key_id} of user {user_id} not found", param="key_id")
         if key.revoked_at is None:
+            user = await self._users.get(user_id)
+            if (
+                user is not None
+                and user.role == Role.ADMIN
+                and user.status == UserStatus.ACTIVE
+                and await self._keys.count_live_admin_keys() <= 1
+            ):
+                raise ConflictError(
+                    "The last API key of the active admins cannot be revoked; issue another admin key first",
+                    code="last_admin_key",
+                )
             key.revoked_at = datetime.now(UTC)
             await self._keys.flush()
             if self._auth_cache is not None:

@@ -179,6 +179,32 @@ async def test_keys_are_issued_listed_and_revoked(client: httpx.AsyncClient, adm
     assert wrong_owner.status_code == 404
 
 
+async def test_the_admins_last_key_cannot_be_revoked(client: httpx.AsyncClient, admin_key: str) -> None:
+    (admin,) = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()["data"]
+    (only,) = (await client.get(f"/admin/users/{admin['id']}/keys", headers=bearer(admin_key))).json()["data"]
+    path = f"/admin/users/{admin['id']}/keys/{only['id']}/revoke"
+    refused = await client.post(path, headers=bearer(admin_key))
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "last_admin_key"
+    assert (await client.get("/admin/users", headers=bearer(admin_key))).status_code == 200
+    # an admin's second key makes the first revocable; then the second is the last
+    spare = (await client.post(f"/admin/users/{admin['id']}/keys", headers=bearer(admin_key))).json()
+    assert (await client.post(path, headers=bearer(spare["api_key"]))).status_code == 200
+    assert (await client.get("/admin/users", headers=bearer(admin_key))).status_code == 401
+    last = await client.post(f"/admin/users/{admin['id']}/keys/{spare['id']}/revoke", headers=bearer(spare["api_key"]))
+    assert last.status_code == 409 and last.json()["error"]["code"] == "last_admin_key"
+    # a key of a disabled admin does not count: it opens nothing
+    other = await _create(client, spare["api_key"], "frank", "admin")
+    disabled = await client.post(f"/admin/users/{other['id']}/disable", headers=bearer(spare["api_key"]))
+    assert disabled.status_code == 200
+    last = await client.post(f"/admin/users/{admin['id']}/keys/{spare['id']}/revoke", headers=bearer(spare["api_key"]))
+    assert last.status_code == 409
+    # a user's (not an admin's) last key is revoked as always
+    user = await _create(client, spare["api_key"], "gina")
+    (key,) = (await client.get(f"/admin/users/{user['id']}/keys", headers=bearer(spare["api_key"]))).json()["data"]
+    revoked = await client.post(f"/admin/users/{user['id']}/keys/{key['id']}/revoke", headers=bearer(spare["api_key"]))
+    assert revoked.status_code == 200
+
+
 async def test_last_used_is_recorded(client: httpx.AsyncClient, admin_key: str) -> None:
     users = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()
     admin_id = users["data"][0]["id"]

@@ -162,6 +162,41 @@ async def _admins_race(app: Any, client: httpx.AsyncClient, first_admin_key: str
     return survivor
 
 
+async def _keys_race(app: Any, client: httpx.AsyncClient, first_admin_key: str, rounds: int) -> str:
+    """Each round: exactly two active admins, A and B, each with one key, revoke each other's key at
+    the same moment. One revocation must win and the other be refused with 409 last_admin_key: the
+    admin API stays reachable. Returns the key that remains."""
+    survivor = first_admin_key
+    for round_ in range(rounds):
+        created = []
+        for side in ("a", "b"):
+            response = await client.post(
+                "/admin/users", json={"name": f"keys-{round_}-{side}", "role": "admin"}, headers=bearer(survivor)
+            )
+            assert response.status_code == 201, response.text
+            created.append(response.json())
+        a, b = created
+        me = await client.get("/admin/users?role=admin&status=active&limit=500", headers=bearer(a["api_key"]))
+        for user in me.json()["data"]:
+            if user["id"] not in (a["id"], b["id"]):
+                assert (await _take_away(client, a["api_key"], user["id"], "disable")).status_code == 200
+        key_ids = {}
+        for admin in (a, b):
+            (key,) = (await client.get(f"/admin/users/{admin['id']}/keys", headers=bearer(a["api_key"]))).json()["data"]
+            key_ids[admin["id"]] = key["id"]
+        results = await asyncio.gather(
+            client.post(f"/admin/users/{b['id']}/keys/{key_ids[b['id']]}/revoke", headers=bearer(a["api_key"])),
+            client.post(f"/admin/users/{a['id']}/keys/{key_ids[a['id']]}/revoke", headers=bearer(b["api_key"])),
+        )
+        statuses = sorted(r.status_code for r in results)
+        assert statuses == [200, 409], (round_, [r.text for r in results])
+        refused = next(r for r in results if r.status_code == 409)
+        assert refused.json()["error"]["code"] == "last_admin_key"
+        survivor = a["api_key"] if results[0].status_code == 200 else b["api_key"]
+        assert (await client.get("/admin/users?limit=1", headers=bearer(survivor))).status_code == 200
+    return survivor
+
+
 async def _versions_race(app: Any, client: httpx.AsyncClient, admin_key: str, rounds: int) -> None:
     """Each round: exactly two active key versions are retired at the same moment; one must remain."""
     listed = (await client.get("/admin/key-versions", headers=bearer(admin_key))).json()["data"]
@@ -190,6 +225,17 @@ async def test_two_admins_taking_each_others_access_leave_one_postgres(
 ) -> None:
     app, client, admin_key = postgres_app
     await _admins_race(app, client, admin_key, ROUNDS)
+
+
+async def test_two_admins_revoking_each_others_last_key_leave_one_postgres(
+    postgres_app: tuple[Any, httpx.AsyncClient, str],
+) -> None:
+    app, client, _ = postgres_app
+    async with session_scope(app.state.resources.sessionmaker) as session:
+        created = await UserService(
+            session, app.state.resources.keyring.params, app.state.resources.api_key_hasher
+        ).create_user("keys-admin", Role.ADMIN)
+    await _keys_race(app, client, created.api_key, ROUNDS)
 
 
 async def test_retiring_the_last_two_key_versions_at_once_leaves_one_postgres(
@@ -226,4 +272,5 @@ async def test_one_version_activated_twice_at_once_is_activated_once_postgres(
 async def test_guards_hold_on_sqlite_too(sqlite_app: tuple[Any, httpx.AsyncClient, str]) -> None:
     app, client, admin_key = sqlite_app
     survivor = await _admins_race(app, client, admin_key, 4)
+    survivor = await _keys_race(app, client, survivor, 4)
     await _versions_race(app, client, survivor, 4)
