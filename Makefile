@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak
+.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -105,6 +105,12 @@ soak: venv model
 
 bench-local: venv model
 	$(BIN)/python -m benchmarks.local_overhead --json
+
+# The local backend's chunked prefill (docs/benchmarks.md): a fourth user's wait behind three
+# abandoned ~6,400-token prompts and single-stream tokens/s, slices of 512 tokens against none,
+# and a running request's longest pause per slice size; a table, then one JSON line.
+bench-prefill: venv model
+	$(BIN)/python -m benchmarks.prefill_slices --json --sweep 256,512,1024
 
 bench-core: venv
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m xmark_core.bench --json

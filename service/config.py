@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     # rows (requests x n) one batched generate call takes.
     model_threads: int | None = None
     max_batch_size: int = 8
+    # Local backend: the most prompt tokens read per model step (chunked prefill); a long prompt
+    # is read in slices this long, with a decoding step of the running batch between two slices.
+    # Larger than max_prompt_tokens: every prompt in one pass.
+    prefill_chunk_tokens: int = Field(default=512, gt=0)
 
     # -- admission and fairness (docs/service.md, "Limits") --------------------------------------
     # Requests admitted to the backend but not finished yet (generating or waiting for it), per

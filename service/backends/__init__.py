@@ -48,6 +48,7 @@ def build_backend(settings: Settings, metrics: Metrics) -> Backend:
             max_batch_rows=settings.max_batch_size,
             threads=settings.model_threads,
             scorer_dtype=settings.trace_scorer_dtype,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
         )
     if settings.backend == "vllm":
         from service.backends.vllm import VllmBackend

@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
@@ -63,6 +63,11 @@ class Job:
     prompt_ids: list[int]
     deliver: Callable[[StreamEvent], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # chunked prefill (``prefill``): the prompt's KV cache so far (worker thread), its length,
+    # and the slices read into it
+    cache: Any = None
+    prefilled: int = 0
+    slices: int = 0
 
     @property
     def rows(self) -> int:
@@ -115,24 +120,44 @@ class FairBacklog:
 
     def next_batch(self, max_rows: int) -> list[Job]:
         """The jobs of the next ``generate`` call (at least one; none when nothing waits)."""
+        batch = self.peek_batch(max_rows)
+        if not batch:
+            return []
+        user = batch[0].request.user_id
+        for job in batch:
+            self._take(job.request.user_id, job)
+        if user in self._queues:  # still has jobs: to the back of the rotation
+            self._turns.remove(user)
+            self._turns.append(user)
+        return batch
+
+    def peek_batch(self, max_rows: int) -> list[Job]:
+        """What ``next_batch`` would return now, leaving every job waiting (the worker reads
+        their prompts ahead while another batch decodes)."""
         if not self._turns:
             return []
         user = self._turns[0]
         first = self._queues[user][0]
-        self._take(user, first)
-        if user in self._queues:  # still has jobs: to the back of the rotation
-            self._turns.remove(user)
-            self._turns.append(user)
         batch, rows, key = [first], first.rows, first.batch_key()
         if key is None:
             return batch
+        # the fill goes round the users in turn order, the first user now last
+        turns = [*list(self._turns)[1:], user]
+        taken = {id(first)}
         added = True
         while added and rows < max_rows:
             added = False
-            for other in list(self._turns):
-                job = next((j for j in self._queues[other] if j.batch_key() == key and rows + j.rows <= max_rows), None)
+            for other in turns:
+                job = next(
+                    (
+                        j
+                        for j in self._queues[other]
+                        if id(j) not in taken and j.batch_key() == key and rows + j.rows <= max_rows
+                    ),
+                    None,
+                )
                 if job is not None:
-                    self._take(other, job)
+                    taken.add(id(job))
                     batch.append(job)
                     rows += job.rows
                     added = True
@@ -291,3 +316,16 @@ class RowTracker(StoppingCriteria):
                 tail += "" if stopped else row.stop_buffer.flush()
                 reason = FinishReason.CANCELLED if row.job.cancelled.is_set() else FinishReason.LENGTH
                 self._finish(row_number, row, FinishReason.STOP if stopped else reason, tail)
+
+
+class BetweenSteps(StoppingCriteria):
+    """Runs ``work`` after every decoding step of a ``generate`` call and stops no row: the seam
+    where the worker reads a slice of the next batch's prompts (chunked prefill)."""
+
+    def __init__(self, rows: int, work: Callable[[], None]) -> None:
+        self._rows = rows
+        self._work = work
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object) -> torch.BoolTensor:
+        self._work()
+        return cast("torch.BoolTensor", torch.zeros(self._rows, dtype=torch.bool))  # [rows] bool

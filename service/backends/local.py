@@ -8,6 +8,11 @@ scoring jobs (one forward pass over a suspect text) go through the same queue; t
 together share one batched forward pass, ahead of the next generation. Waiting generation jobs
 are taken in turns per user (``batch.FairBacklog``). A generation that fails ends its streams
 with ``BackendError``; the rows it had produced are not reported as finished.
+
+Prompts are read in slices of at most ``prefill_chunk_tokens`` tokens (``prefill``): while a
+batch decodes, each of its steps is followed by one slice of the next batch's prompts, so a long
+prompt neither stalls the running rows nor, once its client has left, holds the model past its
+next slice (its cache is dropped then). Scoring jobs run between the slices of a batch's prompts.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from service.backends.base import (
     collect,
 )
 from service.backends.batch import (
+    BetweenSteps,
     FairBacklog,
     Job,
     LogprobCapture,
@@ -43,6 +49,13 @@ from service.backends.batch import (
     StreamFailure,
     deliver_to_loop,
     logprobs_wanted,
+)
+from service.backends.prefill import (
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    batch_cache,
+    prefill_done,
+    prefill_slice,
+    release,
 )
 from service.backends.scoring import ScorerDtype, resolve_scorer_dtype, score_texts, scoring_model
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
@@ -114,6 +127,18 @@ class LocalStream:
     def cancel(self) -> None:
         self._job.cancelled.set()
 
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens in the job's cache now: read ahead of its batch's ``generate`` call (which
+        reads the last one), in slices; 0 again once the cache is released (the job ran, failed or
+        was cancelled)."""
+        return self._job.prefilled
+
+    @property
+    def prefill_slices(self) -> int:
+        """Slices of the prompt read so far (``LocalBackend.prefill_chunk_tokens`` tokens each, or fewer)."""
+        return self._job.slices
+
 
 class LocalBackend:
     """The served model, run by transformers on this machine's CPU."""
@@ -129,8 +154,14 @@ class LocalBackend:
         max_batch_rows: int = MAX_BATCH_ROWS,
         threads: int | None = None,
         scorer_dtype: ScorerDtype = "auto",
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
+        if prefill_chunk_tokens <= 0:
+            raise ValueError("prefill_chunk_tokens must be positive")
         self.model_id = model_id
+        # the most prompt tokens read per model step (one prefill slice); read by the worker at
+        # every slice
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._scorer_dtype: ScorerDtype = scorer_dtype
         self._threads = threads if threads is not None else default_threads()
         self._model_path = model_path
@@ -143,6 +174,9 @@ class LocalBackend:
         self._eos_ids: set[int] = set()
         self._context_length = 0
         self._running: list[Job] = []  # jobs of the batch on the model right now (worker thread)
+        # waiting work, owned by the worker thread
+        self._backlog = FairBacklog()
+        self._scoring: list[ScoreJob] = []
         # prompts encoded by count_prompt_tokens, reused by stream for the same request object
         self._encoded: weakref.WeakKeyDictionary[GenerationRequest, list[int]] = weakref.WeakKeyDictionary()
         self._loaded = threading.Event()
@@ -320,9 +354,26 @@ class LocalBackend:
 
     # -- worker thread -----------------------------------------------------------------------
 
-    def _next_batch(self, backlog: FairBacklog, scoring: list[ScoreJob]) -> list[Job] | list[ScoreJob] | None:
+    def _gather(self) -> None:
+        """Move everything already waiting in the inbox to the backlog or the scoring list,
+        without blocking (a shutdown signal stays in the inbox for ``_next_batch``)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._inbox.put(None)  # keep the shutdown signal for the next round
+                return
+            if isinstance(item, ScoreJob):
+                self._scoring.append(item)
+            else:
+                self._backlog.add(item)
+
+    def _next_batch(self) -> list[Job] | list[ScoreJob] | None:
         """Every waiting scoring job, or else the next generation batch (``FairBacklog``: the
         oldest job of the user whose turn it is, and compatible jobs of users in turn)."""
+        backlog, scoring = self._backlog, self._scoring
         if not backlog and not scoring:
             first = self._inbox.get()
             if first is None:
@@ -331,53 +382,42 @@ class LocalBackend:
                 scoring.append(first)
             else:
                 backlog.add(first)
-        while True:  # gather everything already waiting, without blocking
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                self._inbox.put(None)  # keep the shutdown signal for the next round
-                break
-            if isinstance(item, ScoreJob):
-                scoring.append(item)
-            else:
-                backlog.add(item)
+        self._gather()
         if scoring:
-            taken: list[ScoreJob] = []
-            while scoring and (not taken or self._score_tokens([*taken, scoring[0]]) <= MAX_SCORE_BATCH_TOKENS):
-                taken.append(scoring.pop(0))
-            return taken
+            return self._take_scoring()
         return backlog.next_batch(self._max_batch_rows)
+
+    def _take_scoring(self) -> list[ScoreJob]:
+        scoring = self._scoring
+        taken: list[ScoreJob] = []
+        while scoring and (not taken or self._score_tokens([*taken, scoring[0]]) <= MAX_SCORE_BATCH_TOKENS):
+            taken.append(scoring.pop(0))
+        return taken
 
     @staticmethod
     def _score_tokens(jobs: Sequence[ScoreJob]) -> int:
         return len(jobs) * max(len(job.token_ids) for job in jobs)
 
     def _serve(self) -> None:
-        backlog = FairBacklog()
-        scoring: list[ScoreJob] = []
         while True:
-            batch = self._next_batch(backlog, scoring)
+            batch = self._next_batch()
             if batch is None or self._closing.is_set():
-                for job in [*(batch or []), *backlog, *scoring]:
+                for job in [*(batch or []), *self._backlog, *self._scoring]:
                     self._refuse(job)
                 self._drain_on_shutdown()
                 return
             if batch and isinstance(batch[0], ScoreJob):
                 self._run_scoring([job for job in batch if isinstance(job, ScoreJob)])
                 continue
-            batch = [job for job in batch if isinstance(job, Job)]
-            live = [job for job in batch if not job.cancelled.is_set()]
-            for job in batch:
-                if job.cancelled.is_set():
-                    for index in range(job.rows):
-                        job.deliver(ChoiceDelta(index, "", 0, FinishReason.CANCELLED))
+            live = self._without_cancelled([job for job in batch if isinstance(job, Job)])
             if not live:
                 continue
             self._running = live
             try:
-                self._generate_batch(live)
+                live = self._prefill(live)
+                if live:
+                    self._running = live
+                    self._generate_batch(live)
             except Exception as exc:
                 # the client gets a 5xx (or an error event), and the record says error: never a
                 # completion cut short that looks finished
@@ -385,7 +425,60 @@ class LocalBackend:
                 for job in live:
                     job.deliver(StreamFailure("Generation failed in the model backend"))
             finally:
+                for job in live:
+                    release(job)
                 self._running = []
+
+    @staticmethod
+    def _without_cancelled(jobs: list[Job]) -> list[Job]:
+        """``jobs`` less those whose clients left, which end here as cancelled (cache dropped)."""
+        live = []
+        for job in jobs:
+            if job.cancelled.is_set():
+                release(job)
+                for index in range(job.rows):
+                    job.deliver(ChoiceDelta(index, "", 0, FinishReason.CANCELLED))
+            else:
+                live.append(job)
+        return live
+
+    def _prefill(self, jobs: list[Job]) -> list[Job]:
+        """Read the rest of the batch's prompts (``prefill``), one slice at a time; between two
+        slices a job whose client left is dropped, and waiting scoring jobs run. Returns the jobs
+        still live."""
+        model = self._model
+        assert model is not None
+        while True:
+            if self._closing.is_set():
+                for job in jobs:
+                    job.cancelled.set()  # as ``close`` does to the batch on the model
+            jobs = self._without_cancelled(jobs)
+            if not jobs or all(prefill_done(job) for job in jobs):
+                return jobs
+            prefill_slice(model, jobs, self.prefill_chunk_tokens)
+            self._gather()
+            if self._scoring:
+                self._run_scoring(self._take_scoring())
+
+    def _between_steps(self) -> None:
+        """After each decoding step of a batch: one prefill slice of the batch that would run
+        next. A failure here is not the running batch's: the jobs read start again with their
+        own batch, which reports it if it recurs."""
+        model = self._model
+        assert model is not None
+        self._gather()
+        upcoming = self._backlog.peek_batch(self._max_batch_rows)
+        for job in upcoming:
+            if job.cancelled.is_set():
+                release(job)  # its client left: the cache goes now, the stream ends with its batch
+        if self._closing.is_set() or all(prefill_done(job) or job.cancelled.is_set() for job in upcoming):
+            return
+        try:
+            prefill_slice(model, upcoming, self.prefill_chunk_tokens)
+        except Exception as exc:
+            logger.warning("prefill failed", extra={"error_type": type(exc).__name__})
+            for job in upcoming:
+                release(job)
 
     @staticmethod
     def _refuse(job: Job | ScoreJob) -> None:
@@ -470,6 +563,7 @@ class LocalBackend:
         key = jobs[0].stamp.key
         processor = XMarkLogitsProcessor(key, messages, watermarker=self._watermarker(key))
         seed = first.seed if len(jobs) == 1 else None
+        between_steps = BetweenSteps(len(prompts), self._between_steps)
         with torch.inference_mode():
             if seed is not None:
                 torch.manual_seed(seed)
@@ -477,10 +571,13 @@ class LocalBackend:
                 model.generate(  # type: ignore[operator]  # typed through nn.Module.__getattr__
                     input_ids=input_ids,
                     attention_mask=attention_mask,
+                    # the prompts but their last tokens, read ahead in slices (``_prefill``)
+                    past_key_values=batch_cache(model, jobs, width),
                     generation_config=config,
                     # the capture first: it reads the model's own distribution, before the watermark
                     logits_processor=LogitsProcessorList([processor] if capture is None else [capture, processor]),
-                    stopping_criteria=StoppingCriteriaList([tracker]),
+                    # the tracker first: a row's token reaches its client before the next slice
+                    stopping_criteria=StoppingCriteriaList([tracker, between_steps]),
                 )
             finally:
                 if seed is not None:
