@@ -202,6 +202,14 @@ class Settings(BaseSettings):
     # Connect, pool checkout and statement timeout of the requests' database work: past it the
     # client gets 503 database_unavailable with Retry-After.
     database_timeout_s: float = 1.0
+    # SQLite (embedded default): the writes of a process take turns in a queue of its own; a write
+    # that has not had its turn after this many seconds gets 503 database_unavailable. The wait for
+    # another process's lock stays bounded by database_timeout_s (docs/service.md, "SQLite writes").
+    sqlite_write_queue_timeout_s: float = Field(default=30.0, gt=0)
+    # SQLite's synchronous setting (WAL journal): "full" syncs the log at every commit (a success
+    # survives a power cut); "normal" syncs only at checkpoints (faster; a power cut or OS crash may
+    # undo the last commits, though never corrupts the file).
+    sqlite_synchronous: Literal["full", "normal"] = "full"
     # Generation records that cannot be written wait in a local spool (SQLite under var_dir) and
     # are drained into the database when it answers again, also after a restart.
     record_spool_drain_interval_s: float = 2.0

@@ -7,6 +7,10 @@ Every database operation of a request is bounded (``Settings.database_timeout_s`
 waiting for a pooled connection, and each statement. A database that is down, hung or saturated
 therefore surfaces within about that long as one of the errors :func:`is_database_fault`
 recognises, which the API answers with 503 ``database_unavailable`` (``service.errors``).
+
+On SQLite the writes of the process take turns first (``service.db.write_gate``): waiting for one's
+turn has a bound of its own (``Settings.sqlite_write_queue_timeout_s``), and only the wait for the
+file lock held by another process is bounded by ``database_timeout_s``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.util import await_
 
 from service.config import Settings
+from service.db.write_gate import OUTAGE_MESSAGES, WriteGate, install_write_gate
 
 # Pooled connections idle for longer than this are pinged before use (see install_liveness_check).
 PING_IF_IDLE_S = 10.0
@@ -45,20 +50,64 @@ MAINTENANCE_TIMEOUT_S = 300.0
 # insufficient resources (53: too many connections, out of memory or disk) and operator
 # intervention (57: statement timeout or cancel, shutdown, "the database system is starting up").
 _FAULT_SQLSTATE_CLASSES = frozenset({"08", "53", "57"})
-# SQLite errors that mean "not now" rather than "wrong": another writer holds the lock past the busy
-# timeout, or the file cannot be reached.
-_SQLITE_FAULTS = ("database is locked", "database table is locked", "unable to open", "disk i/o error")
+# SQLite errors that mean "not now" rather than "wrong": another process holds the lock past the busy
+# timeout, or the file cannot be reached, written or grown.
+_SQLITE_FAULTS = OUTAGE_MESSAGES
+_SQLITE_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
 
 
-def _sqlite_pragmas(busy_timeout_ms: int) -> Any:
+def _sqlite_pragmas(busy_timeout_ms: int, synchronous: str = "full") -> Any:
+    """Every new SQLite connection: foreign keys on, the WAL journal (readers never wait for the
+    writer), the busy timeout (how long a write waits for another process's lock) and the
+    synchronous setting (``Settings.sqlite_synchronous``)."""
+    level = _SQLITE_SYNCHRONOUS[synchronous]
+
     def apply(dbapi_connection: Any, _: Any) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+        cursor.execute(f"PRAGMA synchronous={level}")
         cursor.close()
 
     return apply
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return (status.st_dev, status.st_ino)
+
+
+def install_sqlite_file_check(engine: AsyncEngine, path: Path) -> None:
+    """A SQLite file removed or replaced under a running gateway is an outage, not a fresh start.
+
+    Connections opened before keep writing into the removed file, where nothing will ever read
+    the rows, and a new connection would create an empty file. So each checkout compares the
+    file with the one the connection opened (one ``stat``; a connection to another file is
+    replaced), and once a connection has opened the file, a new one is refused while it is
+    missing: ``unable to open database file``, a database fault (503).
+    """
+    opened = False
+
+    @event.listens_for(engine.sync_engine, "do_connect")
+    def _connect(dialect: Any, record: Any, cargs: Any, cparams: Any) -> Any:
+        if opened and _file_identity(path) is None:
+            raise dialect.loaded_dbapi.OperationalError("unable to open database file: it was removed")
+        return None  # connect as usual
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _connected(dbapi_connection: Any, record: Any) -> None:
+        nonlocal opened
+        record.info["sqlite_file"] = _file_identity(path)
+        opened = True
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if _file_identity(path) != record.info.get("sqlite_file"):
+            raise DisconnectionError("the database file was removed or replaced")
 
 
 def ensure_sqlite_dir(database_url: str) -> None:
@@ -75,14 +124,24 @@ def create_engine(settings: Settings, *, timeout_s: float | None = None) -> Asyn
     every statement each give up after ``timeout_s`` (default ``settings.database_timeout_s``, the
     bound of requests; the CLI passes :data:`MAINTENANCE_TIMEOUT_S`): the wait and the connect
     get half of it each, as a request may wait out the one and then do the other. On SQLite the
-    bound is the busy timeout, the only wait there is.
+    bound is the busy timeout, the wait for another process's lock; the writes of this process
+    take turns in the engine's write queue first (``service.db.write_gate``), whose wait is
+    bounded by ``settings.sqlite_write_queue_timeout_s``, as is the wait for a pooled connection.
     """
     timeout = settings.database_timeout_s if timeout_s is None else timeout_s
     url = make_url(settings.database_url)
     if url.get_backend_name() == "sqlite":
         ensure_sqlite_dir(settings.database_url)
-        engine = create_async_engine(url, connect_args={"timeout": timeout})
-        event.listen(engine.sync_engine, "connect", _sqlite_pragmas(max(1, round(timeout * 1000))))
+        queue_timeout = settings.sqlite_write_queue_timeout_s
+        in_memory = url.database in (None, "", ":memory:")  # one static connection, no pool to wait for
+        engine = create_async_engine(
+            url, connect_args={"timeout": timeout}, **({} if in_memory else {"pool_timeout": queue_timeout})
+        )
+        busy_timeout_ms = max(1, round(timeout * 1000))
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas(busy_timeout_ms, settings.sqlite_synchronous))
+        install_write_gate(engine, WriteGate(queue_timeout_s=queue_timeout, refusal_window_s=timeout))
+        if not in_memory:
+            install_sqlite_file_check(engine, Path(str(url.database)).expanduser())
         return engine
     pool = {"pool_size": settings.database_pool_size, "max_overflow": 10, "pool_timeout": timeout / 2}
     if url.get_driver_name() != "asyncpg":  # the generic check: a round trip on every checkout
@@ -244,11 +303,17 @@ async def execute_committed(
 
     Normally (``sessionmaker`` bound to the engine) the statement runs on a pooled connection in
     autocommit mode: one statement is atomic by itself, so the write costs a single round trip
-    instead of BEGIN, statement and COMMIT. When the sessionmaker is bound to a connection that
+    instead of BEGIN, statement and COMMIT. On SQLite it is a transaction of its own instead: the
+    driver runs a statement with many rows as one statement per row, which in autocommit mode
+    would commit (and sync) each row alone. When the sessionmaker is bound to a connection that
     an outer transaction owns, the write joins that transaction through a session like any other
     unit of work, and becomes durable with it.
     """
     bind = sessionmaker.kw.get("bind")
+    if isinstance(bind, AsyncEngine) and bind.dialect.name == "sqlite":
+        async with bind.begin() as connection:
+            await connection.execute(statement, parameters)
+        return
     if isinstance(bind, AsyncEngine):
         async with bind.connect() as connection:
             autocommit = await connection.execution_options(isolation_level="AUTOCOMMIT")
