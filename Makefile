@@ -81,6 +81,11 @@ test-fast: venv check-postgres
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json
 
+# A flood of made-up API keys (16 connections, 10 s) beside one valid user, with the per-address
+# budget of failed authentications on and off (fake backend, PostgreSQL); a table, then JSON.
+bench-auth-flood: venv check-postgres
+	$(BIN)/python -m benchmarks.auth_flood
+
 # The generation log's retrieval on PostgreSQL at 10^5 and 10^6 logged completions: sketch cost, lookup latency, recall, size per record.
 bench-provenance: venv
 	$(BIN)/python -m benchmarks.provenance_bench --json

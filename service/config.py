@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.client_address import parse_networks
 from service.security import ApiKeyFormatError, parse_api_key
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
@@ -197,6 +198,35 @@ class Settings(BaseSettings):
     max_connections: int = 1024
     # Refused API keys are remembered (by their HMAC) for this long, sparing the database.
     auth_negative_cache_ttl_s: float = 10.0
+    # Failed authentications per client address (service/services/auth_edge.py, docs/service.md,
+    # "Failed authentication at the edge"): after auth_edge_failures refusals within
+    # auth_edge_window_s, an address is backed off for auth_edge_backoff_s, doubling on each
+    # further failure up to auth_edge_backoff_max_s; while backed off, keys not known to be valid
+    # are refused without a database read, except one read per auth_edge_probe_interval_s.
+    # auth_edge_failures = 0 switches this off.
+    auth_edge_failures: int = Field(default=20, ge=0)
+    auth_edge_window_s: float = Field(default=60.0, gt=0)
+    auth_edge_backoff_s: float = Field(default=1.0, gt=0)
+    auth_edge_backoff_max_s: float = Field(default=60.0, gt=0)
+    auth_edge_probe_interval_s: float = Field(default=1.0, gt=0)
+    # a refusal at the edge is answered this late (at most auth_edge_max_delayed at once per
+    # process, the rest at once), which slows a flood on a few connections to a few requests/s
+    auth_edge_refusal_delay_s: float = Field(default=1.0, ge=0, le=30)
+    auth_edge_max_delayed: int = Field(default=256, ge=0)
+    # addresses tracked per process (least recently seen leave first), and keys remembered as
+    # recently valid (by their HMAC, for auth_edge_known_key_ttl_s): those are never held back
+    auth_edge_max_addresses: int = Field(default=100_000, ge=1)
+    auth_edge_known_keys: int = Field(default=100_000, ge=1)
+    auth_edge_known_key_ttl_s: float = Field(default=86_400.0, ge=0)
+    # IPv6 clients are counted by their network of this many bits (a /64 is one subscriber's)
+    auth_edge_ipv6_prefix: int = Field(default=64, ge=16, le=128)
+    # Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated); the client
+    # is the right-most address in it that is not one of them. Empty: the peer is the client.
+    trusted_proxies: Annotated[list[str], NoDecode] = []
+    # Client addresses the budget above leaves alone (addresses or CIDRs, comma-separated; empty:
+    # none). Loopback by default: health checks and other local processes, and a proxy on the same
+    # host that is not in XMARK_TRUSTED_PROXIES (it would stand for every client behind it).
+    auth_edge_exempt: Annotated[list[str], NoDecode] = ["127.0.0.0/8", "::1/128"]
 
     # -- database faults ---------------------------------------------------------------------
     # Connect, pool checkout and statement timeout of the requests' database work: past it the
@@ -225,6 +255,19 @@ class Settings(BaseSettings):
     def _split_urls(cls, value: object) -> object:
         if isinstance(value, str):
             return [url.strip() for url in value.split(",") if url.strip()]
+        return value
+
+    @field_validator("trusted_proxies", "auth_edge_exempt", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [entry.strip() for entry in value.split(",") if entry.strip()]
+        return value
+
+    @field_validator("trusted_proxies", "auth_edge_exempt")
+    @classmethod
+    def _ip_networks(cls, value: list[str]) -> list[str]:
+        parse_networks(value)  # ValueError names the entry
         return value
 
     @field_validator("vllm_urls")

@@ -17,6 +17,7 @@ from service.metrics import Metrics
 from service.resources import Resources
 from service.schemas.common import Principal, Role
 from service.security import ApiKeyHasher
+from service.services.auth_edge import AuthEdge
 
 __all__ = [
     "AdminDep",
@@ -86,13 +87,23 @@ BackendDep = Annotated[Backend, Depends(get_backend)]
 ApiKeyHasherDep = Annotated[ApiKeyHasher, Depends(get_api_key_hasher)]
 
 
+def client_address(request: Request, edge: AuthEdge | None) -> str | None:
+    """The request's client address bucket for the failed-authentication budget (``X-Forwarded-For``
+    only from a trusted proxy; None without a budget or for an address exempt from it)."""
+    if edge is None:
+        return None
+    peer = request.client.host if request.client is not None else None
+    return edge.address(peer, request.headers.getlist("x-forwarded-for"))
+
+
 async def resolve_principal(request: Request) -> Principal:
     """Authenticate the request once (cached on ``request.state``)."""
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None:
         resources: Resources = request.app.state.resources
         with resources.telemetry.span("auth") as span:
-            principal = await resources.authenticator.authenticate(request.headers.get("authorization"))
+            client = client_address(request, resources.authenticator.edge)
+            principal = await resources.authenticator.authenticate(request.headers.get("authorization"), client)
             span.set_attribute("enduser.id", str(principal.user_id))
             span.set_attribute("enduser.role", str(principal.role))
         request.state.principal = principal

@@ -106,6 +106,29 @@ class Metrics:
             "Admission decisions made with this process's own counters because Redis was unavailable.",
             registry=self.registry,
         )
+        # failed authentication per client address (service/services/auth_edge.py)
+        self.auth_key_reads = Counter(
+            "xmark_auth_key_reads",
+            "Database reads of an API key by authentication (a cache miss), by result (accepted|refused).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.auth_edge_refusals = Counter(
+            "xmark_auth_edge_refusals",
+            "Requests refused 401 without a database read because their client address was backed off.",
+            registry=self.registry,
+        )
+        self.auth_edge_backoffs = Counter(
+            "xmark_auth_edge_backoffs",
+            "Back-offs of a client address started by this process (its failed authentications passed the budget).",
+            registry=self.registry,
+        )
+        self.auth_edge_redis_errors = Counter(
+            "xmark_auth_edge_redis_errors",
+            "Redis calls of the per-address authentication budget that failed or timed out "
+            "(the decision was made with this process's own counts).",
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition: this registry, or every process's in multiprocess mode."""

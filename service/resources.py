@@ -34,6 +34,7 @@ from service.security import ApiKeyHasher, parse_api_key
 from service.services.admission import Admission, open_admission
 from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
+from service.services.auth_edge import AuthEdge
 from service.services.bootstrap import ensure_first_admin
 from service.services.message_ids import backfill_message_ids
 from service.services.registry_cache import RegistryCache
@@ -266,6 +267,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             served.append(ServedModel(own.model_name, backend, None if own is settings else own, aliases))
         fleet = Fleet(served)
         admission = await stack.enter_async_context(open_admission(settings, metrics))
+        # the per-address budget of failed authentications, shared through the admission's Redis
+        authenticator.edge = AuthEdge.from_settings(settings, metrics, admission.redis)
         if settings.keyring_refresh_seconds > 0:
             _background(
                 stack,

@@ -386,6 +386,11 @@ class Admission:
             f"{base}:t:{window - 1}",
         ]
 
+    @property
+    def redis(self) -> Redis | None:
+        """The Redis connection the limits are shared through (None: counted in this process)."""
+        return self._redis
+
     def _redis_usable(self) -> bool:
         return self._redis is not None and time.monotonic() >= self._redis_skip_until
 

@@ -8,6 +8,10 @@ disabled or deleted) is remembered by the key's HMAC for a short while (``AuthCa
 a client repeating a refused key costs no database query either. Concurrent misses of one key
 share one read (a burst from one client on a cold cache is one query, not one per request, which
 could take every connection of the pool and turn the burst into 503s).
+
+With an :class:`AuthEdge`, a key that is neither cached nor known to be valid is read only if its
+client address has not spent its budget of failed authentications (``service.services.auth_edge``):
+an address that sends many unknown keys gets their 401 without a database read for a while.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from service.repositories.api_keys import ApiKeyRepository
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher, ParsedKey
 from service.services.auth_cache import AuthCache, CachedPrincipal
+from service.services.auth_edge import AuthEdge, edge_refusal
 from service.services.keys import ApiKeyService, parse_bearer, touch_due
 
 logger = logging.getLogger("xmark.auth")
@@ -36,14 +41,21 @@ class Authenticator:
         sessionmaker: async_sessionmaker[AsyncSession],
         hasher: ApiKeyHasher,
         cache: AuthCache,
+        edge: AuthEdge | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._hasher = hasher
         self.cache = cache
+        # the per-address budget of failed authentications (None: every miss is read)
+        self.edge = edge
         self._reading: dict[str, asyncio.Task[Principal]] = {}  # key hash -> the read in progress
 
-    async def authenticate(self, authorization: str | None) -> Principal:
-        """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user."""
+    async def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
+        """401 for a missing, malformed, unknown or revoked key; 403 for a disabled or deleted user.
+
+        ``client`` is the request's client address bucket (``AuthEdge.address``): a key that is
+        not known to be valid is refused without a database read while that address is backed off.
+        """
         parsed = parse_bearer(authorization)
         key_hash = self._hasher.hash(parsed)
         now = datetime.now(UTC)
@@ -65,8 +77,14 @@ class Authenticator:
                     logger.warning("last_used_at not written", extra={"error_type": type(exc).__name__})
             return entry.principal
         read = self._reading.get(key_hash)
+        edge = self.edge
+        if read is None and edge is not None and edge.enabled and client is not None:
+            if not edge.known_valid(key_hash) and not await edge.allow_read(client):
+                await edge.delay_refusal()
+                raise edge_refusal()  # this address spent its budget: no database read
+            read = self._reading.get(key_hash)  # another request may have started it meanwhile
         if read is None:
-            read = asyncio.ensure_future(self._read(parsed, key_hash, now))
+            read = asyncio.ensure_future(self._read(parsed, key_hash, now, client))
             self._reading[key_hash] = read
             read.add_done_callback(lambda done: self._finished(key_hash, done))
         # shielded: a request that leaves does not cancel the read the others wait for
@@ -78,20 +96,27 @@ class Authenticator:
         if not read.cancelled():
             read.exception()  # retrieved here too: every waiter may have left
 
-    async def _read(self, parsed: ParsedKey, key_hash: str, now: datetime) -> Principal:
+    async def _read(self, parsed: ParsedKey, key_hash: str, now: datetime, client: str | None) -> Principal:
         """The key and its user from the database (a cache miss); the result is cached."""
         epoch = self.cache.epoch
-        async with session_scope(self._sessionmaker) as session:
-            keys = ApiKeyService(session, self._hasher)
-            try:
-                key, user = await keys.verify(parsed, key_hash)
-            except (AuthenticationError, PermissionDeniedError) as exc:
-                self.cache.put_refusal(key_hash, exc, epoch=epoch)
-                raise
-            principal = await keys.principal(key, user)
-            last_used_at = key.last_used_at
-            if touch_due(last_used_at, now):
-                await keys.touch(key, now)
-                last_used_at = now
+        try:
+            async with session_scope(self._sessionmaker) as session:
+                keys = ApiKeyService(session, self._hasher)
+                try:
+                    key, user = await keys.verify(parsed, key_hash)
+                except (AuthenticationError, PermissionDeniedError) as exc:
+                    self.cache.put_refusal(key_hash, exc, epoch=epoch)
+                    raise
+                principal = await keys.principal(key, user)
+                last_used_at = key.last_used_at
+                if touch_due(last_used_at, now):
+                    await keys.touch(key, now)
+                    last_used_at = now
+        except AuthenticationError:
+            if self.edge is not None:  # counted once the connection is back in the pool
+                await self.edge.read_done(client, key_hash, accepted=False)
+            raise
+        if self.edge is not None:
+            await self.edge.read_done(client, key_hash, accepted=True)
         self.cache.put(key_hash, CachedPrincipal(principal, last_used_at), epoch=epoch)
         return principal

@@ -247,7 +247,7 @@ def test_sqlite_waits_for_a_lock_no_longer_than_the_database_timeout(tmp_path: P
 
 
 def _broken_authentication(app: Any, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
-    async def authenticate(authorization: str | None) -> Any:
+    async def authenticate(authorization: str | None, client: str | None = None) -> Any:
         raise error
 
     monkeypatch.setattr(app.state.resources.authenticator, "authenticate", authenticate)
