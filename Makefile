@@ -103,6 +103,12 @@ bench-fleet: venv model
 bench-fleet-vllm: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.fleet_trace --backend vllm --json
 
+# The gateway on PostgreSQL at 10^6 users, 10^6 message IDs, 10^7 generation records and 10^6 traces
+# (loaded by PostgreSQL itself, ~11 min on 2 cores): start-up, RSS, auth, /trace, admin and usage latency,
+# the latest migration down and up; a table, then one JSON object (docs/benchmarks.md).
+bench-scale: venv model check-postgres
+	$(BIN)/python -m benchmarks.scale_bench
+
 # A gateway through a database outage and a hang on a PostgreSQL server of its own (not CI);
 # prints one JSON object: records_missing and records_duplicated must be 0.
 soak: venv model

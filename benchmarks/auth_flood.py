@@ -21,7 +21,7 @@ its end less the gateway's idle rate (measured in the unflooded phase), i.e. wha
 once its budget is spent; next to the gateway's own count of API-key reads
 (``xmark_auth_key_reads_total``) over the same time. A table, then one JSON object on the last line.
 
-    python -m benchmarks.auth_flood [--flood-s 10] [--connections 16]
+    python -m benchmarks.auth_flood [--flood-s 30] [--connections 16]
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ from service.security import generate_api_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVER_URL = "postgresql+asyncpg://root@127.0.0.1:5432/postgres"
-STATS_SETTLE_S = 1.5  # the cumulative statistics of a backend reach pg_stat_database within ~1 s
+# An idle backend reports its pending statistics to pg_stat_database up to 10 s late (PostgreSQL 15's
+# PGSTAT_IDLE_INTERVAL): each reading waits that long after the moment it stands for, and the steady
+# state starts that long after the budget is spent, so no transaction is counted in the wrong phase.
+STATS_SETTLE_S = 11.0
 
 _CHILD = """
 import uvicorn
@@ -300,10 +303,15 @@ def _table(result: dict[str, Any]) -> str:
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flood-s", type=float, default=10.0)
+    parser.add_argument("--flood-s", type=float, default=30.0)
     parser.add_argument("--quiet-s", type=float, default=5.0)
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--settle-s", type=float, default=2.0, help="flood seconds before the steady state")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=13.0,
+        help="flood seconds before the steady state (the budget's reads reported)",
+    )
     parser.add_argument("--pause-ms", type=float, default=10.0, help="the valid user's pause between requests")
     parser.add_argument("--budget", type=int, default=20, help="XMARK_AUTH_EDGE_FAILURES of the gateway with the edge")
     parser.add_argument("--edge-only", action="store_true", help="skip the gateway without the budget")

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -43,7 +44,13 @@ KEY_VERSION_STATUSES = tuple(status.value for status in KeyVersionStatus)
 # Search structures the migrations keep outside the ORM, per dialect (0006): the SQLite postings
 # table of the provenance sketches (kept by triggers) and the PostgreSQL GIN index on their terms.
 MIGRATION_ONLY_OBJECTS = frozenset(
-    {"provenance_postings", "ix_provenance_postings_generation_id", "ix_generations_sketch_terms"}
+    {
+        "provenance_postings",
+        "ix_provenance_postings_generation_id",
+        "ix_generations_sketch_terms",
+        "ix_users_name_trgm",
+        "ix_usage_daily_day_user_id",
+    }
 )
 
 
@@ -114,7 +121,7 @@ class User(Base):
     status: Mapped[str] = mapped_column(String(16), default=UserStatus.ACTIVE.value, index=True)
     message_id: Mapped[str] = mapped_column(String(256), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow, index=True)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # Admission limits of this user: NULL takes the gateway's default (Settings.user_*), 0 is unlimited.
     max_parallel_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -197,6 +204,33 @@ class Generation(Base):
     # the keyed content sketch of the completion's text (service.provenance), NULL when off or purged
     sketch_terms: Mapped[list[int] | None] = mapped_column(IntArray(), nullable=True)
     sketch_minhash: Mapped[list[int] | None] = mapped_column(IntArray(), nullable=True)
+
+
+class UsageDaily(Base):
+    """Usage per user per UTC day, kept by the database itself as generation records are inserted
+    (migration 0007's triggers), so the usage API reads one row per user and day instead of every
+    record of the period. ``requests`` and ``prompt_tokens`` count a request once (its choice 0)."""
+
+    __tablename__ = "usage_daily"
+    # and the index ix_usage_daily_day_user_id (day DESC, user_id), the usage API's order (migration only)
+
+    # users are never deleted (a deletion is a tombstone); a row removed by hand takes its totals along
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), primary_key=True)
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)  # YYYY-MM-DD, UTC
+    requests: Mapped[int] = mapped_column(BigInteger)
+    completions: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class UsageDayTotals(Base):
+    """How many (user, day) rows ``usage_daily`` holds for each day (kept by a trigger on it), so a
+    period's count reads one row per day."""
+
+    __tablename__ = "usage_day_totals"
+
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)
+    users: Mapped[int] = mapped_column(BigInteger)
 
 
 class Trace(Base):

@@ -194,8 +194,9 @@ def freeze_start_up_heap_in_this_process() -> None:
     FREEZE_START_UP_HEAP = True
 
 
-async def _freeze_start_up_heap(fleet: Fleet, warmer: asyncio.Task[None] | None) -> None:
-    """Once the start-up work is done (every model ready, the trace null distributions prepared),
+async def _freeze_start_up_heap(fleet: Fleet, *warmers: asyncio.Task[None] | None) -> None:
+    """Once the start-up work is done (every model ready, the trace null distributions prepared, the
+    trace registry loaded),
     move what it allocated out of the garbage collector's reach (``gc.freeze``).
 
     Those objects (tokenizers, the null distributions, the imported libraries) live as long as the
@@ -204,9 +205,10 @@ async def _freeze_start_up_heap(fleet: Fleet, warmer: asyncio.Task[None] | None)
     took 332 ms; frozen, 81 ms (docs/benchmarks.md)."""
     for served in fleet:
         await served.backend.wait_ready(None)
-    if warmer is not None:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(warmer)
+    for warmer in warmers:
+        if warmer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(warmer)
     gc.collect()
     gc.freeze()
     logger.info("start-up heap frozen", extra={"objects": gc.get_freeze_count()})
@@ -281,8 +283,13 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             warmer = _background(
                 stack, asyncio.create_task(prepare_null_distributions(keyring, settings.trace_warm_row_tokens))
             )
+        registry_cache = RegistryCache(sessionmaker)
+        # the registry's snapshots of the usable versions' lengths, loaded before the first trace needs them
+        registry_warmer = _background(
+            stack, asyncio.create_task(registry_cache.warm([handle.key.params for handle in keyring.usable()]))
+        )
         if FREEZE_START_UP_HEAP:
-            _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, warmer)))
+            _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, warmer, registry_warmer)))
         yield Resources(
             settings=settings,
             engine=engine,
@@ -294,7 +301,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             api_key_hasher=hasher,
             authenticator=authenticator,
             fleet=fleet,
-            registry_cache=RegistryCache(sessionmaker),
+            registry_cache=registry_cache,
             secret_values=secret_values,
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,

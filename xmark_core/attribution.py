@@ -70,6 +70,21 @@ class CandidateSet:
         )
         return subset
 
+    def extended(self, bits: Sequence[str], ids: Sequence[object]) -> CandidateSet:
+        """These candidates followed by ``ids`` (with messages ``bits``): a registry that grew."""
+        if len(bits) != len(ids):
+            raise ValueError(f"got {len(bits)} messages but {len(ids)} ids")
+        if not ids:
+            return self
+        added = bits_to_blocks(list(bits), self.params).astype(np.uint8)
+        grown = CandidateSet.__new__(CandidateSet)
+        grown._pack(
+            np.concatenate([self.blocks, added.reshape(len(ids), self.params.num_blocks)]),
+            [*self.ids, *ids],
+            self.params,
+        )
+        return grown
+
     def __len__(self) -> int:
         return len(self.ids)
 

@@ -143,7 +143,14 @@ def create_engine(settings: Settings, *, timeout_s: float | None = None) -> Asyn
         if not in_memory:
             install_sqlite_file_check(engine, Path(str(url.database)).expanduser())
         return engine
-    pool = {"pool_size": settings.database_pool_size, "max_overflow": 10, "pool_timeout": timeout / 2}
+    # LIFO: a checkout takes the connection used last, so a trickle of work keeps reusing one warm
+    # connection instead of cycling through the pool and pinging each one idle past PING_IF_IDLE_S
+    pool = {
+        "pool_size": settings.database_pool_size,
+        "max_overflow": 10,
+        "pool_timeout": timeout / 2,
+        "pool_use_lifo": True,
+    }
     if url.get_driver_name() != "asyncpg":  # the generic check: a round trip on every checkout
         return create_async_engine(url, pool_pre_ping=True, **pool)
     engine = create_async_engine(

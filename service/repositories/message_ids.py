@@ -53,6 +53,11 @@ class MessageIdRepository:
         stmt = select(MessageId.message_id).where(MessageId.bits == bits, MessageId.block_bits == block_bits)
         return list((await self._session.scalars(stmt)).all())
 
+    async def newest_row(self) -> int:
+        """The largest message-ID row id (0 when none): at most the number of IDs ever allocated,
+        read from the primary key's index."""
+        return int(await self._session.scalar(select(func.max(MessageId.id))) or 0)
+
     async def created_with(self, bits: int) -> list[str]:
         """Every ``users.message_id`` (the ID a user was created with) of ``bits`` bits."""
         stmt = select(User.message_id).where(func.length(User.message_id) == bits)

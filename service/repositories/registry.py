@@ -23,34 +23,79 @@ class RegistryEntry:
 
 @dataclass(frozen=True)
 class RegistryFingerprint:
-    """Cheap summary that changes whenever a user is added, changed or deleted, or gets an ID of the length."""
+    """Cheap summary that changes whenever a user is added, changed or deleted, or gets an ID of the length.
 
-    count: int
+    The newest user id, the latest ``updated_at`` and the newest message-ID row each come from an
+    index (one row read each), whatever the registry's size. The counts, which must read every row,
+    are taken only for small registries (None otherwise): they catch a row committed out of id order
+    at once, where a large registry re-reads a window behind the newest rows instead
+    (``RegistryCache``)."""
+
+    count: int | None
     max_id: int | None
     max_updated_at: datetime | None
-    ids: int = 0
+    ids: int | None = None
     max_message_id_row: int | None = None
+
+    def same_as(self, other: RegistryFingerprint) -> bool:
+        """Nothing changed between the two: the newest values agree, and the counts where both have them."""
+        if (self.max_id, self.max_updated_at, self.max_message_id_row) != (
+            other.max_id,
+            other.max_updated_at,
+            other.max_message_id_row,
+        ):
+            return False
+        return None in (self.count, other.count) or (self.count, self.ids) == (other.count, other.ids)
+
+
+# rows per statement of a whole load (10^6 IDs: ten statements of ~0.1-0.3 s each)
+LOAD_SLICE = 100_000
 
 
 class RegistryRepository:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
 
-    async def fingerprint(self, bits: int, block_bits: int) -> RegistryFingerprint:
+    async def fingerprint(self, bits: int, block_bits: int, *, counts: bool = True) -> RegistryFingerprint:
         of_length = (MessageId.bits == bits, MessageId.block_bits == block_bits)
-        ids = select(func.count(MessageId.id)).where(*of_length).scalar_subquery()
         max_row = select(func.max(MessageId.id)).where(*of_length).scalar_subquery()
-        stmt = select(func.count(User.id), func.max(User.id), func.max(User.updated_at), ids, max_row)
-        count, max_id, max_updated, id_count, max_id_row = (await self._session.execute(stmt)).one()
+        newest = (func.max(User.id), func.max(User.updated_at), max_row)
+        if not counts:
+            max_id, max_updated, max_id_row = (await self._session.execute(select(*newest))).one()
+            return RegistryFingerprint(None, max_id, max_updated, None, max_id_row)
+        ids = select(func.count(MessageId.id)).where(*of_length).scalar_subquery()
+        stmt = select(func.count(User.id), *newest, ids)
+        count, max_id, max_updated, max_id_row, id_count = (await self._session.execute(stmt)).one()
         return RegistryFingerprint(int(count or 0), max_id, max_updated, int(id_count or 0), max_id_row)
 
     async def entries(self, bits: int, block_bits: int) -> Sequence[RegistryEntry]:
-        """Every registered message ID of this length with its owner, deleted users included."""
+        """Every registered message ID of this length with its owner, deleted users included, in
+        the order the IDs were allocated; read in slices of ``LOAD_SLICE`` rows, each a statement of
+        its own (so each stays within the request's statement bound however large the registry)."""
+        entries: list[RegistryEntry] = []
+        after = 0
+        while True:
+            rows = await self.entries_after(bits, block_bits, after, limit=LOAD_SLICE)
+            entries.extend(entry for _, entry in rows)
+            if len(rows) < LOAD_SLICE:
+                return entries
+            after = rows[-1][0]
+
+    async def entries_after(
+        self, bits: int, block_bits: int, row: int, *, limit: int | None = None
+    ) -> Sequence[tuple[int, RegistryEntry]]:
+        """The message IDs of this length in rows after ``row`` (row id, entry), oldest first."""
         stmt = (
-            select(User.id, User.name, User.status, MessageId.message_id)
-            .join(MessageId, MessageId.user_id == User.id)
-            .where(MessageId.bits == bits, MessageId.block_bits == block_bits)
-            .order_by(User.id)
+            select(MessageId.id.label("row"), User.id, User.name, User.status, MessageId.message_id)
+            .join(User, MessageId.user_id == User.id)
+            .where(MessageId.bits == bits, MessageId.block_bits == block_bits, MessageId.id > row)
+            .order_by(MessageId.id)
+            .limit(limit)
         )
         rows = (await self._session.execute(stmt)).all()
-        return [RegistryEntry(row.id, row.name, row.status, row.message_id) for row in rows]
+        return [(r.row, RegistryEntry(r.id, r.name, r.status, r.message_id)) for r in rows]
+
+    async def users_updated_since(self, since: datetime) -> Sequence[tuple[int, str, str]]:
+        """(id, name, status) of the users changed at or after ``since`` (the ``updated_at`` index)."""
+        stmt = select(User.id, User.name, User.status).where(User.updated_at >= since)
+        return [(r.id, r.name, r.status) for r in (await self._session.execute(stmt)).all()]

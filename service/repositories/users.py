@@ -36,8 +36,14 @@ class UserRepository:
         status: str | None = None,
         role: str | None = None,
         name_contains: str | None = None,
+        after_id: int | None = None,
     ) -> tuple[Sequence[User], int]:
+        """A page of the matching users by id, and how many match. ``after_id`` (keyset paging: the
+        last id of the previous page) starts after that user, read from the primary key's index
+        however deep the page; the count is then of the matches after it."""
         filters: list[ColumnElement[bool]] = []
+        if after_id is not None:
+            filters.append(User.id > after_id)
         if name_contains:
             # case-insensitive substring; the text's own % and _ match themselves
             filters.append(User.name.ilike(f"%{escape_like(name_contains)}%", escape="\\"))

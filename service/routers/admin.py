@@ -94,8 +94,17 @@ async def list_users(
     status_: Annotated[UserStatus | None, Query(alias="status")] = None,
     role: Annotated[Role | None, Query()] = None,
     q: Annotated[str | None, Query(max_length=200, description="case-insensitive substring of the name")] = None,
+    after_id: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=2**31 - 1,
+            description="keyset paging: only users with a larger id (the last id of the previous page); "
+            "total then counts the matches after it",
+        ),
+    ] = None,
 ) -> UserPage:
-    return await users.list_users(limit=limit, offset=offset, status=status_, role=role, q=q)
+    return await users.list_users(limit=limit, offset=offset, status=status_, role=role, q=q, after_id=after_id)
 
 
 @router.get("/users/{user_id}", response_model=UserOut)

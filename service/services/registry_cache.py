@@ -8,6 +8,12 @@ version's length, so there is one snapshot per length. Loading 10,000 users per 
 dominate ``/trace``, so the packed ``CandidateSet`` of each length is cached. At most every
 ``check_interval`` seconds a cheap fingerprint query (user count, largest id, latest update, and the
 count and largest row id of the length's IDs) decides whether to reload it.
+
+A registry of ``INCREMENTAL_FROM`` IDs or more (a provider's millions of users) is never reloaded
+whole on a change: the check reads three index entries (no counts), and a change reads only the ID
+rows after the newest one seen and the users changed since the latest change seen, each with a
+window behind it (``ROW_WINDOW`` rows, ``TIME_WINDOW``) for transactions that commit out of order.
+Loading 10^6 IDs takes seconds; a change then costs milliseconds.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -26,8 +34,14 @@ from xmark_core import CandidateSet, WatermarkParams
 
 logger = logging.getLogger("xmark.registry")
 
+# registries of at least this many IDs are refreshed by what changed, not reloaded
+INCREMENTAL_FROM = 50_000
+# re-read behind the newest ID row and the latest change seen: rows that commit out of order
+ROW_WINDOW = 10_000
+TIME_WINDOW = timedelta(minutes=10)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class RegisteredUser:
     user_id: int
     name: str
@@ -78,7 +92,8 @@ class RegistryCache:
         self.check_interval = check_interval
         self._cached: dict[tuple[int, int], _Cached] = {}
         self._lock = asyncio.Lock()
-        self.reloads = 0
+        self.reloads = 0  # whole loads of a length's IDs
+        self.refreshes = 0  # changes read into a large registry's snapshot without a reload
 
     def invalidate(self) -> None:
         """Force a fingerprint check on the next lookup (e.g. after this process changed users)."""
@@ -90,6 +105,21 @@ class RegistryCache:
         if cached is not None and time.monotonic() - cached.checked_at < self.check_interval:
             return cached.snapshot
         return None
+
+    async def warm(self, lengths: Sequence[WatermarkParams]) -> None:
+        """Load the snapshots of ``lengths`` (at start-up, off the request path: 10^6 IDs take
+        seconds); a failure is logged and the first trace of the length loads it instead."""
+        started = time.perf_counter()
+        loaded = 0
+        for params in lengths:
+            try:
+                loaded += len(await self.snapshot(params))
+            except Exception as exc:
+                logger.warning("trace registry not preloaded", extra={"error_type": type(exc).__name__})
+                return
+        logger.info(
+            "trace registry loaded", extra={"message_ids": loaded, "seconds": round(time.perf_counter() - started, 2)}
+        )
 
     async def snapshot(self, params: WatermarkParams, session: AsyncSession | None = None) -> RegistrySnapshot:
         """The current snapshot of ``params``' message length (bits, block_bits); queries the
@@ -120,16 +150,21 @@ class RegistryCache:
         self, session: AsyncSession, params: WatermarkParams, current: RegistrySnapshot | None
     ) -> RegistrySnapshot:
         repo = RegistryRepository(session)
-        fingerprint = await repo.fingerprint(params.bits, params.block_bits)
-        if current is not None and current.fingerprint == fingerprint:
+        large = current is not None and len(current) >= INCREMENTAL_FROM
+        fingerprint = await repo.fingerprint(params.bits, params.block_bits, counts=not large)
+        if current is not None and current.fingerprint is not None and current.fingerprint.same_as(fingerprint):
             return current
+        if large and current is not None and current.fingerprint is not None:
+            grown = await self._grow(repo, params, current, current.fingerprint, fingerprint)
+            if grown is not None:
+                return grown
         entries = await repo.entries(params.bits, params.block_bits)
         bits: list[str] = []
         ids: list[int] = []
         users: dict[int, RegisteredUser] = {}
         skipped = 0
         for entry in entries:
-            if len(entry.message_id) != params.bits or set(entry.message_id) - {"0", "1"}:
+            if not _well_formed(entry.message_id, params):
                 skipped += 1
                 continue
             bits.append(entry.message_id)
@@ -139,3 +174,49 @@ class RegistryCache:
             logger.warning("malformed message IDs are not attributable", extra={"count": skipped})
         self.reloads += 1
         return RegistrySnapshot(CandidateSet(bits, ids, params), users, fingerprint)
+
+    async def _grow(
+        self,
+        repo: RegistryRepository,
+        params: WatermarkParams,
+        current: RegistrySnapshot,
+        seen: RegistryFingerprint,
+        now: RegistryFingerprint,
+    ) -> RegistrySnapshot | None:
+        """``current`` with the IDs and user changes since ``seen``; None when the registry did not
+        only grow or change (a newest value went back: rows rolled back), which a reload handles."""
+        went_back = (
+            _decreased(seen.max_id, now.max_id)
+            or _decreased(seen.max_updated_at, now.max_updated_at)
+            or _decreased(seen.max_message_id_row, now.max_message_id_row)
+        )
+        if went_back:
+            return None
+        after = (seen.max_message_id_row or 0) - ROW_WINDOW
+        added = [e for _, e in await repo.entries_after(params.bits, params.block_bits, after)]
+        known = current.users
+        new = [e for e in added if e.user_id not in known and _well_formed(e.message_id, params)]
+        changed = (
+            await repo.users_updated_since(seen.max_updated_at - TIME_WINDOW) if seen.max_updated_at is not None else []
+        )
+        # users already registered keep their packed ID (IDs never change); names and statuses are
+        # updated in place, so a snapshot in use by a request reads the newer values at worst
+        for user_id, name, status in changed:
+            if user_id in known:
+                known[user_id] = RegisteredUser(user_id, name, status)
+        for entry in new:
+            known[entry.user_id] = RegisteredUser(entry.user_id, entry.name, entry.status)
+        candidates = current.candidates.extended([e.message_id for e in new], [e.user_id for e in new])
+        self.refreshes += 1
+        return RegistrySnapshot(candidates, known, now)
+
+
+_Newest = TypeVar("_Newest", int, datetime)
+
+
+def _decreased(old: _Newest | None, new: _Newest | None) -> bool:
+    return old is not None and (new is None or new < old)
+
+
+def _well_formed(message_id: str, params: WatermarkParams) -> bool:
+    return len(message_id) == params.bits and not set(message_id) - {"0", "1"}

@@ -249,3 +249,19 @@ def test_dense_registry_names_no_wrong_user_by_default() -> None:
             wrong += best.id != user
     assert wrong <= 1
     assert named >= 24
+
+
+def test_an_extended_candidate_set_equals_one_built_whole() -> None:
+    """A registry that grew (CandidateSet.extended) scores exactly as one built from every ID."""
+    rng = np.random.default_rng(5)
+    for params in (WatermarkParams(bits=32, block_bits=2), WatermarkParams(bits=15, block_bits=3)):
+        bits = ["".join(rng.choice(["0", "1"], size=params.bits)) for _ in range(40)]
+        whole = CandidateSet(bits, list(range(40)), params)
+        grown = CandidateSet(bits[:25], list(range(25)), params).extended(bits[25:], list(range(25, 40)))
+        assert grown.ids == whole.ids
+        assert np.array_equal(grown.blocks, whole.blocks)
+        matrix = rng.integers(0, 9, size=(params.num_blocks, params.num_shards))
+        assert np.array_equal(grown.hits(matrix), whole.hits(matrix))
+        assert grown.extended([], []) is grown
+        with pytest.raises(ValueError):
+            grown.extended(bits[:2], [1])

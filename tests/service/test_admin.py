@@ -84,6 +84,18 @@ async def test_users_are_listed_in_pages(client: httpx.AsyncClient, admin_key: s
     assert first["has_more"] and second["has_more"] and not third["has_more"]
     ids = [u["id"] for p in (first, second, third) for u in p["data"]]
     assert ids == sorted(ids) and len(set(ids)) == 5
+    # keyset paging gives the same pages; total counts the matches after the cursor
+    after, keyset = 0, []
+    while True:
+        page = (await client.get(f"/admin/users?limit=2&after_id={after}", headers=bearer(admin_key))).json()
+        keyset.append(page)
+        if not page["has_more"]:
+            break
+        after = page["data"][-1]["id"]
+    assert [u["id"] for p in keyset for u in p["data"]] == ids
+    assert [p["total"] for p in keyset] == [5, 3, 1]
+    refused = await client.get("/admin/users?after_id=-1", headers=bearer(admin_key))
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "after_id"
     admins = (await client.get("/admin/users?role=admin", headers=bearer(admin_key))).json()
     assert [u["name"] for u in admins["data"]] == ["test-admin"]
     for page in (first, second, third):

@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.errors import ConflictError
 from service.models import KeyVersion, MessageId, User
 from service.schemas.admin import CreatedUser
+from service.services import users as users_module
 from service.services.users import UserService
 from xmark_core import Message, WatermarkParams, allocate_message
 
@@ -119,3 +120,34 @@ async def test_persistent_collisions_give_up_cleanly(app: Any, db_session: Async
     assert info.value.code == "message_id_conflict"
     assert [r.name for r in (await db_session.scalars(select(User))).all()] == ["first"]
     assert {r.user_id for r in (await db_session.scalars(select(MessageId))).all()} == {existing.id}
+
+
+async def test_a_large_registry_draws_ids_without_reading_them(
+    app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SPREAD_ALLOCATION_LIMIT rows, a 32-bit ID is drawn without reading the allocated ones
+    (the allocator sees none); a draw that is taken is refused by the unique constraints and drawn
+    again. A 16-bit length keeps reading them (its space is small enough to fill)."""
+    thirty_two = WatermarkParams(bits=32)
+    existing = await UserService(db_session, thirty_two, app.state.resources.api_key_hasher).create_user("a", "user")
+    monkeypatch.setattr(users_module, "SPREAD_ALLOCATION_LIMIT", 1)
+    seen: list[tuple[int, int]] = []
+
+    def drawing(taken: Iterable[str], p: WatermarkParams) -> Message:
+        taken = list(taken)
+        seen.append((p.bits, len(taken)))
+        if len(seen) == 1 and p.bits == 32:  # the first draw hits the existing user's ID
+            return Message(id_of(existing, p), p)
+        return allocate_message(taken, p)
+
+    service = UserService(db_session, thirty_two, app.state.resources.api_key_hasher, allocator=drawing)
+    created = await service.create_user("b", "user")
+    assert [taken for bits, taken in seen if bits >= 17] and all(taken == 0 for bits, taken in seen if bits >= 17)
+    assert [bits for bits, _ in seen].count(32) == 2  # drawn again after the unique constraint refused the first
+    assert id_of(created, thirty_two) != id_of(existing, thirty_two)
+    await UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher).create_user("c", "user")
+    seen.clear()
+    await UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher, allocator=drawing).create_user(
+        "d", "user"
+    )
+    assert any(bits == 16 and taken > 0 for bits, taken in seen)

@@ -237,3 +237,96 @@ async def test_sqlite_trace_report_backfill(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_postgres_trace_report_backfill(scratch_postgres: str) -> None:
     await _trace_report_backfill(scratch_postgres)
+
+
+_USAGE_FROM_RECORDS = {
+    "sqlite": "date(created_at)",
+    "postgresql": "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+}
+
+
+async def _usage_daily(url: str) -> None:
+    """0007 fills usage_daily from the records written before it; its triggers then add every
+    record inserted (one by one and in a batch), and a duplicate refused by the unique key adds
+    nothing: the table always equals the sum over the records."""
+    await asyncio.to_thread(upgrade_database, url, "0006")
+    noon = datetime(2026, 11, 20, 12, 0)
+    await _execute(
+        url,
+        "INSERT INTO key_versions (name, bits, block_bits, num_keys, delta, scheme, fingerprint, status, created_at) "
+        "VALUES ('v1', 32, 2, 4, 2.0, 'xmark', :fingerprint, 'active', :now)",
+        [{"fingerprint": "f" * 64, "now": noon}],
+    )
+    await _execute(
+        url,
+        "INSERT INTO users (name, role, status, message_id, created_at, updated_at) "
+        "VALUES (:name, 'user', 'active', :mid, :now, :now)",
+        [{"name": name, "mid": mid, "now": noon} for name, mid in (("alice", "01"), ("bob", "10"))],
+    )
+    insert = (
+        "INSERT INTO generations (request_id, choice_index, user_id, key_version_id, model, prompt_tokens, "
+        "completion_tokens, finish_reason, streamed, completion_sha256, created_at) "
+        "VALUES (:rid, :choice, :user, 1, 'm', :prompt, :completion, 'stop', false, :sha, :at)"
+    )
+
+    def record(rid: str, choice: int, user: int, completion: int, at: datetime) -> dict[str, Any]:
+        return {
+            "rid": rid,
+            "choice": choice,
+            "user": user,
+            "prompt": 7,
+            "completion": completion,
+            "sha": "0" * 64,
+            "at": at,
+        }
+
+    late = noon.replace(hour=23, minute=59)
+    before = [record("a", 0, 1, 5, noon), record("a", 1, 1, 6, noon), record("b", 0, 2, 3, late)]
+    await _execute(url, insert, before)
+    await asyncio.to_thread(upgrade_database, url)
+    next_day = noon.replace(day=21, hour=0, minute=1)
+    await _execute(url, insert, [record("c", 0, 1, 4, next_day)])  # one row
+    await _execute(url, insert, [record("d", 0, 2, 2, late), record("d", 1, 2, 9, late), record("e", 0, 1, 1, noon)])
+    with pytest.raises(Exception, match=r"(?i)unique"):
+        await _execute(url, insert, [record("a", 0, 1, 100, noon)])  # a retried write: refused, adds nothing
+    dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
+    expected = await _execute(
+        url,
+        f"SELECT user_id, {_USAGE_FROM_RECORDS[dialect]} AS day, "
+        "sum(CASE WHEN choice_index = 0 THEN 1 ELSE 0 END), count(*), "
+        "sum(CASE WHEN choice_index = 0 THEN prompt_tokens ELSE 0 END), sum(completion_tokens) "
+        "FROM generations GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    kept = await _execute(
+        url,
+        "SELECT user_id, day, requests, completions, prompt_tokens, completion_tokens FROM usage_daily ORDER BY 1, 2",
+    )
+    assert [tuple(r) for r in kept] == [tuple(r) for r in expected]
+    assert [tuple(r) for r in kept] == [
+        (1, "2026-11-20", 2, 3, 14, 12),
+        (1, "2026-11-21", 1, 1, 7, 4),
+        (2, "2026-11-20", 2, 3, 14, 14),
+    ]
+    days = await _execute(url, "SELECT day, users FROM usage_day_totals ORDER BY day")
+    assert [tuple(r) for r in days] == [("2026-11-20", 2), ("2026-11-21", 1)]
+    await _execute(url, "DELETE FROM usage_daily WHERE user_id = 2")  # (by hand: users are never deleted)
+    days = await _execute(url, "SELECT day, users FROM usage_day_totals ORDER BY day")
+    assert [tuple(r) for r in days] == [("2026-11-20", 1), ("2026-11-21", 1)]
+    _, diff = await _inspect(url)
+    assert diff == [], f"models and migrations disagree: {diff}"
+    await asyncio.to_thread(downgrade_database, url, "0006")
+    await _execute(url, insert, [record("f", 0, 1, 1, noon)])  # no trigger left behind
+    await asyncio.to_thread(upgrade_database, url)
+    again = await _execute(url, "SELECT sum(completions) FROM usage_daily")
+    assert again[0][0] == 8
+    days = await _execute(url, "SELECT day, users FROM usage_day_totals ORDER BY day")
+    assert [tuple(r) for r in days] == [("2026-11-20", 2), ("2026-11-21", 1)]
+
+
+async def test_sqlite_usage_daily(tmp_path: Path) -> None:
+    await _usage_daily(f"sqlite+aiosqlite:///{tmp_path / 'u.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_usage_daily(scratch_postgres: str) -> None:
+    await _usage_daily(scratch_postgres)

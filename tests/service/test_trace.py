@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
-from service.models import Trace
+from service.models import Trace, User
+from service.services import registry_cache
 from service.services.registry_cache import RegistryCache
 from xmark_core import Message
 
@@ -210,6 +212,50 @@ async def test_registry_cache_reloads_only_when_users_change(
     assert await throttled.snapshot(params, db_session) is snapshot  # within the interval: no query at all
     throttled.invalidate()
     assert len(await throttled.snapshot(params, db_session)) == len(snapshot) + 1
+
+
+async def test_a_large_registry_reads_only_what_changed(
+    app: Any, db_session: AsyncSession, make_user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``INCREMENTAL_FROM`` IDs (here: from the first), a change is read into the snapshot (new
+    IDs appended, changed users updated) without reloading the registry; a newest value that went
+    back (rows rolled back) reloads it."""
+    monkeypatch.setattr(registry_cache, "INCREMENTAL_FROM", 0)
+    params = app.state.resources.keyring.params
+    cache = RegistryCache(app.state.resources.sessionmaker, check_interval=0.0)
+    first = await cache.snapshot(params, db_session)
+    assert (cache.reloads, cache.refreshes) == (1, 0)
+    assert await cache.snapshot(params, db_session) is first  # nothing changed: no read
+    created, _ = await make_user("user")
+    grown = await cache.snapshot(params, db_session)
+    assert (cache.reloads, cache.refreshes) == (1, 1)
+    assert len(grown) == len(first) + 1 and grown.candidates.ids[-1] == created["user_id"]
+    assert grown.candidates.bits_of(len(grown) - 1) == created["message_id"]
+    assert grown.users[created["user_id"]].status == "active"
+    # a status change: the user keeps their place, the snapshot learns the status
+    await db_session.execute(
+        update(User).where(User.id == created["user_id"]).values(status="disabled", updated_at=datetime.now(UTC))
+    )
+    changed = await cache.snapshot(params, db_session)
+    assert (cache.reloads, cache.refreshes) == (1, 2) and len(changed) == len(grown)
+    assert changed.users[created["user_id"]].status == "disabled"
+    # the same answer as a whole reload
+    reloaded = await RegistryCache(app.state.resources.sessionmaker).snapshot(params, db_session)
+    assert list(reloaded.candidates.ids) == list(changed.candidates.ids)
+    assert (reloaded.candidates.blocks == changed.candidates.blocks).all()
+    assert reloaded.users == changed.users
+    # rows that disappear (a rolled-back transaction's): the newest user id goes back, the registry reloads
+    savepoint = await db_session.begin_nested()
+    now = datetime.now(UTC)
+    db_session.add(
+        User(name="rolled-back", role="user", status="active", message_id="1" * 32, created_at=now, updated_at=now)
+    )
+    await db_session.flush()
+    await cache.snapshot(params, db_session)
+    assert cache.reloads == 1
+    await savepoint.rollback()
+    again = await cache.snapshot(params, db_session)
+    assert cache.reloads == 2 and len(again) == len(changed)
 
 
 async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -> None:
