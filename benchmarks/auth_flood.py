@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,52 +48,13 @@ from benchmarks.launch import free_port
 from benchmarks.pg_admin import create_database, database_name, drop_database, maintenance_url, sibling_url
 from service.db import upgrade_database
 from service.security import generate_api_key
+from tests.service.live_gateway import environment_process
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVER_URL = "postgresql+asyncpg://root@127.0.0.1:5432/postgres"
 # An idle backend reports its pending statistics to pg_stat_database up to 10 s late (PostgreSQL 15's
 # PGSTAT_IDLE_INTERVAL): each reading waits that long after the moment it stands for, and the steady
 # state starts that long after the budget is spent, so no transaction is counted in the wrong phase.
 STATS_SETTLE_S = 11.0
-
-_CHILD = """
-import uvicorn
-import service.resources
-from service.app import create_app, configure_process_logging
-from service.config import Settings
-from service.server import server_options
-from tests.fakes import FakeBackend
-
-service.resources.build_backend = lambda settings, metrics: FakeBackend(settings.model_name)
-settings = Settings()
-configure_process_logging(settings)
-uvicorn.run(create_app(settings), **server_options(settings, log_level="warning"))
-"""
-
-
-@contextlib.contextmanager
-def gateway_process(env: dict[str, str], log: Path, base_url: str) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=REPO_ROOT, env=env, stderr=sink)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the gateway exited during start-up (see {log})")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base_url}/healthz", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start in time")
-            time.sleep(0.2)
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def transactions(database_url: str) -> int:
@@ -165,24 +122,20 @@ async def run_gateway(args: argparse.Namespace, server_url: str, edge: bool, wor
         key = generate_api_key().plaintext
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("XMARK_")}
-        env.update(
-            {
-                "PYTHONPATH": str(REPO_ROOT),
-                "XMARK_DATABASE_URL": database_url,
-                "XMARK_VAR_DIR": str(work / ("var-on" if edge else "var-off")),
-                "XMARK_WATERMARK_SECRETS": "v1:auth-flood-watermark-secret-6c1e9a0f3b7d2584",
-                "XMARK_API_KEY_PEPPER": "auth-flood-api-key-pepper-b03f7e2a9c5d1846",
-                "XMARK_BOOTSTRAP_ADMIN_KEY": key,
-                "XMARK_PORT": str(port),
-                "XMARK_LOG_LEVEL": "WARNING",
-                "XMARK_AUTH_CACHE_TTL_S": "120",
-                "XMARK_AUTH_EDGE_EXEMPT": "",
-                "XMARK_AUTH_EDGE_FAILURES": str(args.budget if edge else 0),
-            }
-        )
+        env = {
+            "XMARK_DATABASE_URL": database_url,
+            "XMARK_VAR_DIR": str(work / ("var-on" if edge else "var-off")),
+            "XMARK_WATERMARK_SECRETS": "v1:auth-flood-watermark-secret-6c1e9a0f3b7d2584",
+            "XMARK_API_KEY_PEPPER": "auth-flood-api-key-pepper-b03f7e2a9c5d1846",
+            "XMARK_BOOTSTRAP_ADMIN_KEY": key,
+            "XMARK_PORT": str(port),
+            "XMARK_LOG_LEVEL": "WARNING",
+            "XMARK_AUTH_CACHE_TTL_S": "120",
+            "XMARK_AUTH_EDGE_EXEMPT": "",
+            "XMARK_AUTH_EDGE_FAILURES": str(args.budget if edge else 0),
+        }
         url = f"{base_url}/v1/models"
-        with gateway_process(env, work / f"gateway-{'on' if edge else 'off'}.log", base_url):
+        with environment_process(env, base_url, work / f"gateway-{'on' if edge else 'off'}.log"):
             connector = aiohttp.TCPConnector(limit=args.connections + 4)
             async with aiohttp.ClientSession(connector=connector) as session:
                 await valid_user(session, url, key, 0.5, args.pause_ms / 1000)  # cached, warm

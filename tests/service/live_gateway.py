@@ -30,13 +30,14 @@ START_TIMEOUT_S = 120.0
 _CHILD = """
 import uvicorn
 import service.resources
-from service.app import create_app
+from service.app import configure_process_logging, create_app
 from service.config import Settings
 from service.server import server_options
 from tests.fakes import FakeBackend
 
 service.resources.build_backend = lambda settings, metrics: FakeBackend(settings.model_name)
 settings = Settings()
+configure_process_logging(settings)
 uvicorn.run(create_app(settings), **server_options(settings, log_level="warning"))
 """
 
@@ -94,13 +95,22 @@ def settings_environment(settings: Settings) -> dict[str, str]:
 @contextlib.contextmanager
 def gateway_process(settings: Settings, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Serve ``settings`` from a process of its own (stderr to ``log``); yields the process."""
+    with environment_process(settings_environment(settings), f"http://{settings.host}:{settings.port}", log) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def environment_process(xmark_env: dict[str, str], base_url: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Serve the gateway (fake backend) configured by the XMARK_* variables ``xmark_env`` (only
+    those: the caller's own XMARK_* are dropped) from a process of its own, answering at
+    ``base_url``; stderr to ``log``. Yields the process once ``/healthz`` answers."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("XMARK_")}
-    env.update(settings_environment(settings))
+    env.update(xmark_env)
     env["PYTHONPATH"] = str(REPO_ROOT)
     with log.open("wb") as sink:
         process = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=REPO_ROOT, env=env, stderr=sink)
     try:
-        _wait_ready(f"http://{settings.host}:{settings.port}", lambda: process.poll() is None)
+        _wait_ready(base_url, lambda: process.poll() is None)
         yield process
     finally:
         process.terminate()

@@ -123,6 +123,26 @@ async def _take_away(client: httpx.AsyncClient, actor_key: str, target: int, how
     return await client.request(method, f"/admin/users/{target}{suffix}", json=body, headers=bearer(actor_key))
 
 
+async def _two_admins_alone(
+    client: httpx.AsyncClient, survivor: str, name: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two new admins, A and B (created by ``survivor``); A then disables every other active admin,
+    so A and B are the only ones."""
+    created = []
+    for side in ("a", "b"):
+        response = await client.post(
+            "/admin/users", json={"name": f"{name}-{side}", "role": "admin"}, headers=bearer(survivor)
+        )
+        assert response.status_code == 201, response.text
+        created.append(response.json())
+    a, b = created
+    me = await client.get("/admin/users?role=admin&status=active&limit=500", headers=bearer(a["api_key"]))
+    for user in me.json()["data"]:
+        if user["id"] not in (a["id"], b["id"]):
+            assert (await _take_away(client, a["api_key"], user["id"], "disable")).status_code == 200
+    return a, b
+
+
 async def _admins_race(app: Any, client: httpx.AsyncClient, first_admin_key: str, rounds: int) -> str:
     """Each round: exactly two active admins, A and B, take each other's access at the same moment.
 
@@ -132,19 +152,7 @@ async def _admins_race(app: Any, client: httpx.AsyncClient, first_admin_key: str
     survivor = first_admin_key
     ways = itertools.cycle(itertools.product(TAKE_AWAY, repeat=2))
     for round_ in range(rounds):
-        created = []
-        for side in ("a", "b"):
-            response = await client.post(
-                "/admin/users", json={"name": f"admin-{round_}-{side}", "role": "admin"}, headers=bearer(survivor)
-            )
-            assert response.status_code == 201, response.text
-            created.append(response.json())
-        a, b = created
-        # A takes the survivor's access: A and B are the only active admins now
-        me = await client.get("/admin/users?role=admin&status=active&limit=500", headers=bearer(a["api_key"]))
-        for user in me.json()["data"]:
-            if user["id"] not in (a["id"], b["id"]):
-                assert (await _take_away(client, a["api_key"], user["id"], "disable")).status_code == 200
+        a, b = await _two_admins_alone(client, survivor, f"admin-{round_}")
         assert await _active_admins(app) == 2
         for key in (a["api_key"], b["api_key"]):  # both authenticated (cached) before they race
             assert (await client.get("/admin/users?limit=1", headers=bearer(key))).status_code == 200
@@ -168,18 +176,7 @@ async def _keys_race(app: Any, client: httpx.AsyncClient, first_admin_key: str, 
     admin API stays reachable. Returns the key that remains."""
     survivor = first_admin_key
     for round_ in range(rounds):
-        created = []
-        for side in ("a", "b"):
-            response = await client.post(
-                "/admin/users", json={"name": f"keys-{round_}-{side}", "role": "admin"}, headers=bearer(survivor)
-            )
-            assert response.status_code == 201, response.text
-            created.append(response.json())
-        a, b = created
-        me = await client.get("/admin/users?role=admin&status=active&limit=500", headers=bearer(a["api_key"]))
-        for user in me.json()["data"]:
-            if user["id"] not in (a["id"], b["id"]):
-                assert (await _take_away(client, a["api_key"], user["id"], "disable")).status_code == 200
+        a, b = await _two_admins_alone(client, survivor, f"keys-{round_}")
         key_ids = {}
         for admin in (a, b):
             (key,) = (await client.get(f"/admin/users/{admin['id']}/keys", headers=bearer(a["api_key"]))).json()["data"]
