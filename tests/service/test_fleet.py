@@ -151,7 +151,8 @@ async def test_the_fan_out_counts_every_model(client: httpx.AsyncClient, make_us
     the second model's tests (its p-value is larger by the ratio of the counts)."""
     user, key = await make_user("user")
     _, auditor_key = await make_user("auditor")
-    text = (await _chat(client, key, TEST_MODEL_NAME, tokens=120))["choices"][0]["message"]["content"]
+    # 280 tokens: at 120 the decoded message of some user IDs showed only p = 0.28 (seen once in CI)
+    text = (await _chat(client, key, TEST_MODEL_NAME, tokens=280))["choices"][0]["message"]["content"]
     both = (await client.post("/trace", json={"text": text, "decoder": "counting"}, headers=_auth(auditor_key))).json()
     alone = (
         await client.post(
