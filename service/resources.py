@@ -36,6 +36,7 @@ from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
 from service.services.auth_edge import AuthEdge
 from service.services.bootstrap import ensure_first_admin
+from service.services.last_use import LastUseRecorder
 from service.services.message_ids import backfill_message_ids
 from service.services.registry_cache import RegistryCache
 from service.services.reports import ReportSigner
@@ -253,12 +254,17 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         async with startup_sessions(settings, sessionmaker) as startup:
             await sync_keyring(keyring, startup)
             await bootstrap_admin(settings, startup, params, hasher)
+        # the keys' last uses: written in batches after the responses, and once more at shutdown
+        last_use = LastUseRecorder(sessionmaker, timeout_s=settings.database_timeout_s)
+        last_use.start()
+        stack.push_async_callback(last_use.close)
         authenticator = Authenticator(
             sessionmaker,
             hasher,
             AuthCache(
                 settings.auth_cache_ttl_s, settings.auth_cache_size, refusal_ttl=settings.auth_negative_cache_ttl_s
             ),
+            last_use=last_use,
         )
         served = []
         for own, aliases in model_settings(settings):

@@ -10,6 +10,7 @@ from service.db.engine import (
     install_liveness_check,
     is_database_fault,
     ping,
+    read_rows,
     session_scope,
 )
 from service.db.migrations import alembic_config, downgrade_database, upgrade_database
@@ -28,6 +29,7 @@ __all__ = [
     "install_liveness_check",
     "is_database_fault",
     "ping",
+    "read_rows",
     "session_scope",
     "upgrade_database",
 ]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event, text
-from sqlalchemy.engine import ExceptionContext, make_url
+from sqlalchemy.engine import ExceptionContext, Row, make_url
 from sqlalchemy.exc import (
     DBAPIError,
     DisconnectionError,
@@ -334,3 +334,26 @@ async def ping(engine: AsyncEngine) -> None:
     """Raise when the database does not answer a trivial query."""
     async with engine.connect() as connection:
         await connection.execute(text("SELECT 1"))
+
+
+async def read_rows(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    statement: Executable,
+    parameters: Mapping[str, Any] | None = None,
+) -> Sequence[Row[Any]]:
+    """The rows of one read statement, run on its own.
+
+    Normally (``sessionmaker`` bound to the engine) on a pooled connection without a transaction
+    (PostgreSQL: autocommit; one statement sees one snapshot by itself), so the read costs a single
+    round trip instead of BEGIN, statement and COMMIT; SQLite reads outside a transaction as it is.
+    Bound to a connection that an outer transaction owns, the read joins that transaction through
+    a session like any other unit of work.
+    """
+    bind = sessionmaker.kw.get("bind")
+    if isinstance(bind, AsyncEngine):
+        async with bind.connect() as connection:
+            if bind.dialect.name == "postgresql":
+                connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+            return (await connection.execute(statement, parameters)).all()
+    async with session_scope(sessionmaker) as session:
+        return (await session.execute(statement, parameters)).all()

@@ -5,11 +5,44 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql import Executable
 
-from service.models import ApiKey, User
+from service.models import ApiKey, MessageId, User
 from service.vocabulary import Role, UserStatus
+
+# Everything authentication needs about the keys of one display prefix, in one statement: each key
+# (usually exactly one) with its user and one row per message ID of the user (a user without any
+# still has a row, its message ID columns NULL), keys by id, lengths shortest first. Built once: a
+# statement built per call costs more to match against the compiled cache than to run.
+_PRINCIPAL_ROWS = (
+    select(
+        ApiKey.id.label("key_id"),
+        ApiKey.key_hash,
+        ApiKey.revoked_at,
+        ApiKey.last_used_at,
+        User.id.label("user_id"),
+        User.name,
+        User.role,
+        User.status,
+        User.max_parallel_requests,
+        User.requests_per_minute,
+        User.tokens_per_minute,
+        MessageId.bits,
+        MessageId.block_bits,
+        MessageId.message_id,
+    )
+    .join(User, User.id == ApiKey.user_id)
+    .outerjoin(MessageId, MessageId.user_id == User.id)
+    .where(ApiKey.prefix == bindparam("prefix"))
+    .order_by(ApiKey.id, MessageId.bits, MessageId.block_bits)
+)
+
+
+def principal_rows(prefix: str) -> tuple[Executable, dict[str, str]]:
+    """The statement and parameters of the authentication read of the keys with display ``prefix``."""
+    return _PRINCIPAL_ROWS, {"prefix": prefix}
 
 
 class ApiKeyRepository:
@@ -68,21 +101,6 @@ class ApiKeyRepository:
             update(ApiKey)
             .where(ApiKey.user_id == user_id, ApiKey.revoked_at.is_(None))
             .values(revoked_at=when)
-            .execution_options(synchronize_session=False)
-        )
-        await self._session.execute(stmt)
-
-    async def touch(self, key_id: int, when: datetime) -> None:
-        """Record a use of the key (bookkeeping). On PostgreSQL the transaction's commit does not
-        wait for its WAL to reach the disk (``synchronous_commit = off`` for it alone): a use lost to
-        a server crash is written again on the next use, and the request that first presents a key
-        does not wait for a disk flush."""
-        if self._session.get_bind().dialect.name == "postgresql":
-            await self._session.execute(text("SET LOCAL synchronous_commit = off"))
-        stmt = (
-            update(ApiKey)
-            .where(ApiKey.id == key_id)
-            .values(last_used_at=when)
             .execution_options(synchronize_session=False)
         )
         await self._session.execute(stmt)

@@ -57,7 +57,12 @@ async def _users(session: SessionDep, resources: ResourcesDep) -> UserService:
 
 
 async def _keys(session: SessionDep, resources: ResourcesDep) -> ApiKeyService:
-    return ApiKeyService(session, resources.api_key_hasher, auth_cache=resources.authenticator.cache)
+    return ApiKeyService(
+        session,
+        resources.api_key_hasher,
+        auth_cache=resources.authenticator.cache,
+        last_use=resources.authenticator.last_use,
+    )
 
 
 async def _key_versions(session: SessionDep, resources: ResourcesDep) -> KeyVersionService:

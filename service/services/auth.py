@@ -1,13 +1,15 @@
 """Request authentication: API key -> principal, from the per-process cache or one short database read.
 
-A cache hit needs no database round trip; ``last_used_at`` is still written, in its own short
-unit of work, once its one-minute resolution has passed. A miss reads the key and its user in a
-short unit of work of its own (never the request's), which also records the use when due, and
-caches the result if the key was accepted. A refusal (401 unknown or revoked, 403 user
-disabled or deleted) is remembered by the key's HMAC for a short while (``AuthCache.refusal``), so
-a client repeating a refused key costs no database query either. Concurrent misses of one key
-share one read (a burst from one client on a cold cache is one query, not one per request, which
-could take every connection of the pool and turn the burst into 503s).
+A cache hit needs no database round trip. A miss reads the key, its user and the user's message
+IDs in one statement on a connection of its own (never the request's unit of work; one round
+trip, no transaction) and caches the result if the key was accepted. Either way a use is noted
+for ``last_used_at`` once its one-minute resolution has passed, and written after the response
+with the other uses of the moment (``service.services.last_use``): no request waits for it.
+A refusal (401 unknown or revoked, 403 user disabled or deleted) is remembered by the key's HMAC
+for a short while (``AuthCache.refusal``), so a client repeating a refused key costs no database
+query either. Concurrent misses of one key share one read (a burst from one client on a cold
+cache is one query, not one per request, which could take every connection of the pool and turn
+the burst into 503s).
 
 With an :class:`AuthEdge`, a key that is neither cached nor known to be valid is read only if its
 client address has not spent its budget of failed authentications (``service.services.auth_edge``):
@@ -17,22 +19,19 @@ an address that sends many unknown keys gets their 401 without a database read f
 from __future__ import annotations
 
 import asyncio
-import logging
 from datetime import UTC, datetime
 
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from service.db import is_database_fault, session_scope
+from service.db import read_rows
 from service.errors import AuthenticationError, PermissionDeniedError
-from service.repositories.api_keys import ApiKeyRepository
+from service.repositories.api_keys import principal_rows
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher, ParsedKey
 from service.services.auth_cache import AuthCache, CachedPrincipal
 from service.services.auth_edge import AuthEdge, edge_refusal
-from service.services.keys import ApiKeyService, parse_bearer, touch_due
-
-logger = logging.getLogger("xmark.auth")
+from service.services.keys import parse_bearer, principal_from_rows, touch_due
+from service.services.last_use import LastUseRecorder
 
 
 class Authenticator:
@@ -42,10 +41,13 @@ class Authenticator:
         hasher: ApiKeyHasher,
         cache: AuthCache,
         edge: AuthEdge | None = None,
+        last_use: LastUseRecorder | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._hasher = hasher
         self.cache = cache
+        # the keys' last uses, written after the responses in batches
+        self.last_use = last_use if last_use is not None else LastUseRecorder(sessionmaker)
         # the per-address budget of failed authentications (None: every miss is read)
         self.edge = edge
         self._reading: dict[str, asyncio.Task[Principal]] = {}  # key hash -> the read in progress
@@ -64,17 +66,8 @@ class Authenticator:
             raise refused  # refused a moment ago: answered again without the database
         if entry is not None:
             if touch_due(entry.last_used_at, now):
-                entry.last_used_at = now  # claimed first: concurrent hits do not write it again
-                try:
-                    async with session_scope(self._sessionmaker) as session:
-                        await ApiKeyRepository(session).touch(entry.principal.api_key_id, now)
-                except SQLAlchemyError as exc:
-                    # a bookkeeping write: a request whose key is cached is still served while the
-                    # database is out; the use is written again a minute later (claimed above, so
-                    # requests meanwhile do not each wait for a database that does not answer)
-                    if not is_database_fault(exc):
-                        raise
-                    logger.warning("last_used_at not written", extra={"error_type": type(exc).__name__})
+                entry.last_used_at = now  # noted once a minute, not per request
+                self.last_use.note(entry.principal.api_key_id, now)
             return entry.principal
         read = self._reading.get(key_hash)
         edge = self.edge
@@ -100,23 +93,21 @@ class Authenticator:
         """The key and its user from the database (a cache miss); the result is cached."""
         epoch = self.cache.epoch
         try:
-            async with session_scope(self._sessionmaker) as session:
-                keys = ApiKeyService(session, self._hasher)
-                try:
-                    key, user = await keys.verify(parsed, key_hash)
-                except (AuthenticationError, PermissionDeniedError) as exc:
-                    self.cache.put_refusal(key_hash, exc, epoch=epoch)
-                    raise
-                principal = await keys.principal(key, user)
-                last_used_at = key.last_used_at
-                if touch_due(last_used_at, now):
-                    await keys.touch(key, now)
-                    last_used_at = now
+            try:
+                principal, last_used_at = principal_from_rows(
+                    await read_rows(self._sessionmaker, *principal_rows(parsed.prefix)), key_hash
+                )
+            except (AuthenticationError, PermissionDeniedError) as exc:
+                self.cache.put_refusal(key_hash, exc, epoch=epoch)
+                raise
         except AuthenticationError:
-            if self.edge is not None:  # counted once the connection is back in the pool
+            if self.edge is not None:
                 await self.edge.read_done(client, key_hash, accepted=False)
             raise
         if self.edge is not None:
             await self.edge.read_done(client, key_hash, accepted=True)
+        if touch_due(last_used_at, now):
+            self.last_use.note(principal.api_key_id, now)
+            last_used_at = now
         self.cache.put(key_hash, CachedPrincipal(principal, last_used_at), epoch=epoch)
         return principal

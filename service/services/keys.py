@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
-from service.models import ApiKey, MessageId, User
+from service.models import ApiKey
 from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.guards import Guard, lock_guarded_set
-from service.repositories.message_ids import MessageIdRepository
 from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, ApiKeyPage, IssuedKey
-from service.schemas.common import Principal
+from service.schemas.common import MessageIdOut, Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
-from service.services.message_ids import message_ids_out
 from service.vocabulary import Role, UserStatus
 
 if TYPE_CHECKING:
     from service.services.auth_cache import AuthCache
+    from service.services.last_use import LastUseRecorder
 
 logger = logging.getLogger("xmark.keys")
 
@@ -59,17 +59,35 @@ def parse_bearer(authorization: str | None) -> ParsedKey:
         raise _unauthorized("Invalid API key") from None
 
 
-def principal_of(key: ApiKey, user: User, message_ids: Iterable[MessageId]) -> Principal:
-    return Principal(
-        user_id=user.id,
-        name=user.name,
-        role=Role(user.role),
-        api_key_id=key.id,
-        message_ids=tuple(message_ids_out(message_ids)),
-        max_parallel_requests=user.max_parallel_requests,
-        requests_per_minute=user.requests_per_minute,
-        tokens_per_minute=user.tokens_per_minute,
+def principal_from_rows(rows: Sequence[Row[Any]], key_hash: str) -> tuple[Principal, datetime | None]:
+    """The principal of a well-formed key, and when its use was last written, from the rows of
+    ``service.repositories.api_keys.principal_rows`` for its prefix: 401 unknown or revoked, 403
+    user disabled or deleted. Every candidate's hash is compared in constant time."""
+    matched = [row for row in rows if hmac.compare_digest(key_hash, row.key_hash)]
+    if not matched:
+        raise _unauthorized("Invalid API key")
+    first = matched[0]
+    if first.revoked_at is not None:
+        raise _unauthorized("This API key has been revoked")
+    if first.status == UserStatus.DISABLED:
+        raise PermissionDeniedError("This user is disabled", code="user_disabled")
+    if first.status != UserStatus.ACTIVE:
+        raise PermissionDeniedError("This user has been deleted", code="user_deleted")
+    principal = Principal(
+        user_id=first.user_id,
+        name=first.name,
+        role=Role(first.role),
+        api_key_id=first.key_id,
+        message_ids=tuple(
+            MessageIdOut(bits=row.bits, block_bits=row.block_bits, message_id=row.message_id)
+            for row in matched
+            if row.message_id is not None
+        ),
+        max_parallel_requests=first.max_parallel_requests,
+        requests_per_minute=first.requests_per_minute,
+        tokens_per_minute=first.tokens_per_minute,
     )
+    return principal, first.last_used_at
 
 
 def touch_due(last_used_at: datetime | None, now: datetime) -> bool:
@@ -84,12 +102,18 @@ class ApiKeyService:
         hasher: ApiKeyHasher,
         *,
         auth_cache: AuthCache | None = None,
+        last_use: LastUseRecorder | None = None,
     ) -> None:
         self._session = session
         self._hasher = hasher
         self._keys = ApiKeyRepository(session)
         self._users = UserRepository(session)
         self._auth_cache = auth_cache
+        self._last_use = last_use  # its pending uses are written before keys are listed
+
+    async def _uses_written(self) -> None:
+        if self._last_use is not None:
+            await self._last_use.flush()
 
     async def issue_key(self, user_id: int) -> IssuedKey:
         user = await self._users.get(user_id)
@@ -105,11 +129,13 @@ class ApiKeyService:
     async def list_keys(self, user_id: int) -> ApiKeyList:
         if await self._users.get(user_id) is None:
             raise NotFoundError(f"User {user_id} not found", param="user_id")
+        await self._uses_written()
         return ApiKeyList(data=[key_out(k) for k in await self._keys.list_for_user(user_id)])
 
     async def find_keys(self, prefix: str, *, user_id: int | None, limit: int, offset: int) -> ApiKeyPage:
         """Keys across users by the start of their display prefix (e.g. one seen in a log),
         optionally of one user."""
+        await self._uses_written()
         rows, total = await self._keys.page_by_prefix(prefix, user_id=user_id, limit=limit, offset=offset)
         return ApiKeyPage.of([key_out(k) for k in rows], total=total, limit=limit, offset=offset)
 
@@ -140,29 +166,3 @@ class ApiKeyService:
                 self._auth_cache.invalidate_key(key.id, self._session)
             logger.info("api key revoked", extra={"user_id": user_id, "api_key_id": key.id})
         return key_out(key)
-
-    async def verify(self, parsed: ParsedKey, key_hash: str | None = None) -> tuple[ApiKey, User]:
-        """The key row and user of a well-formed key: 401 unknown or revoked, 403 user refused."""
-        key_hash = key_hash or self._hasher.hash(parsed)
-        match = None
-        for key, user in await self._keys.candidates(parsed.prefix):
-            if hmac.compare_digest(key_hash, key.key_hash):
-                match = (key, user)
-        if match is None:
-            raise _unauthorized("Invalid API key")
-        key, user = match
-        if key.revoked_at is not None:
-            raise _unauthorized("This API key has been revoked")
-        if user.status == UserStatus.DISABLED:
-            raise PermissionDeniedError("This user is disabled", code="user_disabled")
-        if user.status != UserStatus.ACTIVE:
-            raise PermissionDeniedError("This user has been deleted", code="user_deleted")
-        return key, user
-
-    async def principal(self, key: ApiKey, user: User) -> Principal:
-        """The principal of an accepted key, with its user's message ID of every length."""
-        return principal_of(key, user, await MessageIdRepository(self._session).of_user(user.id))
-
-    async def touch(self, key: ApiKey, now: datetime) -> None:
-        """Record a use of ``key`` at ``now`` (in this service's unit of work)."""
-        await self._keys.touch(key.id, now)

@@ -143,8 +143,8 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
     alice, bob, auditor = people["alice"], people["bob"], people["auditor"]
     stop = asyncio.Event()
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
-        # A key's first authenticated request records last_used_at and holds the key's row until
-        # that request ends; make it a cheap one so the concurrent completions run side by side.
+        # Each key's first request reads it from the database; a cheap one first, so the concurrent
+        # completions below start side by side from the authentication cache.
         for person in (alice, bob):
             listed = await client.get("/v1/models", headers={"Authorization": f"Bearer {person['api_key']}"})
             assert listed.status_code == 200

@@ -261,27 +261,62 @@ async def test_changes_made_elsewhere_apply_once_the_ttl_has_passed(
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 401
 
 
+async def test_a_keys_first_request_reads_it_in_one_statement_and_writes_nothing(
+    app: Any, client: httpx.AsyncClient, make_user: Any, cache: AuthCache, sql: list[str]
+) -> None:
+    """The cold path: the key, its user and the user's message IDs in one SELECT; the use is noted,
+    not written, so the request waits for no write."""
+    _, key = await make_user("user")
+    last_use = app.state.resources.authenticator.last_use
+    pending = last_use.pending
+    sql.clear()
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    statements = [s for s in sql if not s.upper().startswith(("SAVEPOINT", "RELEASE SAVEPOINT"))]
+    assert len(statements) == 1, statements
+    assert statements[0].lstrip().upper().startswith("SELECT") and "message_ids" in statements[0]
+    assert last_use.pending == pending + 1
+
+
 async def test_last_use_is_written_once_its_resolution_has_passed(
     app: Any, client: httpx.AsyncClient, make_user: Any, cache: AuthCache, sql: list[str], db_session: AsyncSession
 ) -> None:
     principal, key = await make_user("user")
+    last_use = app.state.resources.authenticator.last_use
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
     key_id = await _key_id(db_session, principal["id"])
+    assert await db_session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == key_id)) is None  # not yet
+    sql.clear()
+    await last_use.flush()  # what the background writer does every second
+    writes = [s for s in sql if not s.upper().startswith(("SAVEPOINT", "RELEASE SAVEPOINT"))]
+    assert len(writes) == 1 and writes[0].lstrip().upper().startswith("UPDATE API_KEYS"), writes
     first_use = await db_session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == key_id))
-    assert first_use is not None
+    assert first_use is not None and last_use.pending == 0
     sql.clear()
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
-    assert sql == []  # within the minute: nothing written
+    assert sql == [] and last_use.pending == 0  # within the minute: nothing read, nothing noted
     entry = cache.get(app.state.resources.api_key_hasher.hash(parse_api_key(key)))
     assert entry is not None
     entry.last_used_at = first_use - timedelta(minutes=2)  # as if the last write were older
     assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
-    # the use is bookkeeping: its transaction does not wait for the disk (SET LOCAL synchronous_commit)
-    writes = [s for s in sql if not s.upper().startswith(("SAVEPOINT", "RELEASE SAVEPOINT", "SET LOCAL"))]
-    assert len(writes) == 1 and writes[0].lstrip().upper().startswith("UPDATE API_KEYS")
+    assert sql == [] and last_use.pending == 1  # noted: the request itself sends nothing
+    await last_use.flush()
     db_session.expire_all()
     later = await db_session.scalar(select(ApiKey.last_used_at).where(ApiKey.id == key_id))
-    assert later is not None and later >= first_use
+    assert later is not None and later > first_use
+
+
+async def test_listing_keys_shows_the_uses_not_written_yet(
+    app: Any, client: httpx.AsyncClient, make_user: Any, cache: AuthCache
+) -> None:
+    """The admin API's key listings write their process's pending uses first."""
+    principal, key = await make_user("user")
+    _, admin_key = await make_user("admin")
+    assert (await client.get("/v1/models", headers=bearer(key))).status_code == 200
+    assert app.state.resources.authenticator.last_use.pending >= 1
+    listed = (await client.get(f"/admin/users/{principal['id']}/keys", headers=bearer(admin_key))).json()
+    assert listed["data"][0]["last_used_at"] is not None
+    found = (await client.get(f"/admin/api-keys?user_id={principal['id']}", headers=bearer(admin_key))).json()
+    assert found["data"][0]["last_used_at"] is not None
 
 
 async def test_ttl_zero_asks_the_database_every_time(
