@@ -148,13 +148,24 @@ class WorkerPool:
 
     async def check(self, worker: Worker) -> bool:
         """One health probe, bounded by HEALTH_TIMEOUT_S alone: the session's own bounds are the
-        request timeout's, which may be far shorter than a busy worker needs to answer /health."""
-        try:
-            async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                async with worker.client.get(worker.url + HEALTH_PATH, timeout=HEALTH_TIMEOUT) as response:
-                    ok = response.status == 200
-        except (TimeoutError, ServiceUnavailableError, *_CONNECTION_ERRORS):
-            ok = False
+        request timeout's, which may be far shorter than a busy worker needs to answer /health.
+
+        A worker in rotation whose probe times out is probed once more before it leaves: the
+        gateway's own event loop may have stalled past the bound (a long garbage collection, the
+        start-up heap freeze) with the worker's answer waiting unread, and one stall must not
+        take every worker out of rotation. A worker that refuses the connection leaves at once.
+        """
+        for _ in range(2 if worker.healthy else 1):
+            try:
+                async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                    async with worker.client.get(worker.url + HEALTH_PATH, timeout=HEALTH_TIMEOUT) as response:
+                        ok = response.status == 200
+                break
+            except TimeoutError:
+                ok = False
+            except (ServiceUnavailableError, *_CONNECTION_ERRORS):
+                ok = False
+                break
         self.mark(worker, ok)
         return ok
 

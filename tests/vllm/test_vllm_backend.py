@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -527,6 +528,38 @@ async def test_a_health_probe_is_bounded_by_its_own_timeout_not_the_request_time
     try:
         assert backend.pool.workers[0].healthy
         assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
+    finally:
+        await backend.close()
+
+
+async def test_a_stall_of_the_gateways_own_loop_does_not_take_a_worker_out_of_rotation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A probe in flight while the event loop is blocked past the probe's bound (a long garbage
+    collection, the start-up heap freeze) times out with the worker's answer unread; the worker is
+    probed again instead of leaving rotation (before: the next request got 503 with nothing down)."""
+    import aiohttp
+
+    import service.backends.vllm as vllm
+
+    monkeypatch.setattr(vllm, "HEALTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(vllm, "HEALTH_TIMEOUT", aiohttp.ClientTimeout(total=0.2))
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        worker = backend.pool.workers[0]
+        assert worker.healthy
+        probe = asyncio.create_task(backend.pool.check(worker))
+        for _ in range(5):  # the probe's request is on its way
+            await asyncio.sleep(0)
+        time.sleep(0.5)  # noqa: ASYNC251  # the stall under test: the loop blocked past the probe's bound
+        assert await probe
+        assert worker.healthy
+        assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
+        # a worker that does not answer /health at all still leaves rotation
+        upstreams.workers["w1"].health_delay_s = 1.0
+        assert not await backend.pool.check(worker)
+        assert not worker.healthy
     finally:
         await backend.close()
 
