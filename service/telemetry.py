@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -38,6 +38,10 @@ INSTRUMENTATION_NAME = "xmark-gateway"
 EXPORT_TIMEOUT_S = 5.0
 
 AttributeValue = str | bool | int | float | list[str] | list[int] | list[float]
+
+
+# reentrant and stateless: one for every span of a process whose telemetry is off
+_NO_SPAN = contextlib.nullcontext(INVALID_SPAN)
 
 
 class Telemetry:
@@ -51,15 +55,24 @@ class Telemetry:
     def enabled(self) -> bool:
         return self._provider is not None
 
-    @contextlib.contextmanager
     def span(
         self,
         name: str,
         attributes: Mapping[str, AttributeValue | None] | None = None,
         *,
         kind: SpanKind = SpanKind.INTERNAL,
+    ) -> contextlib.AbstractContextManager[Span]:
+        """A child of the current span; an exception marks it as an error (its type only). With
+        telemetry off, the invalid span in a null context (a no-op tracer's span still switches the
+        current context in and out on every call, for nothing)."""
+        if self._provider is None:
+            return _NO_SPAN
+        return self._span(name, attributes, kind)
+
+    @contextlib.contextmanager
+    def _span(
+        self, name: str, attributes: Mapping[str, AttributeValue | None] | None, kind: SpanKind
     ) -> Iterator[Span]:
-        """A child of the current span; an exception marks it as an error (its type only)."""
         clean = {k: v for k, v in (attributes or {}).items() if v is not None}
         with self.tracer.start_as_current_span(
             name, kind=kind, attributes=clean, record_exception=False, set_status_on_exception=False
