@@ -65,7 +65,11 @@ REPO = Path(__file__).resolve().parent.parent
 CHECKPOINT = REPO / "var" / "models" / MODEL_NAME
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 KEY_VERSION = "bench"
-PROMPT = "Say hello."
+PROMPT = "Say hello."  # the fake upstream answers its prepared tokens whatever the prompt
+# vLLM: a prompt answered past VLLM_TOKENS on every path, so each answer is VLLM_TOKENS long through
+# direct, xmark-gateway and LiteLLM alike ("Say hello." ended after 7 watermarked tokens, and after 30
+# unwatermarked ones through LiteLLM, which adds no watermark): tokens/s compares equal work
+VLLM_PROMPT = "Write a long story about a lighthouse keeper and the ships she watched."
 FAKE_TOKENS = 16
 VLLM_TOKENS = 32
 START_TIMEOUT_S = 300.0
@@ -246,10 +250,10 @@ class Upstream:
 # -- the load --------------------------------------------------------------------------------------
 
 
-def _body(stream: bool, max_tokens: int, extra: dict[str, Any]) -> str:
+def _body(stream: bool, max_tokens: int, extra: dict[str, Any], prompt: str = PROMPT) -> str:
     body: dict[str, Any] = {
         "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": stream,
@@ -264,7 +268,7 @@ async def _load(
     target: Target, concurrency: int, stream: bool, seconds: float, warmup: float, max_tokens: int, tokens: bool
 ) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.loadgen", "--url", target.url]
-    command += ["--body", _body(stream, max_tokens, target.body_extra)]
+    command += ["--body", _body(stream, max_tokens, target.body_extra, VLLM_PROMPT if tokens else PROMPT)]
     for header in target.headers:
         command += ["--header", header]
     command += ["--concurrency", str(concurrency), "--seconds", str(seconds), "--warmup", str(warmup)]
@@ -533,6 +537,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "fake_tokens": FAKE_TOKENS,
             "vllm_tokens": VLLM_TOKENS,
             "prompt": PROMPT,
+            "vllm_prompt": VLLM_PROMPT,
         },
     }
 
