@@ -40,14 +40,15 @@ class Authenticator:
         sessionmaker: async_sessionmaker[AsyncSession],
         hasher: ApiKeyHasher,
         cache: AuthCache,
+        *,
+        last_use: LastUseRecorder,
         edge: AuthEdge | None = None,
-        last_use: LastUseRecorder | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._hasher = hasher
         self.cache = cache
-        # the keys' last uses, written after the responses in batches
-        self.last_use = last_use if last_use is not None else LastUseRecorder(sessionmaker)
+        # the keys' last uses, written after the responses in batches (by its owner's writer)
+        self.last_use = last_use
         # the per-address budget of failed authentications (None: every miss is read)
         self.edge = edge
         self._reading: dict[str, asyncio.Task[Principal]] = {}  # key hash -> the read in progress

@@ -18,6 +18,7 @@ from service.schemas.common import Principal
 from service.security import ApiKeyHasher, generate_api_key
 from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
+from service.services.last_use import LastUseRecorder
 
 
 @pytest.fixture
@@ -39,8 +40,12 @@ def _authenticate(settings: Settings, key: str) -> Principal:
         engine = create_engine(settings)
         try:
             hasher = ApiKeyHasher(load_secrets(settings).api_key_pepper)
-            authenticator = Authenticator(create_sessionmaker(engine), hasher, AuthCache(0))
-            return await authenticator.authenticate(f"Bearer {key}")
+            sessionmaker = create_sessionmaker(engine)
+            last_use = LastUseRecorder(sessionmaker)
+            authenticator = Authenticator(sessionmaker, hasher, AuthCache(0), last_use=last_use)
+            principal = await authenticator.authenticate(f"Bearer {key}")
+            await last_use.close()  # the use is written
+            return principal
         finally:
             await engine.dispose()
 
