@@ -58,6 +58,13 @@ def _wait_ready(base_url: str, alive: Any) -> None:
 @contextlib.contextmanager
 def live_gateway(settings: Settings) -> Iterator[str]:
     """Serve ``settings`` (its host and port) in a thread; yields the base URL."""
+    with live_app(settings) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def live_app(settings: Settings) -> Iterator[tuple[str, Any]]:
+    """Serve ``settings`` (its host and port) in a thread; yields the base URL and the app, started."""
     import service.resources
     from service.app import create_app
     from service.server import server_options
@@ -72,7 +79,7 @@ def live_gateway(settings: Settings) -> Iterator[str]:
         base_url = f"http://{settings.host}:{settings.port}"
         try:
             _wait_ready(base_url, thread.is_alive)
-            yield base_url
+            yield base_url, app
         finally:
             server.should_exit = True
             thread.join(timeout=30)

@@ -15,7 +15,6 @@ import contextlib
 import ipaddress
 import random
 import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy import event
 
 from benchmarks.launch import free_port
@@ -35,10 +33,10 @@ from service.services.admission import redis_client
 from service.services.auth_edge import DEFAULT_KEY_PREFIX, AuthEdge, EdgePolicy
 from tests.conftest import make_test_settings
 from tests.service.conftest import own_database
+from tests.service.live_gateway import live_app
 
 REDIS_DB = 13
 REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
-START_TIMEOUT_S = 60.0
 
 
 # -- the client address ------------------------------------------------------------------------
@@ -112,36 +110,14 @@ class Gateway:
 
 @contextlib.contextmanager
 def serve(settings: Settings) -> Iterator[Gateway]:
-    import service.resources
-    from service.app import create_app
-    from service.server import server_options
-    from tests.fakes import FakeBackend
+    with live_app(settings) as (base_url, app):
+        gateway = Gateway(base_url, app)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(service.resources, "build_backend", lambda s, metrics: FakeBackend(s.model_name))
-        app = create_app(settings)
-        server = uvicorn.Server(uvicorn.Config(app, **server_options(settings, log_level="warning", lifespan="on")))
-        thread = threading.Thread(target=server.run, name="auth-edge-gateway", daemon=True)
-        thread.start()
-        gateway = Gateway(f"http://{settings.host}:{settings.port}", app)
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
-                assert thread.is_alive(), "the gateway exited during start-up"
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{gateway.base_url}/healthz", timeout=2.0).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "the gateway did not start in time"
-                time.sleep(0.05)
+        def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            gateway.statements.append(statement)
 
-            def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-                gateway.statements.append(statement)
-
-            event.listen(app.state.resources.engine.sync_engine, "before_cursor_execute", record)
-            yield gateway
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+        event.listen(app.state.resources.engine.sync_engine, "before_cursor_execute", record)
+        yield gateway
 
 
 @pytest.fixture(scope="module")
