@@ -542,22 +542,22 @@ async def test_a_stall_of_the_gateways_own_loop_does_not_take_a_worker_out_of_ro
 
     import service.backends.vllm as vllm
 
-    monkeypatch.setattr(vllm, "HEALTH_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(vllm, "HEALTH_TIMEOUT", aiohttp.ClientTimeout(total=0.2))
     upstreams = Upstreams("w1")
-    backend = await started(upstreams, health_interval_s=3600)
+    backend = await started(upstreams, health_interval_s=3600)  # the start-up probe under the usual bound
     try:
         worker = backend.pool.workers[0]
         assert worker.healthy
+        monkeypatch.setattr(vllm, "HEALTH_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(vllm, "HEALTH_TIMEOUT", aiohttp.ClientTimeout(total=0.5))
         probe = asyncio.create_task(backend.pool.check(worker))
         for _ in range(5):  # the probe's request is on its way
             await asyncio.sleep(0)
-        time.sleep(0.5)  # noqa: ASYNC251  # the stall under test: the loop blocked past the probe's bound
+        time.sleep(1.2)  # noqa: ASYNC251  # the stall under test: the loop blocked past the probe's bound
         assert await probe
         assert worker.healthy
         assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
         # a worker that does not answer /health at all still leaves rotation
-        upstreams.workers["w1"].health_delay_s = 1.0
+        upstreams.workers["w1"].health_delay_s = 2.0
         assert not await backend.pool.check(worker)
         assert not worker.healthy
     finally:
