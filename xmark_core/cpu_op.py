@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .gating import gate
 from .params import WatermarkParams
 
 logger = logging.getLogger("xmark_core")
@@ -201,6 +202,12 @@ def bind(module: Any, words: torch.Tensor, codes32: torch.Tensor, *, params: Wat
     call into the op per decoding step with nothing else around it."""
     apply = module.apply_
     delta, block_bits, match = params.delta, params.block_bits, params.scheme == "mpac"
+    if params.gated:  # the entropy rule: rows below the min-entropy threshold sit the step out
+
+        def gated_step(logits: torch.Tensor, context: torch.Tensor, blocks: torch.Tensor, active: torch.Tensor) -> None:
+            apply(logits, context, blocks, gate(logits, active, params), words, codes32, delta, block_bits, match)
+
+        return gated_step
 
     def step(logits: torch.Tensor, context: torch.Tensor, blocks: torch.Tensor, active: torch.Tensor) -> None:
         apply(logits, context, blocks, active, words, codes32, delta, block_bits, match)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import cpu_op
+from .gating import gate
 from .hashing import MASK32, context_multipliers, token_codes
 from .keys import WatermarkKey
 from .params import WatermarkParams
@@ -65,7 +66,7 @@ def apply_watermark(
     """Return logits with delta added to every active row's boosted tokens (rows with active=False untouched)."""
     _check(logits, context, blocks, active, codes, params)
     mask = boost_mask(context, blocks, words, codes, params, logits.shape[1])
-    mask.logical_and_(active[:, None])
+    mask.logical_and_(gate(logits, active, params)[:, None])
     boosted = torch.where(mask, logits + params.delta, logits)  # untouched entries stay bit-identical
     return logits.copy_(boosted) if inplace else boosted
 
@@ -335,6 +336,9 @@ class TorchWatermarker:
         inplace: bool = False,
     ) -> torch.Tensor:
         device = logits.device
+        if self.params.gated and active.shape == logits.shape[:1]:
+            # the entropy rule, once for every path below (the eager op's own gate then keeps these rows)
+            active = gate(logits, active, self.params)
         if device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1:
             native = self._native_op()
             if native is not None:

@@ -31,6 +31,13 @@ weight is then independent of every scored membership. That is what makes the
 p-value below valid without assuming the text came from the scoring model, and why the temperature
 tau (and the top-K approximation of P^-) changes only the power, never the calibration.
 
+With the entropy rule on (``WatermarkParams.min_entropy`` h > 0), the encoder biased only the
+positions where the model's min-entropy -log max_x p(x) (temperature 1) was at least h: there
+LR_t = 1, so a position whose top log-probability is above -h gets weight 0. That depends on the
+model's distribution alone, so the independence above holds unchanged. The scoring pass need not
+see the distribution the encoder saw (it reads the text without its prompt): a position judged
+differently costs power only.
+
 A suspect text is often edited: a token put in by a person or a tool was never drawn from p, and
 a token the model would not have written (p(x_t) tiny) gets the largest weight above. With an
 edit rate eps, x_t is generated with probability 1 - eps and otherwise any of the V tokens:
@@ -287,6 +294,10 @@ def score_text(
     else:
         weights = a + np.log1p(boost * mass_without) - np.log1p(boost * (mass_without + own_p[:, None]))  # [m, D]
     weights = np.clip(weights, 0.0, a)
+    if params.gated:
+        # the entropy rule: where the model's min-entropy (its top log-probability at temperature 1)
+        # is below the key's threshold the encoder added no bias, so the position is no evidence
+        weights[-scores.top_logprobs[positions].max(axis=1) < params.min_entropy] = 0.0
     offsets = np.log(gamma * np.exp(weights) + (1.0 - gamma))  # [m, D]
     llr = boosted * weights - offsets  # [m, D]
     block_scores = np.zeros((r, shards_n))

@@ -10,6 +10,8 @@ from .errors import ParamsError
 Scheme = Literal["xmark", "mpac", "loso"]
 SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso")
 MAX_BITS = 256
+# the largest min-entropy threshold (nats): the min-entropy of a 49,152-token vocabulary is at most 10.8
+MAX_MIN_ENTROPY = 16.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,12 @@ class WatermarkParams:
     delta: logit bias added to the boosted tokens (> 0).
     scheme: ``xmark`` (evergreen list = intersection of the k leave-one-shard-out green lists),
         ``loso`` (XMark with k = 1) or ``mpac`` (green list = the shard numbered by the block value).
+    min_entropy: the entropy rule (nats). A position is biased only where the model's min-entropy
+        there, -log of its top token's probability at temperature 1 before the bias, is at least
+        this; 0 (the default) biases every position. The rule depends on the model's distribution
+        alone (never on the key), so the counting decoder stays calibrated with it on, and the
+        likelihood decoder, which has the distribution, leaves the positions the rule skips out.
+        Part of the key version (its fingerprint covers it when it is not 0).
     """
 
     bits: int = 16
@@ -29,6 +37,7 @@ class WatermarkParams:
     num_keys: int = 2
     delta: float = 2.0
     scheme: Scheme = "xmark"
+    min_entropy: float = 0.0
 
     def __post_init__(self) -> None:
         _check_int("block_bits", self.block_bits, 1, 4)
@@ -43,6 +52,12 @@ class WatermarkParams:
         if not (self.delta > 0.0) or self.delta != self.delta or self.delta == float("inf"):
             raise ParamsError(f"delta must be a finite number > 0 (got {self.delta})")
         object.__setattr__(self, "delta", float(self.delta))  # 2 and 2.0 are the same key version
+        if isinstance(self.min_entropy, bool) or not isinstance(self.min_entropy, (int, float)):
+            kind = type(self.min_entropy).__name__
+            raise TypeError(f"min_entropy must be a number in [0, {MAX_MIN_ENTROPY:g}] (got {kind})")
+        if not 0.0 <= self.min_entropy <= MAX_MIN_ENTROPY:  # NaN fails both
+            raise ParamsError(f"min_entropy must be in [0, {MAX_MIN_ENTROPY:g}] nats (got {self.min_entropy})")
+        object.__setattr__(self, "min_entropy", float(self.min_entropy))
         if self.scheme not in SCHEMES:
             raise ParamsError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
         if self.scheme in ("loso", "mpac") and self.num_keys != 1:
@@ -58,8 +73,18 @@ class WatermarkParams:
         """D = 2**d, the number of shards each key partitions the vocabulary into."""
         return 1 << self.block_bits
 
+    @property
+    def gated(self) -> bool:
+        """Whether the entropy rule is on (some positions may go unbiased)."""
+        return self.min_entropy > 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The parameters as JSON-able values. ``min_entropy`` appears only when the rule is on, so
+        the fingerprint of every key version made before the rule existed is unchanged."""
+        out = asdict(self)
+        if not self.gated:
+            del out["min_entropy"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WatermarkParams:
@@ -69,6 +94,7 @@ class WatermarkParams:
             num_keys=int(data["num_keys"]),
             delta=float(data["delta"]),
             scheme=data.get("scheme", "xmark"),
+            min_entropy=float(data.get("min_entropy", 0.0)),
         )
 
 

@@ -13,9 +13,10 @@ other ``xmark_*`` key is rejected when vLLM admits it (HTTP 400), never inside t
 The watermark secrets are read once per process, at start-up, from ``XMARK_WATERMARK_SECRETS``
 (``name:secret[,name:secret...]``) or from the file named by ``XMARK_SECRETS_FILE`` (the same
 entries, one per line, ``#`` starts a comment). The watermark parameters come from
-``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS`` and
-``XMARK_WATERMARK_DELTA`` (defaults 32, 2, 4, 2.0): the same variables the gateway reads, so one
-env file configures both. Error messages name the variable and the rule, never a secret.
+``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS``,
+``XMARK_WATERMARK_DELTA`` and ``XMARK_WATERMARK_MIN_ENTROPY`` (defaults 32, 2, 4, 2.0, 0): the same
+variables the gateway reads, so one env file configures both. Error messages name the variable and
+the rule, never a secret.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ ENV_BITS = "XMARK_WATERMARK_BITS"
 ENV_BLOCK_BITS = "XMARK_WATERMARK_BLOCK_BITS"
 ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
 ENV_DELTA = "XMARK_WATERMARK_DELTA"
+ENV_MIN_ENTROPY = "XMARK_WATERMARK_MIN_ENTROPY"
 
 ENV_PROFILE = "XMARK_PROCESSOR_PROFILE"  # benchmarks: a file the processor's time goes to
 
@@ -137,6 +139,7 @@ class WorkerKeyring:
                 block_bits=_int_setting(variables, ENV_BLOCK_BITS, 2),
                 num_keys=_int_setting(variables, ENV_NUM_KEYS, 4),
                 delta=_float_setting(variables, ENV_DELTA, 2.0),
+                min_entropy=_float_setting(variables, ENV_MIN_ENTROPY, 0.0),
             )
         except (TypeError, ValueError) as exc:
             raise WorkerConfigError(f"invalid watermark parameters: {exc}") from None

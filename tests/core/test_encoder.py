@@ -403,3 +403,68 @@ def test_cpp_op_checks_its_operands() -> None:
         with pytest.raises(RuntimeError, match="must be"):
             step(*args)
         assert torch.equal(args[0], before), name
+
+
+def _peaked(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits`` with a near-certain top token in ``rows`` (min-entropy far below 0.5 nats)."""
+    out = logits.clone()
+    out[rows, 7] = out[rows].amax(dim=1) + 25.0
+    return out
+
+
+def test_entropy_rule_leaves_confident_rows_alone_and_biases_the_others_as_without_it() -> None:
+    """With min_entropy = h, a row whose min-entropy (logsumexp - max of its logits) is below h is
+    bit-identical to its input, and every other row gets exactly the op's bias without the rule."""
+    from xmark_core.gating import open_rows
+
+    rule, plain = _key(bits=32, num_keys=4, min_entropy=0.5), _key(bits=32, num_keys=4)
+    assert rule.fingerprint != plain.fingerprint  # the key version records the rule
+    logits, context, blocks, active = _inputs(rule.params, 8, 4096, seed=61)
+    logits = _peaked(logits, [0, 2, 5])
+    entropy = torch.logsumexp(logits, 1) - logits.amax(1)
+    assert bool((entropy[[0, 2, 5]] < 0.5).all()) and bool((entropy[[1, 3, 4, 6]] >= 0.5).all())
+    assert torch.equal(open_rows(logits, 0.5), entropy >= 0.5)
+    expected = apply_watermark(
+        logits,
+        context,
+        blocks,
+        active & (entropy >= 0.5),
+        words=torch.tensor(plain.words.copy()),
+        codes=TorchWatermarker(plain).codes(torch.device("cpu"), 4096),
+        params=plain.params,
+    )
+    out = TorchWatermarker(rule).apply(logits, context, blocks, active)
+    assert torch.equal(out, expected)
+    assert torch.equal(out[[0, 2, 5]], logits[[0, 2, 5]])
+    changed = (out != logits).any(dim=1)
+    assert bool(changed[[i for i in (1, 3, 4, 6) if bool(active[i])]].all())
+
+
+@pytest.mark.slow  # builds the C++ op and compiles the kernel: seconds on two cores
+def test_entropy_rule_is_the_same_on_every_encoder_path() -> None:
+    """The eager op, the C++ op (called through apply and through the vLLM worker's bound step on
+    larger buffers) and the compiled kernel (bfloat16) skip the same rows and agree bit for bit."""
+    key = _key(bits=32, num_keys=4, min_entropy=0.3)
+    eager = TorchWatermarker(key)
+    native = TorchWatermarker(key, native_on_cpu=True)
+    compiled = TorchWatermarker(key, compile=True, native_on_cpu=False)
+    assert native.uses_cpp_op(), "the C++ op did not build here (a C++ compiler and ninja)"
+    logits, context, blocks, active = _inputs(key.params, 6, 49152, seed=67)
+    logits = _peaked(logits, [1, 4])
+    expected = eager.apply(logits, context, blocks, active)
+    assert torch.equal(expected[[1, 4]], logits[[1, 4]])
+    assert torch.equal(native.apply(logits, context, blocks, active), expected)
+    step = native.cpu_step(49152)
+    assert step is not None
+    out = logits.clone()
+    extra = torch.ones(3, dtype=torch.bool)
+    step(
+        out,
+        torch.cat([context, torch.zeros((3, 2), dtype=torch.int64)]),
+        torch.cat([blocks, blocks[:3]]),
+        torch.cat([active, extra]),
+    )
+    assert torch.equal(out, expected)
+    half = logits.to(torch.bfloat16)
+    assert torch.equal(compiled.apply(half, context, blocks, active), eager.apply(half, context, blocks, active))
+    assert compiled.fused(torch.device("cpu"))

@@ -127,12 +127,14 @@ def _null_p_values(generation: Generation, key: WatermarkKey, blocks: np.ndarray
 
 
 @pytest.mark.slow  # a statistical simulation: seconds on two cores
+@pytest.mark.parametrize("min_entropy", [0.0, 1.2], ids=["every-position", "entropy-rule"])
 @pytest.mark.parametrize("shuffle", [False, True], ids=["model-text", "foreign-text"])
-def test_naming_p_values_are_super_uniform_on_null_text(shuffle: bool) -> None:
+def test_naming_p_values_are_super_uniform_on_null_text(shuffle: bool, min_entropy: float) -> None:
     """400 texts of 100 tokens that do not carry the key (watermarked with another secret, or not
     written by the scoring model at all): P(p <= x) <= x at x = 0.01, 0.05, 0.2, up to sampling
-    error (a binomial 99.9 % upper bound), for a fixed message."""
-    params = WatermarkParams(bits=16)
+    error (a binomial 99.9 % upper bound), for a fixed message; with the entropy rule on too (about
+    half the positions skipped by the encoder and weighed 0 by the decoder)."""
+    params = WatermarkParams(bits=16, min_entropy=min_entropy)
     key = WatermarkKey.from_secret(SECRET, params)
     other = WatermarkKey.from_secret(OTHER_SECRET, params)
     message = Message.from_bits("1001110001011010", params)
@@ -159,6 +161,31 @@ def test_the_carried_message_scores_highest_and_decodes() -> None:
     llr = result.token_llr(message.blocks)
     assert np.isnan(llr[:2]).all() and np.isfinite(llr[result.positions]).all()
     assert float(np.nansum(llr)) == pytest.approx(float(result.scores[np.arange(8), message.blocks].sum()))
+
+
+def test_with_the_entropy_rule_skipped_positions_weigh_nothing_and_the_message_decodes() -> None:
+    """Under a key version with the rule (h = 1.2 nats, about half the synthetic model's positions
+    below it), a position whose top log-probability is above -h has weight 0 (the encoder left it
+    alone), every other position the weight of the same key without the rule, and the carried
+    message still decodes with a small p-value."""
+    h = 1.2
+    rule = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16, min_entropy=h))
+    plain = WatermarkKey.from_secret(SECRET, WatermarkParams(bits=16))
+    message = Message.from_bits("0110100111000101", rule.params)
+    generation = generate(rule, [message], 300, seed=9, top_k=TOP_K, temperature=0.7)
+    scores = scores_of(generation, 0)
+    with_rule = score_text(generation.tokens[0], scores, rule)
+    without = score_text(generation.tokens[0], scores, plain)
+    skipped = -scores.top_logprobs[with_rule.positions].max(axis=1) < h
+    assert 0.25 < skipped.mean() < 0.75, skipped.mean()
+    assert (with_rule.weights[skipped] == 0.0).all() and (with_rule.offsets[skipped] == 0.0).all()
+    np.testing.assert_array_equal(with_rule.weights[~skipped], without.weights[~skipped])
+    assert with_rule.bits == message.bits
+    assert naming_test(with_rule, message.blocks)[0] < 1e-4
+    # the skipped positions carried nothing: their boosted share is the hash's own
+    hits = with_rule.boosted[np.flatnonzero(skipped), message.blocks[with_rule.rows[skipped]]]
+    gamma = boosted_share(rule.params)
+    assert abs(float(hits.mean()) - gamma) < 4 * math.sqrt(gamma * (1 - gamma) / hits.size)
 
 
 def test_a_prefix_of_the_scores_reads_the_prefix_of_the_text() -> None:

@@ -41,13 +41,14 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     _load_v2_logitsprocs_by_fqcns as load_v2_classes,
 )
 
+from tests.vllm.conftest import WORKER_SECRETS
 from xmark_core import (
     Message,
     WatermarkKey,
     vllm_common,
 )
 from xmark_core.hf import XMarkLogitsProcessor as HFProcessor
-from xmark_core.vllm_common import WorkerConfigError, WorkerKeyring
+from xmark_core.vllm_common import ENV_MIN_ENTROPY, ENV_SECRETS, WorkerConfigError, WorkerKeyring, worker_keyring
 from xmark_core.vllm_v1 import XMarkLogitsProcessor as V1Processor
 from xmark_core.vllm_v2 import XMarkLogitsProcessor as V2Processor
 
@@ -236,6 +237,45 @@ def test_rows_with_different_key_versions_in_one_batch(keyring: WorkerKeyring) -
         expected = hf_step(keyring.keys[index], own, histories, expected)
     assert torch.equal(out_v1, expected)
     assert torch.equal(out_v2, expected)
+
+
+def test_both_adapters_follow_the_entropy_rule_of_the_workers_key_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """XMARK_WATERMARK_MIN_ENTROPY set: V1 (the C++ op's bound step) and V2 leave the watermarked rows
+    whose model is nearly sure (min-entropy below the threshold) alone, bias the others as the
+    transformers adapter does, and agree bit for bit."""
+    monkeypatch.setenv(ENV_SECRETS, ",".join(f"{k}:{v}" for k, v in WORKER_SECRETS.items()))
+    monkeypatch.setenv(ENV_MIN_ENTROPY, "0.5")
+    worker_keyring.cache_clear()
+    try:
+        ruled = worker_keyring()
+        assert ruled.params.min_entropy == 0.5
+        batch = len(HISTORIES)
+        base = logits_for(batch, seed=13)
+        sure = [0, 2, 4]
+        base[sure, 99] = base[sure].amax(dim=1) + 30.0  # one token far above the rest
+        v1 = v1_processor()
+        v1.update_state(
+            BatchUpdate(
+                batch_size=batch,
+                removed=[],
+                added=[(row, params_for(MESSAGES[row]), list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)],
+                moved=[],
+            )
+        )
+        out_v1 = v1_step(v1, base.clone())
+        runner = V2Runner(ruled)
+        slots = list(range(batch))
+        for row, slot in enumerate(slots):
+            runner.admit(slot, params_for(MESSAGES[row]), *HISTORIES[row])
+        out_v2 = runner.step(base.clone(), slots)
+        out_hf = hf_step(ruled.keys[0], MESSAGES, [p + o for p, o in HISTORIES], base.clone())
+        assert torch.equal(out_v1, out_hf) and torch.equal(out_v2, out_hf)
+        for row, message in enumerate(MESSAGES):
+            changed = bool((out_v1[row] != base[row]).any())
+            assert changed == (message is not None and row not in sure), row
+        assert any(MESSAGES[row] is not None for row in sure)
+    finally:
+        worker_keyring.cache_clear()
 
 
 # -- V1: the persistent batch ----------------------------------------------------------------

@@ -14,6 +14,7 @@ from xmark_core import Message, WatermarkKey, WatermarkParams, vllm_common
 from xmark_core.vllm_common import (
     ENV_BITS,
     ENV_DELTA,
+    ENV_MIN_ENTROPY,
     ENV_SECRETS,
     ENV_SECRETS_FILE,
     XARG_KEY_VERSION,
@@ -46,6 +47,7 @@ def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
         block_bits=fields["watermark_block_bits"].default,
         num_keys=fields["watermark_num_keys"].default,
         delta=fields["watermark_delta"].default,
+        min_entropy=fields["watermark_min_entropy"].default,
     )
     assert keyring.params == gateway
     # the same secret and parameters give the same key the gateway derives
@@ -60,6 +62,14 @@ def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
     keyring = WorkerKeyring.from_variables({ENV_SECRETS_FILE: str(path), ENV_BITS: "24", ENV_DELTA: "3.5"})
     assert keyring.names == ("new", "old")
     assert keyring.params.bits == 24 and keyring.params.delta == 3.5
+    assert keyring.params.min_entropy == 0.0  # unset: every position biased, as every earlier version
+    ruled = WorkerKeyring.from_variables({ENV_SECRETS_FILE: str(path), ENV_MIN_ENTROPY: "0.69"})
+    assert ruled.params.min_entropy == 0.69
+    # the gateway's key version with the same rule has the same fingerprint
+    assert (
+        ruled.keys[1].fingerprint
+        == WatermarkKey.from_secret(SECRET_A, WatermarkParams(min_entropy=0.69, bits=32, num_keys=4)).fingerprint
+    )
 
 
 @pytest.mark.parametrize(
@@ -73,6 +83,8 @@ def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
         ({ENV_SECRETS: f"bad name:{SECRET_A}"}, "must match"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "15"}, "invalid watermark parameters"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "sixteen"}, "must be an integer"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "-1"}, "invalid watermark parameters"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "high"}, "must be a number"),
         ({ENV_SECRETS_FILE: "/nonexistent/xmark-secrets"}, "cannot read"),
     ],
 )
