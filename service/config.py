@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     watermark_block_bits: int = 2
     watermark_num_keys: int = 4
     watermark_delta: float = 2.0
+    # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
+    # token's probability, nats) is below this are not biased; 0 biases every position.
+    watermark_min_entropy: float = 0.0
     api_key_pepper: SecretStr | None = None
     # Trace reports are signed with an Ed25519 key derived from this secret (unset: from the
     # API-key pepper, under a label of its own); see docs/api.md, "Trace reports".

@@ -71,6 +71,7 @@ def params_from_settings(settings: Settings) -> WatermarkParams:
         block_bits=settings.watermark_block_bits,
         num_keys=settings.watermark_num_keys,
         delta=settings.watermark_delta,
+        min_entropy=settings.watermark_min_entropy,
     )
 
 
@@ -81,6 +82,7 @@ def row_params(row: KeyVersion) -> WatermarkParams:
         num_keys=row.num_keys,
         delta=row.delta,
         scheme=cast("Scheme", row.scheme),  # WatermarkParams checks it is one of the schemes
+        min_entropy=row.min_entropy,
     )
 
 
@@ -183,6 +185,7 @@ class Keyring:
             num_keys=self._params.num_keys,
             delta=self._params.delta,
             scheme=self._params.scheme,
+            min_entropy=self._params.min_entropy,
             fingerprint=key.fingerprint,
             status=status,
             created_at=now,

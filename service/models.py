@@ -173,6 +173,8 @@ class KeyVersion(Base):
     num_keys: Mapped[int] = mapped_column(Integer)
     delta: Mapped[float] = mapped_column(Float)
     scheme: Mapped[str] = mapped_column(String(32))
+    # the entropy rule's threshold in nats (0: every position biased); see WatermarkParams.min_entropy
+    min_entropy: Mapped[float] = mapped_column(Float, server_default="0")
     fingerprint: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -158,6 +158,9 @@ class KeyVersionOut(BaseModel):
     num_keys: int
     delta: float
     scheme: str
+    min_entropy: float = Field(
+        default=0.0, description="Entropy rule: positions whose min-entropy (nats) is below this are not biased."
+    )
     fingerprint: str = Field(description="Non-secret fingerprint of the watermark key.")
     configured: bool = Field(description="Whether this process holds the secret of this version.")
     created_at: datetime

@@ -132,6 +132,16 @@ class ReportParams(BaseModel):
     k: int = Field(description="hash keys")
     delta: float = Field(description="logit bias of the boosted tokens")
     scheme: str
+    # the entropy rule's threshold (nats); present only for key versions that encode with it, so
+    # reports signed under other key versions are served unchanged
+    min_entropy: float | None = Field(
+        default=None, description="entropy rule: positions below this min-entropy (nats) were not biased"
+    )
+
+    # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
+    @model_serializer(mode="wrap")
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
+        return _drop_absent(handler(self), self, ("min_entropy",))
 
 
 class DecoderSettings(BaseModel):

@@ -57,6 +57,7 @@ class KeyVersionService:
             num_keys=row.num_keys,
             delta=row.delta,
             scheme=row.scheme,
+            min_entropy=row.min_entropy,
             fingerprint=row.fingerprint,
             configured=self._keyring.is_configured(row.name),
             created_at=row.created_at,

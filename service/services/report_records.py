@@ -76,6 +76,8 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
             "delta": float(p.delta),
             "scheme": str(p.scheme),
         }
+        if p.gated:  # only for key versions with the entropy rule: other reports never held it
+            params["min_entropy"] = float(p.min_entropy)
     settings = {
         "decoder": str(given.requested_decoder),
         "temperature": None if report.temperature is None else float(report.temperature),

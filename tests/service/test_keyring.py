@@ -91,6 +91,26 @@ async def test_rows_keep_their_own_parameters(empty_versions: AsyncSession) -> N
     assert handles["b"].key.params.delta == 3.0
 
 
+async def test_a_key_version_records_its_entropy_rule(empty_versions: AsyncSession) -> None:
+    """Versions made before the rule keep biasing (and tracing) every position; a version made with
+    XMARK_WATERMARK_MIN_ENTROPY set stores the threshold in its row and fingerprint, and a process
+    configured otherwise still reads each row with its own rule."""
+    await Keyring(PARAMS, {"a": S1}).sync(empty_versions)
+    rule = WatermarkParams(min_entropy=0.69)
+    keyring = Keyring(rule, {"a": S1, "b": S2})
+    await keyring.sync(empty_versions)
+    rows = await _rows(empty_versions)
+    assert (rows["a"].min_entropy, rows["b"].min_entropy) == (0.0, 0.69)
+    assert rows["a"].fingerprint == WatermarkKey.from_secret(S1, PARAMS).fingerprint
+    assert rows["b"].fingerprint == WatermarkKey.from_secret(S2, rule).fingerprint
+    assert rows["b"].fingerprint != WatermarkKey.from_secret(S2, PARAMS).fingerprint
+    later = Keyring(PARAMS, {"a": S1, "b": S2})
+    await later.sync(empty_versions)
+    handles = {h.name: h for h in later.usable()}
+    assert handles["a"].key.params.min_entropy == 0.0
+    assert handles["b"].key.params == rule
+
+
 async def test_no_configured_active_version_is_an_error(empty_versions: AsyncSession) -> None:
     await Keyring(PARAMS, {"a": S1}).sync(empty_versions)
     with pytest.raises(KeyringError, match="no active key version"):

@@ -73,6 +73,21 @@ def test_the_identity_fields_are_served_exactly_where_they_were_signed() -> None
         assert verify_report(served, signer.public_key) == signed
 
 
+def test_the_entropy_rule_is_served_only_in_reports_of_key_versions_with_it() -> None:
+    """A key version without the rule signs its params without ``min_entropy`` (as every report
+    before the rule existed) and is served so; one with the rule signs and serves the threshold."""
+    signer = ReportSigner.from_secret(b"s" * 32)
+    settings = {"decoder": "likelihood", "temperature": 0.7, "top_k": 20, "alpha": 0.001, "test": "likelihood"}
+    plain = _payload(settings)
+    served = _served(plain, signer)
+    assert "min_entropy" not in served["report"]["params"]
+    assert verify_report(served, signer.public_key) == plain
+    ruled = {**plain, "params": {**plain["params"], "min_entropy": 0.69}}
+    served = _served(ruled, signer)
+    assert served["report"]["params"]["min_entropy"] == 0.69
+    assert verify_report(served, signer.public_key) == ruled
+
+
 def test_the_report_schema_lists_its_fields() -> None:
     """The served document's schema (OpenAPI) names every field, not a bare object."""
     schema = TraceReportDocument.model_json_schema(mode="serialization")["$defs"]

@@ -224,3 +224,36 @@ async def test_an_identity_level_without_the_model_is_a_503_not_counting_s_name(
     response = await client.post("/trace", json={"text": text, "identity_level": 0.01}, headers=_auth(auditor))
     assert response.status_code == 503, response.text
     assert (await client.post("/trace", json={"text": text}, headers=_auth(auditor))).json()["decoder"] == "counting"
+
+
+async def test_the_local_backend_encodes_with_the_entropy_rule_and_the_decoder_reads_it(app: Any, ready: None) -> None:
+    """A key version with the entropy rule (h = 0.69 nats: no bias where the model's top token has
+    probability above 1/2): on the served model's answer, the positions the rule skipped carry the
+    hash's own boosted share, the others far more, and the likelihood decoder names the message."""
+    from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
+    from tests.service.test_trace import ESSAY
+    from xmark_core import Message, WatermarkParams, score_text
+    from xmark_core.likelihood import boosted_share, naming_test
+
+    backend = app.state.resources.backend
+    keyring = app.state.resources.keyring
+    active = keyring.active()
+    params = WatermarkParams(**{**active.key.params.to_dict(), "min_entropy": 0.69})
+    key = keyring.key_for(active.name, params)
+    message = Message.from_bits("01" * (params.bits // 2), params)
+    request = GenerationRequest((ChatTurn("user", ESSAY),), max_tokens=300, temperature=0.8, seed=3)
+    text = (await backend.generate(request, WatermarkStamp(key, message))).choices[0].text
+    ids = tokenize(backend.tokenizer, text)
+    assert len(ids) > 150
+    scores = await backend.score(ids, 20)
+    result = score_text(ids, scores, key)
+    assert naming_test(result, message.blocks)[0] < 1e-4
+    hits = result.boosted[np.arange(result.rows.size), message.blocks[result.rows]]
+    skipped = -scores.top_logprobs[result.positions].max(axis=1) < params.min_entropy
+    assert skipped.sum() >= 30 and (~skipped).sum() >= 30, skipped.sum()
+    gamma = boosted_share(params)
+    # the scorer reads the text without its prompt (and perhaps in bfloat16): a few positions are
+    # judged otherwise than the encoder judged them, so the skipped share sits near gamma, not on it
+    assert float(hits[skipped].mean()) < gamma + 0.15
+    assert float(hits[~skipped].mean()) > gamma + 0.3
+    assert (result.weights[skipped] == 0.0).all()
