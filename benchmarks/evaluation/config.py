@@ -24,12 +24,14 @@ class GenSpec:
     delta: float = 2.0
     temperature: float = 0.7
     tier: int = 0
+    min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy); 0: every position biased
 
     @property
     def name(self) -> str:
         if self.scheme == UNWATERMARKED:
             return f"none-t{self.temperature:g}"
-        return f"{self.scheme}-b{self.bits}-k{self.num_keys}-d{self.delta:g}-t{self.temperature:g}"
+        rule = f"-h{self.min_entropy:g}" if self.min_entropy else ""
+        return f"{self.scheme}-b{self.bits}-k{self.num_keys}-d{self.delta:g}{rule}-t{self.temperature:g}"
 
     @property
     def watermarked(self) -> bool:
@@ -39,7 +41,12 @@ class GenSpec:
         if not self.watermarked:
             raise ValueError("the unwatermarked setting has no watermark parameters")
         return WatermarkParams(
-            bits=self.bits, block_bits=2, num_keys=self.num_keys, delta=float(self.delta), scheme=self.scheme
+            bits=self.bits,
+            block_bits=2,
+            num_keys=self.num_keys,
+            delta=float(self.delta),
+            scheme=self.scheme,
+            min_entropy=self.min_entropy,
         )
 
 

@@ -50,7 +50,7 @@ from xmark_core import DEFAULT_EDIT_RATE, CandidateSet, Message, MessageAllocato
 from .attacks import copy_paste, delete_words, substitute_tokens
 from .config import UNWATERMARKED, GenSpec
 from .generation import RowJob
-from .metrics import wilson
+from .metrics import rate_cell
 from .population import evaluation_key, null_keys
 from .prompts import Prompt, load_prompts
 from .store import GenerationStore
@@ -76,12 +76,13 @@ class Setting:
     authors: int
     headline: bool = False
     delta: float = 2.0
+    min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy)
 
     @property
     def spec(self) -> GenSpec:
         if self.bits == 0:
             return GenSpec(UNWATERMARKED, temperature=self.temperature)
-        return GenSpec("xmark", self.bits, self.num_keys, self.delta, self.temperature)
+        return GenSpec("xmark", self.bits, self.num_keys, self.delta, self.temperature, min_entropy=self.min_entropy)
 
     @property
     def name(self) -> str:
@@ -147,6 +148,27 @@ STRENGTH = ForensicConfig(
     scaling_sizes={32: (100_000,)},
 )
 
+# The entropy rule (WatermarkParams.min_entropy = h): no bias where the model's top token has
+# probability above 1/2 (h = 0.69 nats), at the default bias and at a larger one, with the default
+# key otherwise (b=32, k=4), and a smaller bias without the rule as the control. Answers of 200
+# tokens (T up to 200): the naming rates at T = 150 compare with FORENSIC.md's; the perplexities
+# (over 200 tokens) compare with this run's unwatermarked answers.
+ENTROPY = ForensicConfig(
+    settings=(
+        Setting(32, 4, 0.7, 300, headline=True, min_entropy=0.69),
+        Setting(32, 4, 0.7, 300, headline=True, delta=2.5, min_entropy=0.69),
+        Setting(32, 4, 1.0, 300, headline=True, delta=2.5, min_entropy=0.69),
+        Setting(0, 0, 0.7, 100),
+        Setting(0, 0, 1.0, 100),
+        # the control: a smaller bias on every position, at about the rule's perplexity
+        Setting(32, 4, 0.7, 300, delta=1.5),
+    ),
+    t_grid=(100, 150, 200),
+    max_tokens=200,
+    null_keys={0.7: 29, 1.0: 29},
+    scaling_sizes={},
+)
+
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -157,7 +179,7 @@ SMALL = ForensicConfig(
 )
 
 
-PRESETS = {"forensic": FORENSIC, "strength": STRENGTH, "small": SMALL}
+PRESETS = {"forensic": FORENSIC, "strength": STRENGTH, "entropy": ENTROPY, "small": SMALL}
 
 
 def _log(message: str) -> None:
@@ -229,16 +251,9 @@ def jobs(config: ForensicConfig, population: Population, prompts: Sequence[Promp
 
 def generate(config: ForensicConfig, pending: list[RowJob], store: GenerationStore, args: argparse.Namespace) -> float:
     """Generate the missing completions with the vLLM engine; returns the seconds it took."""
-    from .generation import chat_prompt, load_model
     from .vllm_engine import VllmGenerator
 
-    _, tokenizer = load_model(args.model_path)
-    longest = max(
-        len(tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
-        for prompt in {j.prompt for j in pending}
-    )
-    max_len = -(-(longest + config.max_tokens + 1) // 64) * 64
-    generator = VllmGenerator(args.model_path, tokenizer, max_model_len=max_len, max_num_seqs=args.max_num_seqs)
+    generator = VllmGenerator.for_jobs(args.model_path, pending, config.max_tokens, args.max_num_seqs)
     batch = args.max_num_seqs  # one wave of rows per call: each wave's answers are cached as it ends
     started = time.monotonic()
     for first in range(0, len(pending), batch):
@@ -333,11 +348,6 @@ def trace(
         identity_level=config.trace_identity_level if decoder != "counting" else None,
     )
     return TraceFanout(plan, reading).run_now(scored.scores).outcome
-
-
-def _rate(count: int, trials: int) -> dict[str, Any]:
-    rate = round(count / trials, 4) if trials else None
-    return {"count": count, "of": trials, "rate": rate, "ci95": wilson(count, trials)}
 
 
 class Evaluation:
@@ -452,12 +462,13 @@ class Evaluation:
                         "bits": setting.bits,
                         "num_keys": setting.num_keys,
                         "delta": setting.delta,
+                        "min_entropy": setting.min_entropy,
                         "temperature": setting.temperature,
                         "registry": size,
                         "T": t,
                         "decoder": "auto",
-                        "named": _rate(named, setting.authors),
-                        "wrong": _rate(wrong, setting.authors),
+                        "named": rate_cell(named, setting.authors),
+                        "wrong": rate_cell(wrong, setting.authors),
                     }
                     if t == 150 and setting.headline and base is not None:
                         keys = [evaluation_key(params, cfg.seed), *null_keys(params, cfg.seed, cfg.other_t_keys - 1)]
@@ -467,7 +478,7 @@ class Evaluation:
                             for key in keys:
                                 pairs += 1
                                 false += trace("auto", text, self.tokenizer, self.versions(key), snapshot, cfg).named
-                        row["null_named"] = _rate(false, pairs)
+                        row["null_named"] = rate_cell(false, pairs)
                     rows.append(row)
             _log(f"scaling: {setting.name} done")
         return rows
@@ -518,14 +529,15 @@ class Evaluation:
                             "bits": setting.bits,
                             "num_keys": setting.num_keys,
                             "delta": setting.delta,
+                            "min_entropy": setting.min_entropy,
                             "temperature": setting.temperature,
                             "T": t,
                             "decoder": decoder,
                             "authors": n,
                             "text_tokens": {"min": min(lengths), "median": statistics.median(lengths)},
-                            "named": _rate(named, n),
-                            "wrong": _rate(wrong, n),
-                            "top1": _rate(top1, n),
+                            "named": rate_cell(named, n),
+                            "wrong": rate_cell(wrong, n),
+                            "top1": rate_cell(top1, n),
                             "named_by_likelihood": by_likelihood,
                             "median_confidence": round(statistics.median(confidences), 4) if confidences else None,
                             "analysis_ms_p50": round(1000 * statistics.median(seconds), 2),
@@ -575,7 +587,7 @@ class Evaluation:
                             "T": t,
                             "decoder": decoder,
                             "pairs": pairs,
-                            "named": _rate(counts[decoder], pairs),
+                            "named": rate_cell(counts[decoder], pairs),
                         }
                     )
             _log(f"null: texts at {base.temperature:g} under b={params.bits} k={params.num_keys} done")
@@ -606,14 +618,15 @@ class Evaluation:
                             "bits": setting.bits,
                             "num_keys": setting.num_keys,
                             "delta": setting.delta,
+                            "min_entropy": setting.min_entropy,
                             "temperature": setting.temperature,
                             "T": t,
                             "attack": attack,
                             "level": level,
                             "decoder": decoder,
                             "authors": count,
-                            "named": _rate(named, count),
-                            "wrong": _rate(wrong, count),
+                            "named": rate_cell(named, count),
+                            "wrong": rate_cell(wrong, count),
                         }
                     )
         return rows
@@ -635,6 +648,7 @@ class Evaluation:
                     "bits": setting.bits or None,
                     "num_keys": setting.num_keys or None,
                     "delta": setting.delta if setting.bits else None,
+                    "min_entropy": setting.min_entropy if setting.bits else None,
                     "temperature": setting.temperature,
                     "texts": len(values),
                     "ppl_mean": round(statistics.fmean(values), 3),
@@ -694,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=tuple(PRESETS),
         default="forensic",
         help="forensic: the gateway's settings (FORENSIC.md); strength: stronger watermarks at temperature 0.7 "
-        "(FORENSIC-STRENGTH.md); small: a few authors (a check of the pipeline, not a result)",
+        "(FORENSIC-STRENGTH.md); entropy: the entropy rule (FORENSIC-ENTROPY.md); small: a few authors "
+        "(a check of the pipeline, not a result)",
     )
     parser.add_argument("--small", action="store_true", help="the same as --preset small")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="vLLM engine: rows decoded together")

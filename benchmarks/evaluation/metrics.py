@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,16 @@ def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, flo
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
     return (round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4))
+
+
+def rate_cell(count: int, trials: int) -> dict[str, Any]:
+    """A rate as the reports print it: count, trials, the share (4 decimals) and its Wilson interval."""
+    return {
+        "count": count,
+        "of": trials,
+        "rate": round(count / trials, 4) if trials else None,
+        "ci95": wilson(count, trials),
+    }
 
 
 def mean(values: Sequence[float]) -> float | None:

@@ -66,7 +66,7 @@ from xmark_core import CandidateSet, ModelScores, WatermarkParams
 
 from .attacks import substitute_tokens
 from .forensic import Scored, Scorer
-from .metrics import wilson
+from .metrics import rate_cell
 from .population import evaluation_key, null_keys
 from .prompts import load_prompts
 
@@ -182,25 +182,16 @@ class Cell:
         named = self.named_right + self.named_wrong
         return {
             "texts": self.trials,
-            "named_right": _rate(self.named_right, self.trials),
-            "named_wrong": _rate(self.named_wrong, self.trials),
-            "named_by_retrieval": _rate(self.by_retrieval, self.trials),
-            "author_top_lead": _rate(self.lead_top1, self.trials),
-            "author_in_top5_leads": _rate(self.lead_top5, self.trials),
-            "corroborated_of_named": _rate(self.corroborated, named),
-            "not_found_of_named": _rate(self.not_found, named),
+            "named_right": rate_cell(self.named_right, self.trials),
+            "named_wrong": rate_cell(self.named_wrong, self.trials),
+            "named_by_retrieval": rate_cell(self.by_retrieval, self.trials),
+            "author_top_lead": rate_cell(self.lead_top1, self.trials),
+            "author_in_top5_leads": rate_cell(self.lead_top5, self.trials),
+            "corroborated_of_named": rate_cell(self.corroborated, named),
+            "not_found_of_named": rate_cell(self.not_found, named),
             "kept_3grams_median": round(statistics.median(self.kept), 3) if self.kept else None,
-            "named_when_kept_30pct": _rate(self.strong_named, self.strong_trials),
+            "named_when_kept_30pct": rate_cell(self.strong_named, self.strong_trials),
         }
-
-
-def _rate(count: int, trials: int) -> dict[str, Any]:
-    return {
-        "count": count,
-        "of": trials,
-        "rate": round(count / trials, 4) if trials else None,
-        "ci95": wilson(count, trials),
-    }
 
 
 class Evaluation:
@@ -412,9 +403,9 @@ class Evaluation:
             "pairs": pairs,
             "texts": len(self.authors),
             "keys": len(keys),
-            "named": _rate(named, pairs),
-            "named_by_retrieval": _rate(narrowed, pairs),
-            "with_leads": _rate(with_leads, pairs),
+            "named": rate_cell(named, pairs),
+            "named_by_retrieval": rate_cell(narrowed, pairs),
+            "with_leads": rate_cell(with_leads, pairs),
         }
 
 
@@ -455,7 +446,7 @@ def _pooled(
         if int(cell_size) == size and attack in attacks and (not temperatures or temperature in temperatures):
             count += cell[field]["count"]
             trials += cell[field]["of"]
-    return _rate(count, trials)
+    return rate_cell(count, trials)
 
 
 def goals(results: dict[str, Any], size: int) -> list[tuple[str, str, dict[str, Any]]]:

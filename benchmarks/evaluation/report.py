@@ -425,7 +425,8 @@ def _rate_cell(rate: Row) -> str:
 def _key_label(row: Row) -> str:
     delta = row.get("delta") or 2.0  # the gateway's δ (rows written before δ was recorded)
     strength = "" if delta == 2.0 else f" δ={delta:g}"
-    return f"b={row['bits']} k={row['num_keys']}{strength}"
+    rule = f" h={row['min_entropy']:g}" if row.get("min_entropy") else ""  # the entropy rule, where on
+    return f"b={row['bits']} k={row['num_keys']}{strength}{rule}"
 
 
 def _setting_label(row: Row) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,7 @@ def request_args(job: RowJob, seed: int, suppress: Sequence[int]) -> dict[str, A
             block_bits=p.block_bits,
             num_keys=p.num_keys,
             delta=float(p.delta),
+            min_entropy=float(p.min_entropy),
             seed=seed,
             message=job.message.bits,
         )
@@ -78,6 +79,7 @@ def _setting(args: dict[str, Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
         num_keys=int(args["num_keys"]),
         delta=float(args["delta"]),
         scheme=str(args["scheme"]),
+        min_entropy=float(args.get("min_entropy", 0.0)),
     )
     message = str(args["message"])
     if len(message) != params.bits or message.strip("01"):
@@ -247,6 +249,21 @@ class VllmGenerator:
         self._prompt_cache: dict[str, list[int]] = {}
         self._checked: set[str] = set()
 
+    @classmethod
+    def for_jobs(
+        cls, model_path: Path, jobs: Sequence[RowJob], max_new_tokens: int, max_num_seqs: int
+    ) -> VllmGenerator:
+        """An engine whose context fits the longest of ``jobs``' chat prompts plus ``max_new_tokens``."""
+        from .generation import load_model
+
+        _, tokenizer = load_model(model_path)
+        longest = max(
+            len(tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+            for prompt in {j.prompt for j in jobs}
+        )
+        max_len = -(-(longest + max_new_tokens + 1) // 64) * 64
+        return cls(model_path, tokenizer, max_model_len=max_len, max_num_seqs=max_num_seqs)
+
     def _check_key(self, job: RowJob, run_seed: int) -> None:
         """The worker derives each setting's key from (parameters, run seed): it must be the job's key."""
         assert job.key is not None
@@ -268,27 +285,43 @@ class VllmGenerator:
             self._prompt_cache[text] = ids
         return list(ids)
 
-    def generate(self, jobs: Sequence[RowJob], max_new_tokens: int, run_seed: int) -> list[RowResult]:
-        """Complete ``jobs`` (any mix of settings) in one engine call; the engine schedules the rows."""
+    def generate(
+        self,
+        jobs: Sequence[RowJob],
+        max_new_tokens: int,
+        run_seed: int,
+        *,
+        stop_at_eos: bool = False,
+        seed_of: Callable[[RowJob], int] | None = None,
+    ) -> list[RowResult]:
+        """Complete ``jobs`` (any mix of settings) in one engine call; the engine schedules the rows.
+
+        Every answer is ``max_new_tokens`` long with the special tokens suppressed (the forensic
+        protocol), or, with ``stop_at_eos``, ends where the model ends it (the other special tokens
+        still suppressed) or at the cap. ``seed_of``: each row's sampling seed (default: from the
+        run seed, the setting, the user and the slot).
+        """
         from vllm import SamplingParams
 
         for job in jobs:
             if job.key is not None:
                 self._check_key(job, run_seed)
         prompts = [{"prompt_token_ids": self._prompt_ids(job.prompt)} for job in jobs]
+        eos = self._tokenizer.eos_token_id
+        suppress = [i for i in self._suppress if i != eos] if stop_at_eos else self._suppress
         params = [
             SamplingParams(
                 n=1,
                 temperature=job.temperature,
                 top_k=0,
                 top_p=1.0,
-                seed=row_seed(run_seed, job),
+                seed=row_seed(run_seed, job) if seed_of is None else seed_of(job),
                 max_tokens=max_new_tokens,
-                min_tokens=max_new_tokens,
-                ignore_eos=True,
+                min_tokens=0 if stop_at_eos else max_new_tokens,
+                ignore_eos=not stop_at_eos,
                 logprobs=0,
                 detokenize=False,
-                extra_args=request_args(job, run_seed, self._suppress),
+                extra_args=request_args(job, run_seed, suppress),
             )
             for job in jobs
         ]
@@ -297,7 +330,7 @@ class VllmGenerator:
         for job, out in zip(jobs, outputs, strict=True):
             sample = out.outputs[0]
             ids = list(sample.token_ids)
-            if len(ids) != max_new_tokens:
+            if len(ids) != max_new_tokens and not stop_at_eos:
                 raise RuntimeError(f"generation stopped after {len(ids)} of {max_new_tokens} tokens")
             assert sample.logprobs is not None
             nll = [round(-float(step[token].logprob), 5) for step, token in zip(sample.logprobs, ids, strict=True)]

@@ -103,6 +103,27 @@ def test_mixed_settings_match_the_transformers_path_exactly() -> None:
         assert (out[row, keep] != base[row, keep]).any()
 
 
+def test_a_setting_with_the_entropy_rule_matches_the_transformers_path() -> None:
+    """The evaluation processor carries the rule to its worker (request_args, _setting): rows whose
+    model is nearly sure are left alone there as in the transformers path."""
+    spec = GenSpec("xmark", 32, 4, 2.0, min_entropy=0.69)
+    assert spec.name == "xmark-b32-k4-d2-h0.69-t0.7"
+    key = evaluation_key(spec.params(), SEED)
+    messages = user_messages(32, 3, SEED)
+    jobs = [RowJob(spec.name, row, 0, "p", "prompt", 1.0, key, messages[row]) for row in range(3)]
+    histories = [HISTORIES[row] for row in range(3)]
+    processor = EvalLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    added = [(i, sampling(j), list(h[0]), list(h[1])) for i, (j, h) in enumerate(zip(jobs, histories, strict=True))]
+    processor.update_state(BatchUpdate(batch_size=3, removed=[], added=added, moved=[]))
+    base = base_logits(3, seed=9)
+    base[1, 42] = base[1].amax() + 30.0  # row 1: one token far above the rest
+    out = processor.apply(base.clone())
+    expected = transformers_logits(jobs, [p + o for p, o in histories], base.clone())
+    assert torch.equal(out, expected)
+    marked = (out != base) & torch.isfinite(out)
+    assert bool(marked[0].any()) and bool(marked[2].any()) and not bool(marked[1].any())
+
+
 def test_rows_follow_removals_moves_and_swaps() -> None:
     processor = processor_with([0, 1, 2, 3])
     processor.update_state(
@@ -188,3 +209,14 @@ def test_real_engine_gives_exact_lengths_and_the_raw_model_nll() -> None:
         for got, want in zip(result.nll, nll.tolist(), strict=True):
             assert math.isfinite(got) and got >= 0
             assert abs(got - want) < 2e-3 + 2e-3 * want
+    # the quality protocol: answers end at the end-of-turn token (or the cap), with one seed per
+    # answer whatever the setting, so an unwatermarked row and a watermarked one start alike
+    eos = tokenizer.eos_token_id
+    plain = RowJob("none-t0.7", 0, 0, "a", "Say hello.", 0.7, None, None)
+    ended = generator.generate([plain, jobs[0]], 64, SEED, stop_at_eos=True, seed_of=lambda j: 11)
+    for result in ended:
+        assert 0 < len(result.token_ids) <= 64
+        others = special - {eos}
+        assert not others & set(result.token_ids)
+        assert eos not in result.token_ids[:-1]
+    assert ended[0].token_ids[-1] == eos  # a greeting ends well before 64 tokens

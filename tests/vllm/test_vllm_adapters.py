@@ -157,6 +157,14 @@ def v1_processor(config: VllmConfig | None = None) -> V1Processor:
     return V1Processor(config or VllmConfig(), torch.device("cpu"), False)
 
 
+def v1_with(params: list[SamplingParams]) -> V1Processor:
+    """A V1 processor holding one row per HISTORIES entry, row i with ``params[i]``."""
+    processor = v1_processor()
+    added = [(row, params[row], list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)]
+    processor.update_state(BatchUpdate(batch_size=len(HISTORIES), removed=[], added=added, moved=[]))
+    return processor
+
+
 def v1_step(processor: V1Processor, logits: torch.Tensor) -> torch.Tensor:
     return processor.apply(logits)
 
@@ -177,16 +185,7 @@ def test_v2_equals_v1_equals_transformers_for_one_batch(keyring: WorkerKeyring) 
     batch = len(HISTORIES)
     base = logits_for(batch)
 
-    v1 = v1_processor()
-    v1.update_state(
-        BatchUpdate(
-            batch_size=batch,
-            removed=[],
-            added=[(row, params_for(MESSAGES[row]), list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)],
-            moved=[],
-        )
-    )
-    out_v1 = v1_step(v1, base.clone())
+    out_v1 = v1_step(v1_with([params_for(m) for m in MESSAGES]), base.clone())
 
     runner = V2Runner(keyring)
     slots = [5, 2, 7, 0, 3, 6]  # rows map to arbitrary persistent slots
@@ -213,16 +212,7 @@ def test_rows_with_different_key_versions_in_one_batch(keyring: WorkerKeyring) -
     batch = len(HISTORIES)
     base = logits_for(batch, seed=11)
 
-    v1 = v1_processor()
-    v1.update_state(
-        BatchUpdate(
-            batch_size=batch,
-            removed=[],
-            added=[(r, params_for(MESSAGES[r], versions[r]), list(p), list(o)) for r, (p, o) in enumerate(HISTORIES)],
-            moved=[],
-        )
-    )
-    out_v1 = v1_step(v1, base.clone())
+    out_v1 = v1_step(v1_with([params_for(m, v) for m, v in zip(MESSAGES, versions, strict=True)]), base.clone())
 
     runner = V2Runner(keyring)
     slots = list(range(batch))
@@ -253,16 +243,7 @@ def test_both_adapters_follow_the_entropy_rule_of_the_workers_key_versions(monke
         base = logits_for(batch, seed=13)
         sure = [0, 2, 4]
         base[sure, 99] = base[sure].amax(dim=1) + 30.0  # one token far above the rest
-        v1 = v1_processor()
-        v1.update_state(
-            BatchUpdate(
-                batch_size=batch,
-                removed=[],
-                added=[(row, params_for(MESSAGES[row]), list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)],
-                moved=[],
-            )
-        )
-        out_v1 = v1_step(v1, base.clone())
+        out_v1 = v1_step(v1_with([params_for(m) for m in MESSAGES]), base.clone())
         runner = V2Runner(ruled)
         slots = list(range(batch))
         for row, slot in enumerate(slots):

@@ -1,0 +1,75 @@
+"""The quality evaluation's measures (benchmarks.evaluation.quality): loops, diversity, pairing, jobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.evaluation.quality import (
+    QUALITY,
+    answer_seed,
+    distinct,
+    ends_in_loop,
+    jaccard4,
+    jobs,
+    paired_ppl_ratio,
+    quality_prompts,
+)
+
+
+def test_the_quality_prompt_set_has_at_least_200_prompts_of_every_kind() -> None:
+    prompts = quality_prompts()
+    assert len(prompts) >= 200
+    assert len({p.id for p in prompts}) == len(prompts)
+    kinds = {p.category for p in prompts}
+    assert kinds == {"completion", "story", "summarization", "explanation", "factual"}
+    assert min(sum(p.category == k for p in prompts) for k in kinds) >= 30
+
+
+def test_a_loop_is_a_periodic_tail_and_nothing_else() -> None:
+    assert ends_in_loop(list(range(100)) + [5, 6, 7] * 20)  # period 3 over the last 48 tokens
+    assert ends_in_loop([1] * 60)
+    assert not ends_in_loop(list(range(200)))
+    assert not ends_in_loop([5, 6, 7] * 10)  # shorter than the window
+    # periodic once, then broken in the last tokens: the answer recovered
+    assert not ends_in_loop([5, 6, 7] * 30 + [100, 101])
+    assert not ends_in_loop(list(range(60)) + list(range(17)) * 3)  # period 17 > 16
+
+
+def test_distinct_and_jaccard() -> None:
+    assert distinct([1, 2, 3, 4], 2) == 1.0
+    assert distinct([1, 1, 1, 1], 1) == 0.25
+    assert distinct([1], 2) is None
+    assert jaccard4([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) == 1.0
+    assert jaccard4([1, 2, 3, 4, 5], [2, 3, 4, 5, 6]) == pytest.approx(1 / 3)
+    assert jaccard4([1, 2, 3], [1, 2, 3, 4]) is None
+
+
+def test_the_paired_ratio_is_the_ratio_of_geometric_means() -> None:
+    plain = [1.0, 1.5, 2.0, 1.2]
+    marked = [v + math.log(1.2) for v in plain]  # every answer 1.2x the perplexity of its pair
+    out = paired_ppl_ratio(marked, plain)
+    assert out["ratio"] == pytest.approx(1.2, abs=1e-4) and out["n"] == 4
+    lo, hi = out["ci95"]
+    assert lo == pytest.approx(1.2, abs=1e-4) and hi == pytest.approx(1.2, abs=1e-4)
+
+
+def test_every_setting_answers_the_same_prompts_with_the_same_seeds() -> None:
+    prompts = quality_prompts()[:30]
+    rows = jobs(QUALITY, prompts)
+    by_setting: dict[str, list[tuple[str, int]]] = {}
+    for job in rows:
+        by_setting.setdefault(job.spec_name, []).append((job.prompt_id, job.slot))
+    pairs = list(by_setting.values())
+    assert len(pairs) == len(QUALITY.specs) * len(QUALITY.temperatures)
+    assert all(p == pairs[0] for p in pairs)
+    assert len(pairs[0]) == 20 * QUALITY.repeats + 10  # the first 20 prompts answered 4 times
+    assert answer_seed(0, 3, 1, 0.7) == answer_seed(0, 3, 1, 0.7) != answer_seed(0, 3, 2, 0.7)
+    # the watermarked rows carry a message under the key of their own parameters, the others none
+    for job in rows:
+        if job.spec_name.startswith("none"):
+            assert job.key is None and job.message is None
+        else:
+            assert job.key is not None and job.message is not None
+            assert job.key.params.bits == 32 and job.message.params == job.key.params
