@@ -11,6 +11,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -118,8 +119,10 @@ def bench_encode_cold(key: WatermarkKey) -> dict[str, float]:
     and keeps the other for the API server), each call right after a pass over 64 MiB that evicts
     the caches, as the model's forward pass does between two sampling steps. Mean of 100 calls,
     warm (back to back) and cold, at batch 1, 16 and 64, for the C++ op that serves float32 logits
-    (``encode_1thread_*``) and the torch.compile'd kernel (``encode_compiled_1thread_*``); and the
-    same for a compiled one-line op, the fixed cost of calling any compiled function (guards, the
+    (``encode_1thread_*``), the same op under a key version with the entropy rule
+    (``encode_rule_1thread_*``: the gate's two reductions over [B, V] added; every row open, the
+    worst case) and the torch.compile'd kernel (``encode_compiled_1thread_*``); and the same for a
+    compiled one-line op, the fixed cost of calling any compiled function (guards, the
     generated wrapper) with cold caches.
     """
     import torch
@@ -145,9 +148,12 @@ def bench_encode_cold(key: WatermarkKey) -> dict[str, float]:
     try:
         native = TorchWatermarker(key, compile=True)  # float32 on the C++ op (xmark_core.cpu_op)
         compiled = TorchWatermarker(key, compile=True, native_on_cpu=False)  # the torch.compile'd kernel
+        ruled = TorchWatermarker(
+            WatermarkKey.from_secret(SECRET, replace(params, min_entropy=0.69)), compile=True
+        )  # the C++ op behind the entropy rule's gate
         gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            for marker in (native, compiled):
+            for marker in (native, compiled, ruled):
                 marker.warm_up(torch.device("cpu"), VOCAB)
             out["encode_cpp_op"] = float(native.uses_cpp_op())
             for batch in (1, 16, 64):
@@ -155,7 +161,7 @@ def bench_encode_cold(key: WatermarkKey) -> dict[str, float]:
                 context = torch.randint(0, VOCAB, (batch, 2), generator=gen)
                 blocks = torch.randint(0, params.num_shards, (batch, params.num_blocks), generator=gen)
                 active = torch.ones(batch, dtype=torch.bool)
-                for name, marker in (("", native), ("compiled_", compiled)):
+                for name, marker in (("", native), ("rule_", ruled), ("compiled_", compiled)):
                     step = partial(marker.apply, logits, context, blocks, active, inplace=True)
                     out[f"encode_{name}1thread_ms_batch{batch}_warm"] = mean_ms(step, cold=False)
                     out[f"encode_{name}1thread_ms_batch{batch}_cold"] = mean_ms(step, cold=True)

@@ -211,7 +211,7 @@ export function renderKeyVersions(root) {
       const rows = versions.data.map((v) => [
         v.name,
         v.status,
-        `b=${v.bits} d=${v.block_bits} k=${v.num_keys} δ=${v.delta} ${v.scheme}`,
+        `b=${v.bits} d=${v.block_bits} k=${v.num_keys} δ=${v.delta} ${v.scheme}` + (v.min_entropy ? ` h=${v.min_entropy}` : ""),
         v.fingerprint,
         v.configured ? "yes" : "no",
         formatDate(v.activated_at),
