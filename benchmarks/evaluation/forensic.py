@@ -150,9 +150,9 @@ STRENGTH = ForensicConfig(
 
 # The entropy rule (WatermarkParams.min_entropy = h): no bias where the model's top token has
 # probability above 1/2 (h = 0.69 nats), at the default bias and at a larger one, with the default
-# key otherwise (b=32, k=4), and a smaller bias without the rule as the control. Answers of 200
-# tokens (T up to 200): the naming rates at T = 150 compare with FORENSIC.md's; the perplexities
-# (over 200 tokens) compare with this run's unwatermarked answers.
+# key otherwise (b=32, k=4); FORENSIC.md (δ = 2) and FORENSIC-STRENGTH.md (δ = 2.5) hold the same
+# biases without the rule. Answers of 200 tokens (T up to 200): the naming rates at T = 150 compare
+# with theirs; the perplexities (over 200 tokens) compare with this run's unwatermarked answers.
 ENTROPY = ForensicConfig(
     settings=(
         Setting(32, 4, 0.7, 300, headline=True, min_entropy=0.69),
@@ -160,8 +160,6 @@ ENTROPY = ForensicConfig(
         Setting(32, 4, 1.0, 300, headline=True, delta=2.5, min_entropy=0.69),
         Setting(0, 0, 0.7, 100),
         Setting(0, 0, 1.0, 100),
-        # the control: a smaller bias on every position, at about the rule's perplexity
-        Setting(32, 4, 0.7, 300, delta=1.5),
     ),
     t_grid=(100, 150, 200),
     max_tokens=200,
