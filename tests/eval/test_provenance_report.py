@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.evaluation.provenance import ATTACKS, _rate, goals, write_report
+from benchmarks.evaluation.metrics import rate_cell as _rate
+from benchmarks.evaluation.provenance import ATTACKS, goals, write_report
 
 
 def _cell(named: int, wrong: int, trials: int, top5: int, strong: tuple[int, int], not_found: int) -> dict:
