@@ -202,6 +202,12 @@ def measure(config: QualityConfig, prompts: Sequence[Prompt], store: GenerationS
     for temperature in config.temperatures:
         baseline = with_temperature(config.specs[0], temperature)
         plain_nll = [statistics.fmean(content_nll(store.get(baseline.name, i, 0), eos)) for i in range(len(prompts))]
+        default = with_temperature(config.specs[1], temperature) if len(config.specs) > 1 else None
+        default_nll = (
+            [statistics.fmean(content_nll(store.get(default.name, i, 0), eos)) for i in range(len(prompts))]
+            if default is not None
+            else None
+        )
         for base in config.specs:
             spec = with_temperature(base, temperature)
             first = [store.get(spec.name, i, 0) for i in range(len(prompts))]
@@ -231,6 +237,12 @@ def measure(config: QualityConfig, prompts: Sequence[Prompt], store: GenerationS
                     "ppl_median": round(statistics.median(math.exp(v) for v in nll), 3),
                     "ppl_geomean": round(math.exp(statistics.fmean(nll)), 3),
                     "ppl_ratio": paired_ppl_ratio(nll, plain_nll),
+                    # against the second setting (the gateway's default), where this is another watermark
+                    "ppl_ratio_to_default": (
+                        paired_ppl_ratio(nll, default_nll)
+                        if default_nll is not None and spec.watermarked and default is not None and spec != default
+                        else None
+                    ),
                     **{f"distinct_{n}": bootstrap_mean([distinct(x, n) for x in ids]) for n in (1, 2, 3)},
                     "self_similarity": bootstrap_mean(similarity),
                     "loops": rate_cell(sum(ends_in_loop(x) for x in ids), len(ids)),
@@ -286,19 +298,23 @@ def render(results: dict[str, Any]) -> str:
         f"end at the model's end-of-turn token or at {cfg['max_tokens']} tokens. Answer j to prompt p has the same "
         "sampling seed under every setting. Perplexity is the serving model's (no other language model is "
         "available here: the only other one is the random-weight test model); its ratio is the paired ratio of "
-        "geometric means against the unwatermarked answers to the same prompts. Intervals: 95 % (bootstrap over "
+        "geometric means against the unwatermarked answers to the same prompts "
+        "(another watermark also against the default). Intervals: 95 % (bootstrap over "
         "prompts for means, Wilson for rates). h: the entropy rule's threshold in nats (positions whose "
         "min-entropy is below it are not biased).",
         "",
-        "| setting | τ | answers | PPL median | PPL ratio (95 % CI) | distinct-2 | self-similarity (4-gram Jaccard) "
-        "| ends in a loop | length (tokens) | ended early | hit the cap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | τ | answers | PPL median | PPL ratio (95 % CI) | against the default | distinct-2 "
+        "| self-similarity (4-gram Jaccard) | ends in a loop | length (tokens) | ended early | hit the cap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
-        ratio = row["ppl_ratio"]
+        ratio, against = row["ppl_ratio"], row.get("ppl_ratio_to_default")
+        to_default = (
+            "–" if against is None else f"{against['ratio']:.3f} ({against['ci95'][0]:.3f}–{against['ci95'][1]:.3f})"
+        )
         out.append(
             f"| {_label(row)} | {row['temperature']:g} | {row['answers']} | {row['ppl_median']:.2f} "
-            f"| {ratio['ratio']:.3f} ({ratio['ci95'][0]:.3f}–{ratio['ci95'][1]:.3f}) "
+            f"| {ratio['ratio']:.3f} ({ratio['ci95'][0]:.3f}–{ratio['ci95'][1]:.3f}) | {to_default} "
             f"| {_interval(row['distinct_2'])} | {_interval(row['self_similarity'])} | {_pct(row['loops'])} "
             f"| {_interval(row['length'], digits=1)} | {_pct(row['ended_early'])} | {_pct(row['hit_cap'])} |"
         )
