@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
+.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -145,6 +145,13 @@ eval-quality: venv-vllm model
 # The entropy rule's naming rates and perplexity under the forensic protocol (docs/results/FORENSIC-ENTROPY.md).
 eval-entropy: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset entropy --max-num-seqs 128
+
+# The distortion-free scheme (xmark_core.gumbel): naming (FORENSIC-GUMBEL.md), then answer quality against
+# the same unwatermarked answers as eval-quality (QUALITY-GUMBEL.md), then QUALITY.md's frontier redrawn.
+eval-gumbel: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset gumbel --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --preset gumbel --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --frontier-only
 
 # The provenance evaluation (docs/results/PROVENANCE.md): answers and the model's own rewrites on the
 # vLLM CPU engine (cached in var/eval/provenance-seed0), then /trace with the generation log as

@@ -12,7 +12,10 @@ speed does not depend on its weights. Everything is measured in this run, on thi
    [B, V]) and the fused op (one generated kernel), in place, for a grid of batch sizes and
    vocabulary widths, each beside the work every sampling step does anyway on the same logits
    (softmax and an exponential-race draw, as vLLM's sampler does), as a ratio.
-3. End to end: ``model.generate`` with sampling, with and without the XMark logits processor
+3. The entropy rule and the distortion-free scheme (``bench_rules``): the rule's fused op against
+   the default key's, and the ``gumbel`` sampling op against the sampler's own work, per step;
+   and whether the ``gumbel`` op chooses the same tokens on the GPU as on the CPU.
+4. End to end: ``model.generate`` with sampling, with and without the XMark logits processor
    (transformers adapter, eager op), in alternating rounds (ABBA); median tokens per second for
    each and their ratio.
 """
@@ -115,6 +118,79 @@ def bench_op(key: WatermarkKey, device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+RULE_PARAMS = WatermarkParams(bits=32, block_bits=2, num_keys=4, delta=2.5, min_entropy=0.69)
+GUMBEL_PARAMS = WatermarkParams(bits=32, block_bits=2, num_keys=1, scheme="gumbel")
+RULE_BATCHES = (1, 32, 128, 256)
+RULE_VOCABS = (49_152, 151_936)
+
+
+def _rule_inputs(params: WatermarkParams, batch: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(batch + vocab)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    context = torch.randint(0, vocab, (batch, 2), generator=gen)
+    blocks = torch.randint(0, params.num_shards, (batch, params.num_blocks), generator=gen)
+    active = torch.ones(batch, dtype=torch.bool)
+    temperature = torch.full((batch,), 0.7)
+    return tuple(t.to(device) for t in (logits, context, blocks, active, temperature))
+
+
+def _sample_step(
+    marker: TorchWatermarker, logits: torch.Tensor, operands: tuple[torch.Tensor, ...], temperature: torch.Tensor
+) -> None:
+    """One gumbel step on a copy of ``logits`` (the op leaves one finite logit per row)."""
+    marker.apply(logits.clone(), *operands, inplace=True, temperature=temperature)
+
+
+def bench_rules(device: torch.device) -> dict[str, Any]:
+    """The entropy rule (b=32 k=4 δ=2.5 h=0.69, fused) and the distortion-free scheme's sampling op
+    (gumbel b=32, eager and fused: float64 keyed draws over [B, V]; each timing less a [B, V] copy
+    it needs to run again on the same logits) per step, against the sampler's own work
+    and the default key's fused op on the same logits; and whether the gumbel op chooses on the GPU
+    exactly the tokens it chooses on the CPU."""
+    default = TorchWatermarker(WatermarkKey.from_secret(SECRET, WatermarkParams(bits=32, num_keys=4)), compile=True)
+    rule = TorchWatermarker(WatermarkKey.from_secret(SECRET, RULE_PARAMS), compile=True)
+    sampler = TorchWatermarker(WatermarkKey.from_secret(SECRET, GUMBEL_PARAMS))
+    fused_sampler = TorchWatermarker(WatermarkKey.from_secret(SECRET, GUMBEL_PARAMS), compile=True)
+    same_choice = True
+    rows = []
+    for vocab in RULE_VOCABS:
+        default.warm_up(device, vocab)
+        rule.warm_up(device, vocab)
+        logits, context, blocks, active, temperature = _rule_inputs(GUMBEL_PARAMS, 64, vocab, device)
+        gpu = sampler.apply(logits, context, blocks, active, temperature=temperature).argmax(dim=1).cpu()
+        cpu_args = [t.cpu() for t in (logits, context, blocks, active)]
+        cpu = sampler.apply(*cpu_args, temperature=temperature.cpu()).argmax(dim=1)
+        fused = fused_sampler.apply(logits, context, blocks, active, temperature=temperature).argmax(dim=1).cpu()
+        same_choice = same_choice and torch.equal(gpu, cpu) and torch.equal(fused, cpu)
+        for batch in RULE_BATCHES:
+            number = 50
+            logits, context, blocks, active, temperature = _rule_inputs(RULE_PARAMS, batch, vocab, device)
+            sample_ms = _cuda_ms(partial(_sample, logits), number)
+            default_ms = _cuda_ms(partial(default.apply, logits, context, blocks, active, inplace=True), number)
+            rule_ms = _cuda_ms(partial(rule.apply, logits, context, blocks, active, inplace=True), number)
+            logits, context, blocks, active, temperature = _rule_inputs(GUMBEL_PARAMS, batch, vocab, device)
+
+            operands = (context, blocks, active)
+            gumbel_ms = _cuda_ms(partial(_sample_step, sampler, logits, operands, temperature), number)
+            fused_gumbel_ms = _cuda_ms(partial(_sample_step, fused_sampler, logits, operands, temperature), number)
+            clone_ms = _cuda_ms(logits.clone, number)  # the copy both gumbel timings include
+            rows.append(
+                {
+                    "vocab": vocab,
+                    "batch": batch,
+                    "sample_ms": round(sample_ms, 4),
+                    "default_fused_ms": round(default_ms, 4),
+                    "rule_fused_ms": round(rule_ms, 4),
+                    "gumbel_eager_ms": round(gumbel_ms - clone_ms, 4),
+                    "gumbel_fused_ms": round(fused_gumbel_ms - clone_ms, 4),
+                    "rule_vs_default": round(rule_ms / default_ms, 3),
+                    "gumbel_fused_vs_sample": round((fused_gumbel_ms - clone_ms) / sample_ms, 3),
+                    "gumbel_fused_vs_default": round((fused_gumbel_ms - clone_ms) / default_ms, 3),
+                }
+            )
+    return {"gumbel_gpu_choice_equals_cpu": same_choice, "per_step": rows}
+
+
 def bench_generate(key: WatermarkKey, device: torch.device, batch: int, new_tokens: int, rounds: int) -> dict[str, Any]:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -185,8 +261,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     identity = check_identity(key, device)
     result["bit_identical_to_cpu"] = identity
     result["all_bit_identical"] = all(identity.values())
-    result["op_per_step"] = bench_op(key, device)
-    result["generate"] = [bench_generate(key, device, batch, args.new_tokens, args.rounds) for batch in args.batches]
+    if "op" in args.parts:
+        result["op_per_step"] = bench_op(key, device)
+    if "rules" in args.parts:
+        result["rules"] = bench_rules(device)
+        result["all_bit_identical"] = result["all_bit_identical"] and result["rules"]["gumbel_gpu_choice_equals_cpu"]
+    if "generate" in args.parts:
+        result["generate"] = [
+            bench_generate(key, device, batch, args.new_tokens, args.rounds) for batch in args.batches
+        ]
     return result
 
 
@@ -196,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("op", "rules", "generate"),
+        default=["op", "rules", "generate"],
+        help="what to measure besides the bit-identity check (default: everything)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark measures the GPU path", file=sys.stderr)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import gumbel
 from .decoder import DecodeResult, null_inclusion_probability
 from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
@@ -152,6 +153,8 @@ def attribute(
     trials = result.trials
     if count == 0 or trials == 0:
         return Attribution([], None, 1.0, 0.0, 0.0)
+    if params.distortion_free:
+        return _attribute_gumbel(result, candidates, top=top, alpha=alpha, min_confidence=min_confidence, tries=tries)
     upper = params.scheme == "mpac"
     q0 = null_inclusion_probability(params, result.constrained)
     hits = candidates.hits(result.matrix)  # [C]
@@ -187,6 +190,55 @@ def attribute(
     p_best = float(p_values[0])
     confidence = float(posterior[order[0]])
     named = p_best < alpha and margin > 0 and confidence >= min_confidence  # an exact tie names nobody
+    return Attribution(out, out[0] if named else None, p_best, confidence, margin)
+
+
+def _attribute_gumbel(
+    result: DecodeResult,
+    candidates: CandidateSet,
+    *,
+    top: int,
+    alpha: float,
+    min_confidence: float,
+    tries: int,
+) -> Attribution:
+    """:func:`attribute` for the ``gumbel`` scheme: a candidate's score S_m = sum_i M[i, m_i] is
+    Gamma(n, 1) on unwatermarked text (n scored tokens), its p-value the exact Gamma tail (Bonferroni
+    over candidates and tries); the reported score is the LLR of an Exp(rate) model of the message
+    cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best)."""
+    count, tokens = len(candidates), result.scored_tokens
+    totals = candidates.hits(result.matrix)  # float64 [C]
+    k = min(top, count)
+    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
+    order = order[np.argsort(-totals[order], kind="stable")]
+    best = float(totals[order[0]])
+    weight = 1.0 - tokens / best if best > tokens else 0.0  # 1 - fitted rate
+    base = tokens * np.log(1.0 - weight) if weight > 0 else 0.0
+    scores_all = base + weight * totals  # LLR of every candidate, nats
+    shifted = scores_all - scores_all.max()
+    posterior = np.exp(shifted) / np.exp(shifted).sum()
+    log_tail = gumbel.gamma_log_sf(totals[order], tokens)
+    p_values = np.minimum(1.0, count * tries * np.exp(log_tail))
+    out = []
+    for rank, idx in enumerate(order):
+        cand_blocks = candidates.blocks[idx].astype(np.int64)
+        hamming = _hamming_blocks(cand_blocks, result.blocks, result.params)
+        out.append(
+            CandidateScore(
+                candidates.ids[idx],
+                candidates.bits_of(int(idx)),
+                float(scores_all[idx]),
+                float(p_values[rank]),
+                hamming,
+            )
+        )
+    if count > 1:
+        runner_up = float(scores_all[order[1]]) if k > 1 else float(np.partition(scores_all, count - 2)[count - 2])
+        margin = float(scores_all[order[0]]) - runner_up
+    else:
+        margin = float(scores_all[order[0]])
+    p_best, confidence = float(p_values[0]), float(posterior[order[0]])
+    named = p_best < alpha and margin > 0 and confidence >= min_confidence
     return Attribution(out, out[0] if named else None, p_best, confidence, margin)
 
 

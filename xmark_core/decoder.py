@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import gumbel
 from .errors import DecodeInputError
 from .hashing import block_index, shard
 from .keys import WatermarkKey
@@ -30,7 +31,8 @@ TokenIds = Sequence[int] | np.ndarray
 class DecodeResult:
     """What the decoder read from one or more texts.
 
-    matrix: int64 [r, D] the (c)TMM; row_counts: int64 [r] scored tokens per block;
+    matrix: int64 [r, D] the (c)TMM (scheme ``gumbel``: float64 score sums, see ``xmark_core.gumbel``);
+    row_counts: int64 [r] scored tokens per block;
     blocks: int64 [r] decoded block values (-1 = erased); erased: bool [r];
     margin: int64 [r] gap between the decisive count and the runner-up in that row;
     confidence: float64 [r] posterior probability of the decoded value of each block;
@@ -150,6 +152,8 @@ def decode(
     else:
         p2, p1, tok = prev2[keep], prev1[keep], token[keep]
     rows = block_index(p2, p1, r)  # [n]
+    if params.distortion_free:
+        return _decode_gumbel(texts, key, rows, p2, p1, tok, keep, prev2.size, per_token, min_observations)
     shard_ids = shard(key.words, p2, p1, tok, params.block_bits)  # [n, k]
     cells = rows[:, None] * shards_n + shard_ids  # [n, k] flat cell index
     if constrained and k > 1:
@@ -183,6 +187,69 @@ def decode(
         token_blocks=token_blocks,
         token_shards=token_shards,
     )
+
+
+def _decode_gumbel(
+    texts: list[np.ndarray],
+    key: WatermarkKey,
+    rows: np.ndarray,
+    p2: np.ndarray,
+    p1: np.ndarray,
+    tok: np.ndarray,
+    keep: np.ndarray,
+    positions: int,
+    per_token: bool,
+    min_observations: int,
+) -> DecodeResult:
+    """The ``gumbel`` scheme's matrix: cell [i, v] sums -log(1 - u) of block i's tokens under value v
+    (float64; see ``xmark_core.gumbel``). ``token_shards`` holds each token's best value."""
+    params = key.params
+    r, values = params.num_blocks, params.num_shards
+    scores = gumbel.token_scores(key.words, p2, p1, tok, values)  # [n, D]
+    matrix = np.zeros((r, values), dtype=np.float64)
+    np.add.at(matrix, rows, scores)
+    row_counts = np.bincount(rows, minlength=r)
+    blocks, erased, margin, confidence = _read_gumbel_blocks(matrix, row_counts, min_observations)
+    token_blocks = token_shards = None
+    if per_token:
+        token_blocks = np.full(positions, -1, dtype=np.int64)
+        token_blocks[keep] = rows
+        token_shards = np.full((positions, 1), -1, dtype=np.int64)
+        token_shards[keep, 0] = scores.argmax(axis=1)
+        token_blocks, token_shards = _align(texts, token_blocks, token_shards, 1)
+    return DecodeResult(
+        params=params,
+        constrained=True,
+        matrix=matrix,
+        row_counts=row_counts,
+        blocks=blocks,
+        erased=erased,
+        margin=margin,
+        confidence=confidence,
+        scored_tokens=int(rows.size),
+        token_blocks=token_blocks,
+        token_shards=token_shards,
+    )
+
+
+def _read_gumbel_blocks(
+    matrix: np.ndarray, row_counts: np.ndarray, min_observations: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Block values (the largest score), erasures, margins (score units) and per-block posteriors
+    under an Exp(rate) model of the message cell's scores against Exp(1) elsewhere, the rate fitted
+    to the decoded cells."""
+    blocks = matrix.argmax(axis=1)
+    ordered = np.sort(matrix, axis=1)
+    top = ordered[:, -1]
+    margin = top - ordered[:, -2]
+    erased = row_counts < min_observations
+    tokens = int(row_counts[~erased].sum())
+    decisive = float(top[~erased].sum())
+    weight = 1.0 - tokens / decisive if tokens > 0 and decisive > tokens else 0.0  # 1 - fitted rate
+    confidence = 1.0 / np.exp(weight * (matrix - top[:, None])).sum(axis=1)
+    blocks[erased] = -1
+    confidence[erased] = 0.0
+    return blocks, erased, margin, confidence
 
 
 def _first_occurrences(

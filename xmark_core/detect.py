@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import gumbel
 from .decoder import DecodeResult
 from .null import ROW_SAMPLES, RowNull, _seed, row_null, sigma_tail, sum_pmf
 from .params import WatermarkParams
@@ -50,6 +51,8 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1) (got {alpha})")
     params = result.params
+    if params.distortion_free:
+        return _detect_gumbel(result, alpha)
     upper = params.scheme == "mpac"
     matrix = result.matrix
     sigma = float(matrix.std(axis=1).mean())
@@ -83,6 +86,24 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
         sigma_p_value=sigma_p,
         alpha=alpha,
     )
+
+
+def _detect_gumbel(result: DecodeResult, alpha: float) -> Detection:
+    """The ``gumbel`` scheme's test: the best message's score, sum over rows of the row's largest
+    cell, against its null (sum of maxima of independent Gamma(n_i, 1), ``gumbel.detection_log_sf``).
+    The statistic reported is that score minus the n scored tokens (its excess over one message's
+    null mean); ``sigma`` is the mean row standard deviation, as for the counting schemes, without
+    a p-value."""
+    matrix = result.matrix
+    sigma = float(matrix.std(axis=1).mean())
+    occupied = result.row_counts > 0
+    if not occupied.any():
+        return Detection(False, 1.0, 0.0, "best_message_score", sigma, None, alpha)
+    observed = float(matrix.max(axis=1)[occupied].sum())
+    log_tail = gumbel.detection_log_sf(result.row_counts, observed, result.params.num_shards)
+    p_value = min(1.0, float(np.exp(log_tail)))
+    statistic = observed - float(result.row_counts.sum())
+    return Detection(p_value < alpha, p_value, statistic, "best_message_score", sigma, None, alpha)
 
 
 def warm_null_cache(

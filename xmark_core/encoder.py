@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from . import cpu_op
+from . import cpu_op, gumbel
+from .errors import ParamsError
 from .gating import gate
 from .hashing import MASK32, context_multipliers, token_codes
 from .keys import WatermarkKey
@@ -64,6 +65,8 @@ def apply_watermark(
     inplace: bool = False,
 ) -> torch.Tensor:
     """Return logits with delta added to every active row's boosted tokens (rows with active=False untouched)."""
+    if params.distortion_free:
+        raise ParamsError("scheme 'gumbel' samples instead of biasing: use TorchWatermarker.apply(..., temperature=)")
     _check(logits, context, blocks, active, codes, params)
     mask = boost_mask(context, blocks, words, codes, params, logits.shape[1])
     mask.logical_and_(gate(logits, active, params)[:, None])
@@ -218,7 +221,11 @@ class TorchWatermarker:
         self._codes32: dict[torch.device, torch.Tensor] = {}
         self._compiled: Callable[..., None] | None = None
         self._compiled32: Callable[..., None] | None = None  # the CPU kernel, in 32-bit lanes
-        if compile:
+        self._compiled_sampler: Callable[..., None] | None = None  # scheme gumbel's op, fused
+        if compile and self.params.distortion_free:
+            sampler = partial(gumbel.sample_, num_blocks=self.params.num_blocks)
+            self._compiled_sampler = torch.compile(sampler, dynamic=True)
+        elif compile:
             self._compiled = torch.compile(partial(_fused_apply_, params=self.params), dynamic=True)
             self._compiled32 = torch.compile(partial(_fused_apply32_, params=self.params), dynamic=True)
 
@@ -234,7 +241,8 @@ class TorchWatermarker:
                 context = torch.zeros((batch, 2), dtype=torch.int64, device=device)
                 blocks = torch.zeros((batch, self.params.num_blocks), dtype=torch.int64, device=device)
                 active = torch.ones(batch, dtype=torch.bool, device=device)
-                self.apply(logits, context, blocks, active, inplace=True)
+                temperature = torch.ones(batch, dtype=torch.float32, device=device)
+                self.apply(logits, context, blocks, active, inplace=True, temperature=temperature)
 
     def uses_cpp_op(self) -> bool:
         """Whether float32 CPU logits go through the C++ op (``xmark_core.cpu_op``; built on first use)."""
@@ -303,7 +311,7 @@ class TorchWatermarker:
         first B). The op checks every operand's type and layout itself.
         """
         native = self._native_op()
-        if native is None:
+        if native is None or self.params.distortion_free:
             return None
         device = torch.device("cpu")
         return cpu_op.bind(native, self.words(device), self.codes32(device, width), params=self.params)
@@ -334,8 +342,31 @@ class TorchWatermarker:
         active: torch.Tensor,
         *,
         inplace: bool = False,
+        temperature: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One decoding step: ``apply_watermark`` (biasing schemes) or, for scheme ``gumbel``, the
+        keyed sampling of ``xmark_core.gumbel.sample_``, which needs each row's sampling
+        ``temperature`` (float [B]; ignored by the biasing schemes, which act before it)."""
         device = logits.device
+        if self.params.distortion_free:
+            if temperature is None or temperature.shape != logits.shape[:1]:
+                raise ParamsError("scheme 'gumbel' needs each row's sampling temperature (a float [B] tensor)")
+            _check(logits, context, blocks, active, self.codes(device, logits.shape[1]), self.params)
+            out = logits if inplace else logits.clone()
+            step = (out, temperature.to(device), context, blocks, active)
+            keys = {"words": self.words(device), "codes": self.codes(device, logits.shape[1])}
+            if self._compiled_sampler is not None and device.type in ("cpu", "cuda"):
+                try:
+                    self._compiled_sampler(*step, **keys)
+                except Exception as exc:  # no toolchain: keep serving, eagerly
+                    warnings.warn(
+                        f"fused sampling kernel unavailable, using the eager op ({type(exc).__name__})", stacklevel=2
+                    )
+                    self._compiled_sampler = None
+                else:
+                    return out
+            gumbel.sample_(*step, **keys, num_blocks=self.params.num_blocks)
+            return out
         if self.params.gated and active.shape == logits.shape[:1]:
             # the entropy rule, once for every path below (the eager op's own gate then keeps these rows)
             active = gate(logits, active, self.params)

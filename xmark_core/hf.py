@@ -11,6 +11,7 @@ from transformers import LogitsProcessor
 
 from .encoder import TorchWatermarker
 from .errors import ParamsError
+from .gumbel import repeated_context
 from .keys import WatermarkKey
 from .message import Message
 
@@ -25,14 +26,28 @@ class XMarkLogitsProcessor(LogitsProcessor):
 
     ``watermarker`` is the op to use, for ``key``: pass one that lives longer than a batch (a fused
     one, compiled once at start-up) to share it; without it the eager op is built for this batch.
+
+    Scheme ``gumbel`` chooses the next token itself (``xmark_core.gumbel``): pass the generation's
+    ``temperature`` (0: greedy, left alone); only the chosen token's score stays finite, so
+    transformers' temperature and top-k/top-p warpers after it return that token. Like
+    ``xmark_core.gumbel`` it samples from the full distribution at that temperature.
     """
 
     def __init__(
-        self, key: WatermarkKey, messages: Sequence[Message | None], *, watermarker: TorchWatermarker | None = None
+        self,
+        key: WatermarkKey,
+        messages: Sequence[Message | None],
+        *,
+        watermarker: TorchWatermarker | None = None,
+        temperature: float | None = None,
     ) -> None:
         if not messages:
             raise ValueError("messages must name one message (or None) per batch row")
         params = key.params
+        if params.distortion_free and (temperature is None or not temperature >= 0.0):
+            raise ParamsError("scheme 'gumbel' samples itself: pass the generation's temperature (>= 0)")
+        self._temperature = temperature
+        self._start: int | None = None  # the first generated position, seen on the first call
         blocks = np.zeros((len(messages), params.num_blocks), dtype=np.int64)
         for row, message in enumerate(messages):
             if message is None:
@@ -61,6 +76,13 @@ class XMarkLogitsProcessor(LogitsProcessor):
         context = input_ids[:, -2:]  # [B, 2]: (x[t-2], x[t-1])
         if context.shape[1] < 2:
             context = torch.nn.functional.pad(context, (2 - context.shape[1], 0))
-        marked = self._watermarker.apply(scores, context.to(torch.int64), blocks, active)
+        temperature = None
+        if self._temperature is not None:
+            if self._start is None:
+                self._start = input_ids.shape[1]
+            # distortion-free sampling: a context already used in this answer is sampled normally
+            active = active & ~repeated_context(input_ids, self._start)
+            temperature = torch.full((batch,), self._temperature, dtype=torch.float32, device=scores.device)
+        marked = self._watermarker.apply(scores, context.to(torch.int64), blocks, active, temperature=temperature)
         # apply returns a tensor of the scores' dtype, which transformers' signature calls FloatTensor
         return cast(torch.FloatTensor, marked)

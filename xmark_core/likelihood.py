@@ -217,6 +217,8 @@ def score_text(
     ``edit_rate``: the share of tokens assumed put in by an edit rather than generated (see the
     module's docstring); 0 reads every token as the model's.
     """
+    if key.params.distortion_free:
+        raise ParamsError("the likelihood decoder reads biasing schemes only; scheme 'gumbel' is read by decode()")
     if not (temperature > 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
     if not 0.0 <= edit_rate < 1.0:

@@ -7,8 +7,10 @@ from typing import Any, Literal
 
 from .errors import ParamsError
 
-Scheme = Literal["xmark", "mpac", "loso"]
-SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso")
+Scheme = Literal["xmark", "mpac", "loso", "gumbel"]
+SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso", "gumbel")
+# the schemes that bias logits (``gumbel`` samples instead: see ``xmark_core.gumbel``)
+BIASING_SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso")
 MAX_BITS = 256
 # the largest min-entropy threshold (nats): the min-entropy of a 49,152-token vocabulary is at most 10.8
 MAX_MIN_ENTROPY = 16.0
@@ -20,10 +22,12 @@ class WatermarkParams:
 
     bits (b): message length in bits, a positive multiple of ``block_bits``.
     block_bits (d): bits per message block (1..4); each key partitions the vocabulary into 2**d shards.
-    num_keys (k): number of hash keys (1..8). ``loso`` and ``mpac`` use exactly one key.
-    delta: logit bias added to the boosted tokens (> 0).
+    num_keys (k): number of hash keys (1..8). ``loso``, ``mpac`` and ``gumbel`` use exactly one key.
+    delta: logit bias added to the boosted tokens (> 0); ``gumbel`` adds none and requires the
+        default (2.0), so that one setting has one fingerprint.
     scheme: ``xmark`` (evergreen list = intersection of the k leave-one-shard-out green lists),
-        ``loso`` (XMark with k = 1) or ``mpac`` (green list = the shard numbered by the block value).
+        ``loso`` (XMark with k = 1), ``mpac`` (green list = the shard numbered by the block value) or
+        ``gumbel`` (distortion-free: keyed Gumbel-max sampling, see ``xmark_core.gumbel``).
     min_entropy: the entropy rule (nats). A position is biased only where the model's min-entropy
         there, -log of its top token's probability at temperature 1 before the bias, is at least
         this; 0 (the default) biases every position. The rule depends on the model's distribution
@@ -60,8 +64,15 @@ class WatermarkParams:
         object.__setattr__(self, "min_entropy", float(self.min_entropy))
         if self.scheme not in SCHEMES:
             raise ParamsError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
-        if self.scheme in ("loso", "mpac") and self.num_keys != 1:
+        if self.scheme in ("loso", "mpac", "gumbel") and self.num_keys != 1:
             raise ParamsError(f"num_keys must be 1 for scheme {self.scheme!r} (got {self.num_keys})")
+        if self.scheme == "gumbel":
+            if self.delta != 2.0:
+                raise ParamsError(f"scheme 'gumbel' adds no bias: delta must be left at 2.0 (got {self.delta})")
+            if self.gated:
+                raise ParamsError(
+                    "scheme 'gumbel' changes no distribution: the entropy rule (min_entropy) does not apply"
+                )
 
     @property
     def num_blocks(self) -> int:
@@ -72,6 +83,11 @@ class WatermarkParams:
     def num_shards(self) -> int:
         """D = 2**d, the number of shards each key partitions the vocabulary into."""
         return 1 << self.block_bits
+
+    @property
+    def distortion_free(self) -> bool:
+        """Whether the scheme samples (``gumbel``) instead of biasing logits."""
+        return self.scheme == "gumbel"
 
     @property
     def gated(self) -> bool:

@@ -77,12 +77,15 @@ class Setting:
     headline: bool = False
     delta: float = 2.0
     min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy)
+    scheme: str = "xmark"
 
     @property
     def spec(self) -> GenSpec:
         if self.bits == 0:
             return GenSpec(UNWATERMARKED, temperature=self.temperature)
-        return GenSpec("xmark", self.bits, self.num_keys, self.delta, self.temperature, min_entropy=self.min_entropy)
+        return GenSpec(
+            self.scheme, self.bits, self.num_keys, self.delta, self.temperature, min_entropy=self.min_entropy
+        )
 
     @property
     def name(self) -> str:
@@ -167,6 +170,22 @@ ENTROPY = ForensicConfig(
     scaling_sizes={},
 )
 
+# The distortion-free scheme (scheme ``gumbel``, xmark_core.gumbel: keyed Gumbel-max sampling, b = 32,
+# d = 2), read by its own decoder (counting: exact Gamma p-values; the likelihood decoder reads biasing
+# schemes only). Answers of 200 tokens, the same authors, prompts and registry as the other presets.
+GUMBEL = ForensicConfig(
+    settings=(
+        Setting(32, 1, 0.7, 300, headline=True, scheme="gumbel"),
+        Setting(32, 1, 1.0, 300, headline=True, scheme="gumbel"),
+        Setting(0, 0, 0.7, 100),
+        Setting(0, 0, 1.0, 100),
+    ),
+    t_grid=(100, 150, 200),
+    max_tokens=200,
+    null_keys={0.7: 29, 1.0: 29},
+    scaling_sizes={},
+)
+
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -177,7 +196,17 @@ SMALL = ForensicConfig(
 )
 
 
-PRESETS = {"forensic": FORENSIC, "strength": STRENGTH, "entropy": ENTROPY, "small": SMALL}
+PRESETS = {"forensic": FORENSIC, "strength": STRENGTH, "entropy": ENTROPY, "gumbel": GUMBEL, "small": SMALL}
+
+
+def decoders_of(params: WatermarkParams) -> tuple[str, ...]:
+    """The decoders that read a setting: the distortion-free scheme has its own (counting) only."""
+    return ("counting",) if params.distortion_free else DECODERS
+
+
+def default_decoder(params: WatermarkParams) -> str:
+    """What /trace runs by default on a setting's texts: ``auto``, or the only decoder there is."""
+    return "counting" if params.distortion_free else "auto"
 
 
 def _log(message: str) -> None:
@@ -451,7 +480,12 @@ class Evaluation:
                     named = wrong = 0
                     for author in range(setting.authors):
                         outcome = trace(
-                            "auto", self.prefix(setting, author, t), self.tokenizer, versions, snapshot, cfg
+                            default_decoder(params),
+                            self.prefix(setting, author, t),
+                            self.tokenizer,
+                            versions,
+                            snapshot,
+                            cfg,
                         )
                         named += outcome.attributed_user_id == authors[author]
                         wrong += outcome.named and outcome.attributed_user_id != authors[author]
@@ -461,10 +495,11 @@ class Evaluation:
                         "num_keys": setting.num_keys,
                         "delta": setting.delta,
                         "min_entropy": setting.min_entropy,
+                        "scheme": setting.scheme,
                         "temperature": setting.temperature,
                         "registry": size,
                         "T": t,
-                        "decoder": "auto",
+                        "decoder": default_decoder(params),
                         "named": rate_cell(named, setting.authors),
                         "wrong": rate_cell(wrong, setting.authors),
                     }
@@ -475,7 +510,9 @@ class Evaluation:
                             text = self.prefix(base, author, t)
                             for key in keys:
                                 pairs += 1
-                                false += trace("auto", text, self.tokenizer, self.versions(key), snapshot, cfg).named
+                                versions_of = self.versions(key)
+                                decoder = default_decoder(params)
+                                false += trace(decoder, text, self.tokenizer, versions_of, snapshot, cfg).named
                         row["null_named"] = rate_cell(false, pairs)
                     rows.append(row)
             _log(f"scaling: {setting.name} done")
@@ -503,7 +540,7 @@ class Evaluation:
         for setting, params, versions, authors in self.watermarked():
             snapshot = self.snapshot(params)
             for t in cfg.t_grid:
-                for decoder in DECODERS:
+                for decoder in decoders_of(params):
                     named = wrong = top1 = by_likelihood = 0
                     lengths, confidences, seconds = [], [], []
                     for author in range(setting.authors):
@@ -528,6 +565,7 @@ class Evaluation:
                             "num_keys": setting.num_keys,
                             "delta": setting.delta,
                             "min_entropy": setting.min_entropy,
+                            "scheme": setting.scheme,
                             "temperature": setting.temperature,
                             "T": t,
                             "decoder": decoder,
@@ -564,7 +602,7 @@ class Evaluation:
             keys = [evaluation_key(params, cfg.seed), *others]
             snapshot = self.snapshot(params)
             for t in cfg.t_grid:
-                decoders = DECODERS if t == 150 else ("auto",)
+                decoders = decoders_of(params) if t == 150 else (default_decoder(params),)
                 used = keys if t == 150 else keys[: cfg.other_t_keys]
                 counts = dict.fromkeys(decoders, 0)
                 pairs = 0
@@ -582,6 +620,7 @@ class Evaluation:
                             "bits": params.bits,
                             "num_keys": params.num_keys,
                             "delta": params.delta,
+                            "scheme": params.scheme,
                             "T": t,
                             "decoder": decoder,
                             "pairs": pairs,
@@ -603,7 +642,7 @@ class Evaluation:
                 if name not in self.scorer.cache:
                     continue
                 level = cfg.copy_paste_level if attack == "copy_paste" else cfg.attack_level
-                for decoder in DECODERS:
+                for decoder in decoders_of(params):
                     named = wrong = 0
                     for author in range(count):
                         text = self.scorer.cache[f"{setting.name}/{author}/{attack}"]
@@ -617,6 +656,7 @@ class Evaluation:
                             "num_keys": setting.num_keys,
                             "delta": setting.delta,
                             "min_entropy": setting.min_entropy,
+                            "scheme": setting.scheme,
                             "temperature": setting.temperature,
                             "T": t,
                             "attack": attack,
@@ -647,6 +687,7 @@ class Evaluation:
                     "num_keys": setting.num_keys or None,
                     "delta": setting.delta if setting.bits else None,
                     "min_entropy": setting.min_entropy if setting.bits else None,
+                    "scheme": setting.scheme if setting.bits else None,
                     "temperature": setting.temperature,
                     "texts": len(values),
                     "ppl_mean": round(statistics.fmean(values), 3),
@@ -706,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=tuple(PRESETS),
         default="forensic",
         help="forensic: the gateway's settings (FORENSIC.md); strength: stronger watermarks at temperature 0.7 "
-        "(FORENSIC-STRENGTH.md); entropy: the entropy rule (FORENSIC-ENTROPY.md); small: a few authors "
+        "(FORENSIC-STRENGTH.md); entropy: the entropy rule (FORENSIC-ENTROPY.md); gumbel: the distortion-free "
+        "scheme (FORENSIC-GUMBEL.md); small: a few authors "
         "(a check of the pipeline, not a result)",
     )
     parser.add_argument("--small", action="store_true", help="the same as --preset small")
@@ -776,8 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         "null": evaluation.null(),
         "scaling": evaluation.scaling(),
     }
-    if not args.report_only:
-        headline = next(s for s in config.settings if s.headline)
+    headline = next(s for s in config.settings if s.headline)
+    if not args.report_only and not headline.spec.params().distortion_free:  # the likelihood decoder's cost
         results["trace_cost"] = trace_cost(evaluation, headline)
     results["timing"] = {
         "generation_s": None if generation_s is None else round(generation_s, 1),

@@ -95,7 +95,11 @@ SMALL = QualityConfig(
     repeat_prompts=3,
     prompts=6,
 )
-PRESETS = {"quality": QUALITY, "small": SMALL}
+# The distortion-free scheme (xmark_core.gumbel) against the same unwatermarked answers (same prompts,
+# same seeds as QUALITY: its unwatermarked rows are QUALITY's). Each prompt's answers carry one user's
+# message, so the repeats are that user asking the same prompt again.
+GUMBEL = QualityConfig(specs=(GenSpec("none"), GenSpec("gumbel", 32, 1, 2.0)))
+PRESETS = {"quality": QUALITY, "gumbel": GUMBEL, "small": SMALL}
 
 
 def _log(message: str) -> None:
@@ -232,6 +236,7 @@ def measure(config: QualityConfig, prompts: Sequence[Prompt], store: GenerationS
                     "num_keys": spec.num_keys if spec.watermarked else None,
                     "delta": spec.delta if spec.watermarked else None,
                     "min_entropy": spec.min_entropy if spec.watermarked else None,
+                    "scheme": spec.scheme if spec.watermarked else None,
                     "temperature": temperature,
                     "answers": len(answers),
                     "ppl_median": round(statistics.median(math.exp(v) for v in nll), 3),
@@ -283,6 +288,8 @@ def _pct(cell: dict[str, Any]) -> str:
 def _label(row: dict[str, Any]) -> str:
     if not row["watermarked"]:
         return "unwatermarked"
+    if row.get("scheme") == "gumbel":
+        return f"gumbel b={row['bits']} (distortion-free)"
     rule = f" h={row['min_entropy']:g}" if row["min_entropy"] else ""
     return f"b={row['bits']} k={row['num_keys']} δ={row['delta']:g}{rule}"
 
@@ -338,11 +345,14 @@ def render(results: dict[str, Any]) -> str:
 
 # ---- the frontier: naming against quality ---------------------------------------------------
 
-FORENSIC_FILES = ("forensic.json", "forensic-strength.json", "forensic-entropy.json")
+FORENSIC_FILES = ("forensic.json", "forensic-strength.json", "forensic-entropy.json", "forensic-gumbel.json")
+# the quality runs whose paired perplexity ratios the frontier uses (besides the run being written)
+QUALITY_FILES = ("quality.json", "quality-gumbel.json")
 
 
 def _setting_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (
+        row.get("scheme") or "xmark",
         row.get("bits"),
         row.get("num_keys"),
         float(row.get("delta") or 2.0),
@@ -356,7 +366,13 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
     ``t`` tokens among their registry (``auto``, as /trace), wrong names, and the perplexity ratio:
     this run's paired ratio where the setting was in it, else the forensic run's (ratio of mean
     perplexities of its answers against its unwatermarked answers at the same temperature)."""
-    measured = {_setting_key(r): r for r in rows if r["watermarked"]}
+    measured: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for name in QUALITY_FILES:
+        path = results_dir / name
+        if path.is_file():
+            measured.update({_setting_key(r): r for r in json.loads(path.read_text(encoding="utf-8"))["rows"]})
+    measured.update({_setting_key(r): r for r in rows})
+    measured = {k: r for k, r in measured.items() if r["watermarked"]}
     out = []
     for name in FORENSIC_FILES:
         path = results_dir / name
@@ -366,7 +382,9 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
         plain = {float(q["temperature"]): q["ppl_mean"] for q in forensic["quality"] if not q.get("bits")}
         cost = {_setting_key(q): q["ppl_mean"] for q in forensic["quality"] if q.get("bits")}
         for row in forensic["attribution"]:
-            if row["T"] != t or row["decoder"] != "auto" or row["bits"] != 32:
+            # /trace's default: auto, or counting for the distortion-free scheme (its only decoder)
+            default = "counting" if row.get("scheme") == "gumbel" else "auto"
+            if row["T"] != t or row["decoder"] != default or row["bits"] != 32:
                 continue
             key = _setting_key(row)
             here = measured.get(key)
@@ -378,11 +396,12 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
                 continue
             out.append(
                 {
-                    "bits": key[0],
-                    "num_keys": key[1],
-                    "delta": key[2],
-                    "min_entropy": key[3],
-                    "temperature": key[4],
+                    "scheme": key[0],
+                    "bits": key[1],
+                    "num_keys": key[2],
+                    "delta": key[3],
+                    "min_entropy": key[4],
+                    "temperature": key[5],
                     "T": t,
                     "named": row["named"],
                     "wrong": row["wrong"],
@@ -433,6 +452,8 @@ def plot_frontier(points: list[dict[str, Any]], path: Path) -> bool:
 
 
 def _frontier_label(p: dict[str, Any]) -> str:
+    if p.get("scheme") == "gumbel":
+        return "gumbel (distortion-free)"
     rule = f" h={p['min_entropy']:g}" if p["min_entropy"] else ""
     return f"k={p['num_keys']} δ={p['delta']:g}{rule}"
 
@@ -443,11 +464,12 @@ def render_frontier(points: list[dict[str, Any]]) -> list[str]:
         "## Naming against quality",
         "",
         f"Authors named at T = {points[0]['T'] if points else 150} tokens among 10,000 registered users (`auto`, the "
-        "forensic protocol: one answer per author, EOS suppressed) against the perplexity ratio. The ratio is this "
-        "evaluation's paired one where the setting is in the table above, else the forensic run's (its answers' mean "
-        "perplexity over its unwatermarked answers' at the same temperature; 300-token answers in FORENSIC.md and "
-        "FORENSIC-STRENGTH.md, 200-token answers in FORENSIC-ENTROPY.md). b = 32 throughout. Plot: "
-        "[quality_frontier.png](quality_frontier.png).",
+        "forensic protocol: one answer per author, EOS suppressed; the distortion-free scheme by its own decoder, "
+        "counting) against the perplexity ratio. The ratio is the paired one of a quality run (QUALITY.md, "
+        "QUALITY-GUMBEL.md: same prompts, same seeds) where one measured the setting, else the forensic run's (its "
+        "answers' mean perplexity over its unwatermarked answers' at the same temperature; 300-token answers in "
+        "FORENSIC.md and FORENSIC-STRENGTH.md, 200-token answers in FORENSIC-ENTROPY.md and FORENSIC-GUMBEL.md). "
+        "b = 32 throughout. Plot: [quality_frontier.png](quality_frontier.png).",
         "",
         "| setting | τ | named at T (95 % CI) | wrong | PPL ratio | ratio from | naming from |",
         "|---|---|---|---|---|---|---|",
@@ -494,9 +516,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=tuple(PRESETS), default="quality")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--frontier-only",
+        action="store_true",
+        help="no answers: redraw the frontier (table and plot) of the written report from the forensic and "
+        "quality results beside it",
+    )
     args = parser.parse_args(argv)
     config = PRESETS[args.preset]
     suffix = "" if args.preset == "quality" else f"-{args.preset}"
+    out = args.output_dir
+    if args.frontier_only:
+        written = json.loads((out / f"quality{suffix}.json").read_text(encoding="utf-8"))
+        write_report(written, out, suffix)
+        return 0
     cache_dir = args.cache_dir or Path("var/eval") / f"quality{suffix}-seed{config.seed}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -521,14 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         "rows": measure(config, prompts, store, eos),
         "timing": {"generation_s": None if generation_s is None else round(generation_s, 1), "answers": len(pending)},
     }
-    out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    write_report(results, out, suffix)
+    return 0
+
+
+def write_report(results: dict[str, Any], out: Path, suffix: str) -> None:
+    """The frontier (from the forensic and quality results in ``out``), its plot, the JSON and the report."""
     results["frontier"] = frontier(results["rows"], out)
-    plot_frontier(results["frontier"], out / f"quality{suffix}_frontier.png")
+    plot_frontier(results["frontier"], out / "quality_frontier.png")  # one frontier, whichever run draws it
     (out / f"quality{suffix}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     (out / f"QUALITY{suffix.upper()}.md").write_text(render(results), encoding="utf-8")
     _log(f"wrote {out / f'QUALITY{suffix.upper()}.md'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -426,6 +426,8 @@ def _key_label(row: Row) -> str:
     delta = row.get("delta") or 2.0  # the gateway's δ (rows written before δ was recorded)
     strength = "" if delta == 2.0 else f" δ={delta:g}"
     rule = f" h={row['min_entropy']:g}" if row.get("min_entropy") else ""  # the entropy rule, where on
+    if row.get("scheme") == "gumbel":  # distortion-free: no bias, one key
+        return f"gumbel b={row['bits']}"
     return f"b={row['bits']} k={row['num_keys']}{strength}{rule}"
 
 

@@ -88,7 +88,9 @@ def _setting(args: dict[str, Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
 
 
 class EvalLogitsProcessor(LogitsProcessor):
-    """Per-row XMark / LoSo / MPAC watermark with the evaluation's keys, plus special-token suppression."""
+    """Per-row XMark / LoSo / MPAC / Gumbel watermark with the evaluation's keys, plus special-token
+    suppression. The biasing schemes add their bias to the raw logits; ``gumbel`` chooses each row's
+    token after suppression, at the row's own temperature (``SamplingParams.temperature``)."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -109,6 +111,9 @@ class EvalLogitsProcessor(LogitsProcessor):
         # each row's never-sampled token ids (its request's "suppress"), None: nothing suppressed
         self._suppress: list[torch.Tensor | None] = [None] * rows
         self._suppress_lists: dict[tuple[int, ...], torch.Tensor] = {}
+        # scheme gumbel: each row's sampling temperature and the contexts its answer has used
+        self._temperature: list[float | None] = [None] * rows
+        self._seen: list[set[tuple[int, int]] | None] = [None] * rows
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -120,7 +125,7 @@ class EvalLogitsProcessor(LogitsProcessor):
                 column.extend([None] * grow)
 
     def _columns(self) -> tuple[list[Any], ...]:
-        return self._setting, self._blocks, self._prompt, self._output, self._suppress
+        return self._setting, self._blocks, self._prompt, self._output, self._suppress, self._temperature, self._seen
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
@@ -139,10 +144,12 @@ class EvalLogitsProcessor(LogitsProcessor):
             else:
                 setting, blocks = found
                 if setting not in self._markers:
-                    params, seed = setting
-                    self._markers[setting] = TorchWatermarker(evaluation_key(params, seed))
+                    setting_params, seed = setting
+                    self._markers[setting] = TorchWatermarker(evaluation_key(setting_params, seed))
                 self._setting[index], self._blocks[index] = setting, blocks
             self._prompt[index], self._output[index] = prompt, output
+            self._temperature[index] = float(params.temperature)
+            self._seen[index] = set()
         for a, b, direction in batch_update.moved:
             self._ensure(max(a, b))
             for column in self._columns():
@@ -159,6 +166,15 @@ class EvalLogitsProcessor(LogitsProcessor):
             setting = self._setting[row]
             if setting is not None:
                 groups.setdefault(setting, []).append(row)
+        # the biasing schemes act on the raw logits (as before suppression was moved); the sampling
+        # scheme chooses among the tokens left after suppression
+        biasing = {s: rows for s, rows in groups.items() if not self._markers[s].params.distortion_free}
+        self._watermark(logits, biasing)
+        self._suppress_rows(logits, batch)
+        self._watermark(logits, {s: rows for s, rows in groups.items() if s not in biasing})
+        return logits
+
+    def _watermark(self, logits: torch.Tensor, groups: dict[tuple[Any, ...], list[int]]) -> None:
         for setting, rows in groups.items():
             marker = self._markers[setting]
             live = []
@@ -174,14 +190,28 @@ class EvalLogitsProcessor(LogitsProcessor):
             index = torch.tensor(live, dtype=torch.int64, device=logits.device)
             sub = logits.index_select(0, index)
             blocks = np.stack([self._blocks[row] for row in live])  # type: ignore[misc]
+            active = torch.ones(len(live), dtype=torch.bool)
+            temperature = None
+            if marker.params.distortion_free:
+                # a context the answer already used is sampled normally (xmark_core.gumbel)
+                for slot, row in enumerate(live):
+                    seen = self._seen[row]
+                    assert seen is not None
+                    pair = (int(context[slot, 0]), int(context[slot, 1]))
+                    active[slot] = pair not in seen
+                    seen.add(pair)
+                temperature = torch.tensor([self._temperature[row] for row in live], dtype=torch.float32)
             marker.apply(
                 sub,
                 torch.from_numpy(context[: len(live)]).to(logits.device),
                 torch.from_numpy(blocks).to(logits.device),
-                torch.ones(len(live), dtype=torch.bool, device=logits.device),
+                active.to(logits.device),
                 inplace=True,
+                temperature=None if temperature is None else temperature.to(logits.device),
             )
             logits.index_copy_(0, index, sub)
+
+    def _suppress_rows(self, logits: torch.Tensor, batch: int) -> None:
         suppressed: dict[int, list[int]] = {}  # rows by the id of their suppress list
         for row in range(batch):
             ids = self._suppress[row]
@@ -195,7 +225,6 @@ class EvalLogitsProcessor(LogitsProcessor):
             else:
                 index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
                 logits[index.unsqueeze(1), ids.unsqueeze(0)] = float("-inf")
-        return logits
 
     def _suppress_list(self, ids: Sequence[int]) -> torch.Tensor | None:
         """One tensor per distinct list (rows asking for the same list share it)."""

@@ -195,7 +195,9 @@ def token_evidence(
     values = np.asarray(blocks, dtype=np.int64)
     scored = result.token_blocks >= 0
     expected = values[np.where(scored, result.token_blocks, 0)][:, None]  # [n, 1]
-    if result.params.scheme == "mpac":
+    if result.params.distortion_free:  # gumbel: the token's best value (see decoder) is the candidate's
+        boosted = result.token_shards[:, 0] == expected[:, 0]
+    elif result.params.scheme == "mpac":
         boosted = (result.token_shards[:, :1] == expected).all(axis=1)
     else:
         boosted = (result.token_shards != expected).all(axis=1)

@@ -68,6 +68,7 @@ def generate(
     top_ids = torch.empty((batch, steps, max(top_k, 1)), dtype=torch.int64)
     top_lp = torch.empty((batch, steps, max(top_k, 1)), dtype=torch.float64)
     own_lp = torch.empty((batch, steps), dtype=torch.float64)
+    temperatures = torch.full((batch,), temperature)  # what scheme gumbel samples at (the others ignore it)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: one thread is faster, and far faster on a busy machine
     try:
@@ -75,7 +76,7 @@ def generate(
             logits = torch.randn(batch, vocab, generator=gen) * scale  # [B, V]
             logp = torch.log_softmax(logits, dim=-1)
             entropy[:, t] = -(logp.exp() * logp).sum(-1)
-            marked = watermarker.apply(logits, out[:, t : t + 2], blocks, active)
+            marked = watermarker.apply(logits, out[:, t : t + 2], blocks, active, temperature=temperatures)
             nxt = torch.multinomial(torch.softmax(marked / temperature, dim=-1), 1, generator=gen)  # [B, 1]
             out[:, t + 2] = nxt[:, 0]
             if top_k > 0:

@@ -9,10 +9,13 @@ import pytest
 
 from benchmarks.evaluation.forensic import (
     FORENSIC,
+    GUMBEL,
     STRENGTH,
     ForensicConfig,
     Population,
     Setting,
+    decoders_of,
+    default_decoder,
     jobs,
     prompt_of,
 )
@@ -71,7 +74,7 @@ def test_jobs_give_each_author_one_prompt_shared_with_the_null_text() -> None:
     assert len({row.prompt for row in marked}) == 12  # 124 prompts: no repeats among 12 authors
 
 
-@pytest.mark.parametrize("config", [FORENSIC, STRENGTH], ids=["forensic", "strength"])
+@pytest.mark.parametrize("config", [FORENSIC, STRENGTH, GUMBEL], ids=["forensic", "strength", "gumbel"])
 def test_the_committed_protocol_has_the_counts_its_claims_need(config: ForensicConfig) -> None:
     headline = [s for s in config.settings if s.headline]
     assert headline and all(s.authors >= 300 for s in headline)  # 300/300 -> 95 % lower bound > 98.7 %
@@ -184,3 +187,16 @@ def test_report_names_a_stronger_bias_in_every_table() -> None:
     assert "--preset strength" in text and "identity test" not in text
     results["config"] = replace(SMALL, trace_identity_level=0.01).to_dict()
     assert "identity test against every other registered ID is at most 0.01" in render_forensic(results)
+
+
+def test_the_gumbel_preset_samples_with_the_distortion_free_scheme_and_reads_it_by_counting() -> None:
+    gumbel, forensic = (replace(config, registry_size=400) for config in (GUMBEL, FORENSIC))
+    rows = jobs(gumbel, Population(gumbel), load_prompts())
+    schemes = {row.spec_name: row.key.params.scheme for row in rows if row.key is not None}
+    assert schemes == {"gumbel-b32-k1-d2-t0.7": "gumbel", "gumbel-b32-k1-d2-t1": "gumbel"}
+    params = next(row.key.params for row in rows if row.key is not None)
+    assert decoders_of(params) == ("counting",) and default_decoder(params) == "counting"
+    assert default_decoder(WatermarkParams(bits=32, num_keys=4)) == "auto"
+    # the same authors, prompts and messages as the gateway's settings
+    default = {(row.user, row.prompt, row.message) for row in jobs(forensic, Population(forensic), load_prompts())}
+    assert {(row.user, row.prompt, row.message) for row in rows} <= default

@@ -7,7 +7,9 @@ import math
 import pytest
 
 from benchmarks.evaluation.quality import (
+    GUMBEL,
     QUALITY,
+    frontier,
     answer_seed,
     distinct,
     ends_in_loop,
@@ -73,3 +75,67 @@ def test_every_setting_answers_the_same_prompts_with_the_same_seeds() -> None:
         else:
             assert job.key is not None and job.message is not None
             assert job.key.params.bits == 32 and job.message.params == job.key.params
+
+
+def test_the_gumbel_preset_pairs_with_the_quality_runs_unwatermarked_answers() -> None:
+    prompts = quality_prompts()[:25]
+    plain = {(j.prompt_id, j.slot, j.temperature) for j in jobs(QUALITY, prompts) if j.key is None}
+    rows = jobs(GUMBEL, prompts)
+    assert {(j.prompt_id, j.slot, j.temperature) for j in rows if j.key is None} == plain
+    marked = [j for j in rows if j.key is not None]
+    assert {j.key.params.scheme for j in marked if j.key is not None} == {"gumbel"}
+    # one user per prompt: the repeats are that user asking again
+    by_prompt: dict[str, set[str]] = {}
+    for j in marked:
+        assert j.message is not None
+        by_prompt.setdefault(j.prompt_id, set()).add(j.message.bits)
+    assert all(len(messages) == 1 for messages in by_prompt.values())
+
+
+def _cell(count: int, of: int) -> dict[str, object]:
+    return {"count": count, "of": of, "rate": count / of, "ci95": [0.0, 1.0]}
+
+
+def test_the_frontier_joins_naming_and_paired_ratios_across_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    def attribution(scheme: str, k: int, decoder: str) -> dict[str, object]:
+        return {
+            "scheme": scheme,
+            "bits": 32,
+            "num_keys": k,
+            "delta": 2.0,
+            "min_entropy": 0.0,
+            "temperature": 0.7,
+            "T": 150,
+            "decoder": decoder,
+            "named": _cell(290, 300),
+            "wrong": _cell(0, 300),
+        }
+
+    plain_quality = {"temperature": 0.7, "bits": None, "ppl_mean": 4.0}
+    (tmp_path / "forensic.json").write_text(
+        json.dumps(
+            {
+                "attribution": [attribution("xmark", 4, "auto"), attribution("xmark", 4, "counting")],
+                "quality": [plain_quality, {**attribution("xmark", 4, "auto"), "ppl_mean": 6.0}],
+            }
+        )
+    )
+    (tmp_path / "forensic-gumbel.json").write_text(
+        json.dumps(
+            {
+                "attribution": [attribution("gumbel", 1, "counting")],
+                "quality": [plain_quality, {**attribution("gumbel", 1, "counting"), "ppl_mean": 4.1}],
+            }
+        )
+    )
+    paired = {"scheme": "gumbel", "bits": 32, "num_keys": 1, "delta": 2.0, "min_entropy": 0.0, "temperature": 0.7}
+    (tmp_path / "quality-gumbel.json").write_text(
+        json.dumps({"rows": [{**paired, "watermarked": True, "ppl_ratio": {"ratio": 1.01}}]})
+    )
+    points = frontier([], tmp_path)
+    assert [(p["scheme"], p["ppl_ratio"], p["ppl_source"]) for p in points] == [
+        ("gumbel", 1.01, "quality"),  # its paired ratio from the gumbel quality run, its naming by counting
+        ("xmark", 1.5, "forensic.json"),  # no quality run measured it here: the forensic run's ratio
+    ]

@@ -220,3 +220,88 @@ def test_real_engine_gives_exact_lengths_and_the_raw_model_nll() -> None:
         assert not others & set(result.token_ids)
         assert eos not in result.token_ids[:-1]
     assert ended[0].token_ids[-1] == eos  # a greeting ends well before 64 tokens
+
+
+def test_gumbel_rows_choose_after_suppression_at_their_own_temperature() -> None:
+    """Scheme gumbel: the row's token is chosen among the tokens left after suppression, at the
+    request's temperature, exactly as the op chooses it; a context the answer already used is
+    sampled normally (only suppression applies)."""
+    from xmark_core.encoder import TorchWatermarker
+
+    spec = GenSpec("gumbel", 32, 1, 2.0, temperature=0.7)
+    key = evaluation_key(spec.params(), SEED)
+    messages = user_messages(32, 2, SEED)
+    jobs = [RowJob(spec.name, row, 0, "p", "prompt", 0.7, key, messages[row]) for row in range(2)]
+    histories = [([1, 9, 3021, 44], []), ([1, 9, 77], [5012, 14, 2])]
+    processor = EvalLogitsProcessor(VllmConfig(), torch.device("cpu"), False)
+    added = [
+        (i, SamplingParams(max_tokens=8, temperature=temp, extra_args=request_args(j, SEED, SUPPRESS)), p, o)
+        for i, (j, (p, o), temp) in enumerate(zip(jobs, histories, (0.7, 1.0), strict=True))
+    ]
+    processor.update_state(BatchUpdate(batch_size=2, removed=[], added=added, moved=[]))
+    base = base_logits(2, seed=21)
+    base[:, SUPPRESS] = base.amax() + 50.0  # the suppressed tokens would win if they were not removed first
+    out = processor.apply(base.clone())
+    expected = base.clone()
+    expected[:, SUPPRESS] = float("-inf")
+    expected = TorchWatermarker(key).apply(
+        expected,
+        torch.tensor([[3021, 44], [14, 2]]),
+        torch.stack([torch.from_numpy(m.blocks) for m in messages]),
+        torch.ones(2, dtype=torch.bool),
+        temperature=torch.tensor([0.7, 1.0]),
+    )
+    assert torch.equal(out, expected)
+    assert (torch.isfinite(out).sum(dim=1) == 1).all()
+    # row 1's answer goes on to use the context (14, 2) again: that step is sampled normally
+    added[1][3].extend([9, 14, 2])
+    again = processor.apply(base.clone())
+    keep = torch.ones(VOCAB, dtype=torch.bool)
+    keep[SUPPRESS] = False
+    assert torch.equal(again[1, keep], base[1, keep])
+
+
+@pytest.mark.model
+def test_real_engine_gumbel_answers_are_fixed_by_user_and_prompt() -> None:
+    """What the distortion-free scheme costs, on a real engine: one user gets the same answer to the
+    same prompt whatever the sampling seed, and the n = 2 completions of one request are identical;
+    another user gets another answer, and the decoder reads the author's message."""
+    from benchmarks.evaluation.generation import load_model
+    from benchmarks.evaluation.vllm_engine import VllmGenerator
+    from xmark_core import CandidateSet, attribute, decode
+
+    model_path = checkpoint_path()
+    if not (model_path / "config.json").is_file():
+        pytest.fail(f"no model checkpoint at {model_path}: run `xmark fetch-model` first")
+    _, tokenizer = load_model(model_path)
+    generator = VllmGenerator(model_path, tokenizer, max_model_len=256, max_num_seqs=4)
+    spec = GenSpec("gumbel", 32, 1, 2.0, temperature=1.0)
+    key = evaluation_key(spec.params(), SEED)
+    messages = user_messages(32, 2, SEED)
+    prompt = "Write a short poem about rivers."
+    jobs = [RowJob(spec.name, user, 0, "a", prompt, 1.0, key, messages[user]) for user in (0, 1)]
+    max_new = 48
+    first = generator.generate(jobs, max_new, SEED, seed_of=lambda j: 1)
+    second = generator.generate(jobs, max_new, SEED, seed_of=lambda j: 2)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]  # the seed changes nothing
+    assert first[0].token_ids != first[1].token_ids  # another user, another answer
+    plain = RowJob("none-t1", 0, 0, "a", prompt, 1.0, None, None)
+    unmarked = generator.generate([plain], max_new, SEED, seed_of=lambda j: 1)
+    # n = 2 in one request: both completions are the user's one answer
+    params = SamplingParams(
+        n=2,
+        temperature=1.0,
+        max_tokens=max_new,
+        min_tokens=max_new,
+        ignore_eos=True,
+        detokenize=False,
+        extra_args=request_args(jobs[0], SEED, generator._suppress),
+    )
+    prompt_ids = generator._prompt_ids(prompt)
+    out = generator._llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+    assert [list(c.token_ids) for c in out.outputs] == [first[0].token_ids] * 2
+    candidates = CandidateSet([m.bits for m in messages], [0, 1], spec.params())
+    for user, result in enumerate(first):
+        read = attribute(decode(prompt_ids[-2:] + result.token_ids, key), candidates)
+        assert read.candidates[0].id == user
+    assert unmarked[0].token_ids != first[0].token_ids

@@ -1,0 +1,235 @@
+"""The distortion-free scheme ``gumbel`` (xmark_core.gumbel): sampling, decoding, exact p-values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from xmark_core import (
+    CandidateSet,
+    ModelScores,
+    ParamsError,
+    TorchWatermarker,
+    WatermarkKey,
+    WatermarkParams,
+    apply_watermark,
+    attribute,
+    decode,
+    detect,
+    gumbel,
+    score_text,
+)
+from xmark_core.hashing import context_multipliers, token_codes
+from xmark_core.hf import XMarkLogitsProcessor
+
+from .synthetic import OTHER_SECRET, SECRET, generate, random_messages
+
+PARAMS = WatermarkParams(bits=32, block_bits=2, num_keys=1, scheme="gumbel")
+
+
+@pytest.fixture(scope="module")
+def gkey() -> WatermarkKey:
+    return WatermarkKey.from_secret(SECRET, PARAMS)
+
+
+def _step(key: WatermarkKey, logits: torch.Tensor, context: torch.Tensor, blocks: torch.Tensor, **kw):
+    rows = logits.shape[0]
+    active = kw.pop("active", torch.ones(rows, dtype=torch.bool))
+    temperature = kw.pop("temperature", torch.full((rows,), 0.7))
+    return TorchWatermarker(key).apply(logits, context, blocks, active, temperature=temperature)
+
+
+# ---- parameters --------------------------------------------------------------------------------
+
+
+def test_parameters_of_the_scheme_are_checked() -> None:
+    assert PARAMS.distortion_free and not WatermarkParams().distortion_free
+    with pytest.raises(ParamsError, match="num_keys must be 1"):
+        WatermarkParams(bits=32, num_keys=4, scheme="gumbel")
+    with pytest.raises(ParamsError, match="adds no bias"):
+        WatermarkParams(bits=32, num_keys=1, delta=3.0, scheme="gumbel")
+    with pytest.raises(ParamsError, match="entropy rule"):
+        WatermarkParams(bits=32, num_keys=1, min_entropy=0.5, scheme="gumbel")
+    # its own fingerprint: the same secret under another scheme is another key version
+    assert (
+        WatermarkKey.from_secret(SECRET, PARAMS).fingerprint
+        != WatermarkKey.from_secret(SECRET, WatermarkParams(bits=32, num_keys=1, scheme="loso")).fingerprint
+    )
+
+
+def test_biasing_entry_points_refuse_the_sampling_scheme(gkey: WatermarkKey) -> None:
+    logits, context, blocks = (
+        torch.zeros(1, 64),
+        torch.zeros(1, 2, dtype=torch.int64),
+        torch.zeros(1, 16, dtype=torch.int64),
+    )
+    marker = TorchWatermarker(gkey)
+    with pytest.raises(ParamsError, match="temperature"):
+        marker.apply(logits, context, blocks, torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ParamsError, match="samples instead of biasing"):
+        apply_watermark(
+            logits,
+            context,
+            blocks,
+            torch.ones(1, dtype=torch.bool),
+            words=marker.words(logits.device),
+            codes=marker.codes(logits.device, 64),
+            params=PARAMS,
+        )
+    assert marker.cpu_step(64) is None  # the vLLM CPU worker's bound biasing op does not serve it
+    scores = ModelScores(np.zeros(3), np.zeros((3, 1), np.int64), np.zeros((3, 1)), 64)
+    with pytest.raises(ParamsError, match="likelihood decoder"):
+        score_text([1, 2, 3], scores, gkey)
+    with pytest.raises(ParamsError, match="temperature"):
+        XMarkLogitsProcessor(gkey, [None])
+
+
+# ---- the sampler ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_over_keyed_draws_the_choice_has_the_models_distribution(gkey: WatermarkKey, temperature: float) -> None:
+    """Distortion-free: over 40,000 contexts (independent keyed draws) the chosen tokens follow
+    softmax(logits / temperature) (chi-square goodness of fit)."""
+    g = torch.Generator().manual_seed(11)
+    vocab, rows = 40, 40_000
+    logits = (torch.randn(vocab, generator=g) * 2.0).repeat(rows, 1)
+    context = torch.randint(0, 49_152, (rows, 2), generator=g)
+    blocks = torch.randint(0, 4, (rows, 16), generator=g)
+    out = _step(gkey, logits.clone(), context, blocks, temperature=torch.full((rows,), temperature))
+    assert bool((torch.isfinite(out).sum(dim=1) == 1).all())  # one finite logit per row
+    counts = np.bincount(out.argmax(dim=1).numpy(), minlength=vocab)
+    expected = torch.softmax(logits[0] / temperature, dim=0).double().numpy() * rows
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(expected[big], expected[~big].sum())
+    assert stats.chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue > 1e-3
+
+
+def test_the_choice_is_fixed_by_key_context_and_value(gkey: WatermarkKey) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    context = torch.randint(0, 49_152, (6, 2), generator=g)
+    blocks = torch.randint(0, 4, (6, 16), generator=g)
+    first = _step(gkey, logits.clone(), context, blocks).argmax(dim=1)
+    assert torch.equal(first, _step(gkey, logits.clone(), context, blocks).argmax(dim=1))  # the same answer again
+    other = WatermarkKey.from_secret(OTHER_SECRET, PARAMS)
+    assert not torch.equal(first, _step(other, logits.clone(), context, blocks).argmax(dim=1))
+    index = (context[:, 0] + context[:, 1]) % 16
+    flipped = blocks.clone()
+    flipped[torch.arange(6), index] = (blocks[torch.arange(6), index] + 1) % 4  # another user's value here
+    assert not torch.equal(first, _step(gkey, logits.clone(), context, flipped).argmax(dim=1))
+
+
+def test_rows_it_must_not_touch_are_left_alone(gkey: WatermarkKey) -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=g)
+    logits[3, :299] = float("-inf")  # only token 299 may be sampled (suppressed tokens are never chosen)
+    context = torch.randint(0, 49_152, (4, 2), generator=g)
+    blocks = torch.zeros(4, 16, dtype=torch.int64)
+    out = _step(
+        gkey,
+        logits.clone(),
+        context,
+        blocks,
+        active=torch.tensor([False, True, True, True]),
+        temperature=torch.tensor([0.7, 0.0, 1.0, 1.0]),  # temperature 0: a greedy request
+    )
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[1], logits[1])
+    assert int(torch.isfinite(out[2]).sum()) == 1
+    assert int(out[3].argmax()) == 299 and float(out[3, 299]) == float(logits[3, 299])
+
+
+def test_repeated_context_marks_contexts_the_answer_already_used() -> None:
+    # prompt [5, 6], generated 7 8 5 6: the context (5, 6) wrote 7 at position 2, so it repeats now
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6], [5, 6, 7, 8, 9, 10]])
+    assert gumbel.repeated_context(ids, start=2).tolist() == [True, False]
+    assert gumbel.repeated_context(ids[:, :3], start=2).tolist() == [False, False]
+
+
+def test_decoder_scores_are_the_encoders_draws(gkey: WatermarkKey) -> None:
+    """numpy (decoder) and torch (encoder) compute the same keyed draw for every value."""
+    rng = np.random.default_rng(0)
+    p2, p1, tok = (rng.integers(0, 49_152, 200) for _ in range(3))
+    scores = gumbel.token_scores(gkey.words, p2, p1, tok, 4)  # [n, D]
+    words = torch.from_numpy(gkey.words.copy())
+    mult = context_multipliers(words, torch.from_numpy(p2), torch.from_numpy(p1))[:, :1]
+    codes = token_codes(words, torch.from_numpy(tok))[:, :1]
+    values = gumbel.value_codes(words, torch.arange(4))[None, :]
+    draws = gumbel.hashed(mult, codes, values).to(torch.float64)
+    assert np.array_equal(scores, -np.log1p(-((draws.numpy() + 0.5) / 2**32)))
+
+
+# ---- the decoder and its p-values ---------------------------------------------------------------
+
+
+def test_one_candidates_score_is_gamma_on_unwatermarked_text(gkey: WatermarkKey) -> None:
+    """S_m = sum_i M[i, m_i] over n scored tokens is Gamma(n, 1) exactly (KS over 2,000 texts)."""
+    rng = np.random.default_rng(1)
+    message = random_messages(PARAMS, 1, seed=2)[0]
+    candidates = CandidateSet([message.bits], [0], PARAMS)
+    values = []
+    for _ in range(2_000):
+        result = decode(rng.integers(0, 49_152, 60), gkey)
+        values.append(stats.gamma.cdf(float(candidates.hits(result.matrix)[0]), result.scored_tokens))
+    assert stats.kstest(values, "uniform").pvalue > 1e-3
+
+
+def test_null_p_values_are_calibrated(gkey: WatermarkKey) -> None:
+    """On 600 unwatermarked texts: each candidate's corrected p-value and the detection p-value
+    are super-uniform (at most their level, with a binomial allowance)."""
+    rng = np.random.default_rng(4)
+    messages = random_messages(PARAMS, 100, seed=5)
+    candidates = CandidateSet([m.bits for m in messages], list(range(100)), PARAMS)
+    attributed, detected = [], []
+    for _ in range(600):
+        result = decode(rng.integers(0, 49_152, int(rng.integers(20, 200))), gkey)
+        attributed.append(attribute(result, candidates).p_value)
+        detected.append(detect(result).p_value)
+    for level in (0.05, 0.2, 0.5):
+        allowance = 3 * np.sqrt(level * (1 - level) / 600)
+        assert np.mean(np.asarray(attributed) <= level) <= level + allowance
+        assert np.mean(np.asarray(detected) <= level) <= level + allowance
+    # and not vacuous: the detection p-values are spread over (0, 1], not stuck at 1
+    assert np.mean(np.asarray(detected) <= 0.5) > 0.3
+
+
+def test_watermarked_texts_name_their_authors_and_nothing_else(gkey: WatermarkKey) -> None:
+    """Synthetic LM (mean entropy ~2.9 nats), temperature 0.7, 100-token texts, 1,000 registered users."""
+    messages = random_messages(PARAMS, 1_000, seed=7)
+    candidates = CandidateSet([m.bits for m in messages], list(range(1_000)), PARAMS)
+    authors = list(range(0, 1_000, 25))  # 40 authors
+    marked = generate(gkey, [messages[a] for a in authors], 100, seed=8, temperature=0.7)
+    plain = generate(gkey, [None] * 40, 100, seed=9, temperature=0.7)
+    named = wrong = 0
+    for row, author in enumerate(authors):
+        result = decode(marked.tokens[row], gkey)
+        outcome = attribute(result, candidates)
+        assert detect(result).is_watermarked
+        named += outcome.best is not None and outcome.best.id == author
+        wrong += outcome.best is not None and outcome.best.id != author
+    assert named >= 38 and wrong == 0
+    false = sum(attribute(decode(tokens, gkey), candidates).best is not None for tokens in plain.tokens)
+    assert false == 0
+    # and under another key the authors' texts name nobody
+    other = WatermarkKey.from_secret(OTHER_SECRET, PARAMS)
+    assert sum(attribute(decode(t, other), candidates).best is not None for t in marked.tokens) == 0
+
+
+def test_the_transformers_processor_samples_with_the_scheme(gkey: WatermarkKey) -> None:
+    message = random_messages(PARAMS, 1, seed=12)[0]
+    proc = XMarkLogitsProcessor(gkey, [message, None], temperature=0.7)
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, 49_152, (2, 6), generator=g)
+    scores = torch.randn(2, 49_152, generator=g) * 3
+    out = proc(ids, scores.clone())
+    assert int(torch.isfinite(out[0]).sum()) == 1 and torch.equal(out[1], scores[1])
+    chosen = int(out[0].argmax())
+    expected = _step(gkey, scores[:1].clone(), ids[:1, -2:], torch.from_numpy(message.blocks)[None, :])
+    assert chosen == int(expected.argmax())
+    # the first call fixed the answer's start: a context the answer already used is sampled normally
+    ids = torch.cat([ids, torch.tensor([[ids[0, 4], ids[0, 5]], [1, 2]])], dim=1)
+    again = proc(ids, scores.clone())
+    assert torch.equal(again[0], scores[0])

@@ -1,0 +1,191 @@
+"""The distortion-free multi-bit scheme ``gumbel``: exponential (Gumbel-max) sampling keyed by the block value.
+
+Encoder. At the step that writes x[t], with context (x[t-2], x[t-1]), the block i = (x[t-2] + x[t-1])
+mod r carries the user's value v = m_i. Every token w of the vocabulary gets a keyed uniform number
+u(w) = U(key, x[t-2], x[t-1], w, v) in (0, 1), and the next token is
+
+    x[t] = argmax_w u(w) ** (1 / p(w))  =  argmax_w (logits(w) / tau + g(w)),  g(w) = -log(-log u(w)),
+
+p being the model's distribution at the request's temperature tau (exponential sampling; the Gumbel-max
+form on the right is what the op computes). Over the key, that choice has exactly the distribution p:
+the watermark changes no answer's distribution (distortion-free, unlike the biasing schemes), which is
+what the multi-bit form of "Three Bricks" does with a message-dependent shift of the random vector; here
+the block value enters the hash instead of shifting it. What it costs instead: given the key, the user and
+the context, the choice is fixed, so the same user asking the same prompt gets the same answer at any
+temperature, and the n > 1 completions of one request are identical (docs/results/QUALITY.md measures
+both). Within one answer, a context that already occurred is sampled normally (``active`` off, see
+:func:`repeated_context`): a fixed choice there would repeat the same continuation forever.
+
+Decoder. Every scored token (the first occurrence of each (x[t-2], x[t-1], x[t]) triple, as the cTMM
+decoder) adds s = -log(1 - U(key, x[t-2], x[t-1], x[t], v)) to cell [i, v] of an [r, D] matrix, for
+each of the D = 2**d values v. For a fixed candidate message m, S_m = sum_i M[i, m_i] is, on text not
+written with the key, a sum of n independent Exp(1) variables: Gamma(n, 1) exactly, whatever the text, so
+a candidate's p-value is the Gamma tail (no simulation, no approximation). Watermarked with m, the chosen
+token's u is pushed towards 1 wherever the model had a choice, and S_m grows by about the entropy of
+each step. Detection (is the text watermarked at all) uses the best message, sum_i max_v M[i, v], whose
+null law is the sum over rows of the maximum of D independent Gamma(n_i, 1): computed on a grid with
+every row's maximum rounded up, so the p-value is conservative by at most the grid's step.
+
+The uniforms come from the shard hash's keyed context multiplier and token code (``hashing``): their
+product modulo 2**32, XORed with a keyed code of v and finalised by ``mix32``, identical in numpy and in
+torch on any device.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .hashing import MASK32, mix32
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import torch
+
+    from .hashing import Array
+
+_GOLDEN = 0x9E3779B1  # the value code's multiplier: (v + 1) * _GOLDEN < 2**37, no overflow in int64
+_SCALE = 1.0 / (1 << 32)
+# the detection null's grid step (score units, nats); p-values are conservative by at most this much
+GRID_STEP = 0.02
+# the smallest detection p-value reported (the grid's convolutions lose smaller tails in round-off)
+DETECTION_FLOOR = 1e-12
+
+
+def value_codes(words: Array, values: Array) -> Array:
+    """Keyed codes of block values. words: int64 [1, 5]; values: int64 [...] in [0, 2**d)."""
+    return mix32((((values + 1) * _GOLDEN) & MASK32) ^ words[0, 2])
+
+
+def hashed(multipliers: Array, codes: Array, value_code: Array) -> Array:
+    """int64 in [0, 2**32): the keyed draw of (context, token, value) from broadcastable operands."""
+    return mix32(((multipliers * codes) & MASK32) ^ value_code)
+
+
+def token_scores(
+    words: npt.NDArray[np.int64],
+    prev2: npt.NDArray[np.int64],
+    prev1: npt.NDArray[np.int64],
+    token: npt.NDArray[np.int64],
+    num_values: int,
+) -> npt.NDArray[np.float64]:
+    """float64 [n, D]: s = -log(1 - u) of every token under each block value v (Exp(1) on text not
+    written with the key)."""
+    from .hashing import context_multipliers, token_codes
+
+    multipliers = context_multipliers(words, prev2, prev1)[:, :1]  # [n, 1]
+    codes = token_codes(words, token)[:, :1]  # [n, 1]
+    values = value_codes(words, np.arange(num_values, dtype=np.int64))[None, :]  # [1, D]
+    draws = hashed(multipliers, codes, values)  # [n, D]
+    u = (draws.astype(np.float64) + 0.5) * _SCALE
+    scores: npt.NDArray[np.float64] = -np.log1p(-u)
+    return scores
+
+
+def gamma_log_sf(scores: npt.NDArray[np.float64], tokens: int) -> npt.NDArray[np.float64]:
+    """log P(Gamma(tokens, 1) >= score), elementwise: a candidate's exact log tail on unwatermarked text."""
+    from scipy import stats  # type: ignore[import-untyped]
+
+    if tokens <= 0:
+        return np.zeros_like(scores, dtype=np.float64)
+    out: npt.NDArray[np.float64] = stats.gamma.logsf(scores, tokens)
+    return out
+
+
+def detection_log_sf(row_counts: npt.NDArray[np.int64], observed: float, num_values: int) -> float:
+    """log P(sum_i max_v G[i, v] >= observed) for independent G[i, v] ~ Gamma(n_i, 1), D values per
+    row (the best message's score on unwatermarked text). Each row's maximum is rounded up to the
+    grid, so the tail is over-stated (conservative) by at most one step per row."""
+    present = tuple(int(n) for n in row_counts if n > 0)
+    if not present:
+        return 0.0
+    offset, pmf = _sum_of_maxima(tuple(sorted(present)), num_values)
+    j = int(np.floor(observed / GRID_STEP)) - offset  # grid cells whose value (upper edge) is >= observed
+    if j <= 0:
+        return 0.0
+    if j >= pmf.size:
+        return float(np.log(DETECTION_FLOOR))
+    # the FFT's round-off (about 1e-16 of the mass per cell) makes smaller tails unreliable: floor them
+    return float(np.log(max(float(pmf[j:].sum()), DETECTION_FLOOR)))
+
+
+@lru_cache(maxsize=256)
+def _row_max_pmf(tokens: int, num_values: int) -> tuple[int, npt.NDArray[np.float64]]:
+    """(first cell, pmf) of ceil(max_v G_v / step) for D independent Gamma(tokens, 1)."""
+    from scipy import stats
+
+    top = stats.gamma.isf(1e-18, tokens)  # beyond it the mass is negligible for any test level here
+    cells = int(np.ceil(top / GRID_STEP)) + 1
+    edges = np.arange(cells + 1, dtype=np.float64) * GRID_STEP
+    cdf = stats.gamma.cdf(edges, tokens) ** num_values
+    cdf[-1] = 1.0  # the rest of the tail goes to the last cell (rounded down there: negligible, < 1e-17)
+    pmf = np.diff(cdf)  # pmf[c] = P(max in (c*step, (c+1)*step]) -> its value rounds up to cell c + 1
+    first = int(np.argmax(pmf > 0))
+    return first + 1, pmf[first:]
+
+
+@lru_cache(maxsize=1024)
+def _sum_of_maxima(counts: tuple[int, ...], num_values: int) -> tuple[int, npt.NDArray[np.float64]]:
+    """(first cell, pmf) of the sum over rows of their rounded-up maxima (FFT convolutions)."""
+    from scipy import signal
+
+    offset, pmf = 0, np.ones(1, dtype=np.float64)
+    for n in counts:
+        first, row = _row_max_pmf(n, num_values)
+        pmf = np.clip(signal.fftconvolve(pmf, row), 0.0, None)
+        offset += first
+    return offset, pmf
+
+
+def repeated_context(ids: torch.Tensor, start: int) -> torch.Tensor:
+    """bool [B]: rows whose current context (the last two ids) was already the context of a token
+    generated at position >= ``start`` (the first generated position) in the same row."""
+    import torch
+
+    length = ids.shape[1]
+    if length - start < 1 or start < 2:
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    earlier2 = ids[:, start - 2 : length - 2]  # contexts of the tokens at start .. length - 1
+    earlier1 = ids[:, start - 1 : length - 1]
+    hit = (earlier2 == ids[:, -2:-1]) & (earlier1 == ids[:, -1:])
+    return hit.any(dim=1)
+
+
+def sample_(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    context: torch.Tensor,
+    blocks: torch.Tensor,
+    active: torch.Tensor,
+    *,
+    words: torch.Tensor,
+    codes: torch.Tensor,
+    num_blocks: int,
+) -> None:
+    """Choose every active row's next token by keyed Gumbel-max sampling and leave only it finite.
+
+    logits [B, V] (written in place); temperature float [B] (rows with temperature <= 0 are greedy
+    requests: left untouched); context int64 [B, 2]; blocks int64 [B, r]; active bool [B]; words
+    int64 [1, 5]; codes int64 [1, >= V]. Afterwards an active row has one finite logit, its chosen
+    token's, so any sampler (temperature, top-k, top-p, greedy) returns that token.
+    """
+    import torch
+
+    vocab = logits.shape[1]
+    prev2, prev1 = context[:, 0], context[:, 1]
+    value = blocks.gather(1, ((prev2 + prev1) % num_blocks)[:, None])  # [B, 1]
+    from .hashing import context_multipliers
+
+    multipliers = context_multipliers(words, prev2, prev1)[:, :1]  # [B, 1]
+    draws = hashed(multipliers, codes[:1, :vocab], value_codes(words, value))  # [B, V]
+    u = (draws.to(torch.float64) + 0.5) * _SCALE
+    gumbel = -torch.log(-torch.log(u))  # [B, V], finite: u in (0, 1)
+    live = active & (temperature > 0)
+    tau = torch.where(live, temperature, torch.ones_like(temperature)).to(torch.float64)[:, None]
+    chosen = (logits.to(torch.float64) / tau + gumbel).argmax(dim=1)  # [B]; -inf logits never win
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.scatter_(1, chosen[:, None], True)
+    keep |= ~live[:, None]
+    logits.masked_fill_(~keep, float("-inf"))
