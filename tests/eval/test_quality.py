@@ -9,10 +9,10 @@ import pytest
 from benchmarks.evaluation.quality import (
     GUMBEL,
     QUALITY,
-    frontier,
     answer_seed,
     distinct,
     ends_in_loop,
+    frontier,
     jaccard4,
     jobs,
     paired_ppl_ratio,
