@@ -233,3 +233,17 @@ def test_the_transformers_processor_samples_with_the_scheme(gkey: WatermarkKey) 
     ids = torch.cat([ids, torch.tensor([[ids[0, 4], ids[0, 5]], [1, 2]])], dim=1)
     again = proc(ids, scores.clone())
     assert torch.equal(again[0], scores[0])
+
+
+def test_the_fused_sampler_chooses_what_the_eager_one_does(gkey: WatermarkKey) -> None:
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(9, 3_000, generator=g) * 3
+    context = torch.randint(0, 49_152, (9, 2), generator=g)
+    blocks = torch.randint(0, 4, (9, 16), generator=g)
+    active = torch.tensor([True, False, True, True, True, True, True, True, True])
+    temperature = torch.tensor([0.7, 0.7, 0.0, 1.0, 1.3, 0.7, 0.7, 0.5, 1.0])
+    eager = TorchWatermarker(gkey).apply(logits, context, blocks, active, temperature=temperature)
+    fused_marker = TorchWatermarker(gkey, compile=True)
+    fused = fused_marker.apply(logits, context, blocks, active, temperature=temperature)
+    assert fused_marker._compiled_sampler is not None  # it ran compiled, not the eager fallback
+    assert torch.equal(fused, eager)
