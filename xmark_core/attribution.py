@@ -205,7 +205,9 @@ def _attribute_gumbel(
     """:func:`attribute` for the ``gumbel`` scheme: a candidate's score S_m = sum_i M[i, m_i] is
     Gamma(n, 1) on unwatermarked text (n scored tokens), its p-value the exact Gamma tail (Bonferroni
     over candidates and tries); the reported score is the LLR of an Exp(rate) model of the message
-    cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best)."""
+    cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best). The best is
+    named when, besides the rule of :func:`attribute`, its identity test against every other
+    candidate (:func:`gumbel_identity_p`) is at most ``alpha``."""
     count, tokens = len(candidates), result.scored_tokens
     totals = candidates.hits(result.matrix)  # float64 [C]
     k = min(top, count)
@@ -239,7 +241,32 @@ def _attribute_gumbel(
         margin = float(scores_all[order[0]])
     p_best, confidence = float(p_values[0]), float(posterior[order[0]])
     named = p_best < alpha and margin > 0 and confidence >= min_confidence
+    if named and count > 1:
+        named = gumbel_identity_p(result, candidates, int(order[0])) <= alpha
     return Attribution(out, out[0] if named else None, p_best, confidence, margin)
+
+
+def gumbel_identity_p(result: DecodeResult, candidates: CandidateSet, best: int) -> float:
+    """The ``gumbel`` scheme's identity test of candidate ``best`` against every other candidate c:
+    the largest, over c, of P(Gamma(n_c, 1) >= S_c), S_c being the best candidate's score over the
+    blocks where its message differs from c's and n_c the scored tokens in them. If c wrote the
+    text, the best candidate's values in those blocks are not c's, so their draws are independent
+    of the text: S_c is Gamma(n_c, 1) exactly and a small p-value rejects c. A candidate that
+    differs from the best only in blocks with no scored token cannot be told apart (p = 1). Exact
+    for each alternative; the choice of the best candidate is not corrected for."""
+    matrix = result.matrix
+    values = candidates.blocks[best].astype(np.int64)  # [r]
+    own = matrix[np.arange(matrix.shape[0]), values]  # [r] the best candidate's cell of each block
+    worst = 0.0
+    for first in range(0, len(candidates), 65_536):
+        differs = candidates.blocks[first : first + 65_536] != candidates.blocks[best][None, :]  # [c, r]
+        tokens = differs @ result.row_counts  # [c]
+        score = differs @ own  # [c]
+        others = differs.any(axis=1)  # the best candidate itself differs nowhere
+        if others.any():
+            tail = np.exp(gumbel.gamma_log_sf_each(score[others], tokens[others]))
+            worst = max(worst, float(tail.max()))
+    return worst
 
 
 def _hamming_blocks(candidate: np.ndarray, decoded: np.ndarray, params: WatermarkParams) -> int:

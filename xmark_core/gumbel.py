@@ -11,10 +11,12 @@ form on the right is what the op computes). Over the key, that choice has exactl
 the watermark changes no answer's distribution (distortion-free, unlike the biasing schemes), which is
 what the multi-bit form of "Three Bricks" does with a message-dependent shift of the random vector; here
 the block value enters the hash instead of shifting it. What it costs instead: given the key, the user and
-the context, the choice is fixed, so the same user asking the same prompt gets the same answer at any
-temperature, and the n > 1 completions of one request are identical (docs/results/QUALITY.md measures
-both). Within one answer, a context that already occurred is sampled normally (``active`` off, see
-:func:`repeated_context`): a fixed choice there would repeat the same continuation forever.
+the context, the choice is fixed. Within one answer, a context that already occurred is sampled normally
+(``active`` off, see :func:`repeated_context`): a fixed choice there would repeat the same continuation
+forever. So the same user asking the same prompt gets the same answer, whatever the temperature and the
+seed, up to the first context that recurs in it; from there the request's own randomness lets answers
+part (the n > 1 completions of one request likewise). docs/results/QUALITY-GUMBEL.md measures how alike
+such answers are.
 
 Decoder. Every scored token (the first occurrence of each (x[t-2], x[t-1], x[t]) triple, as the cTMM
 decoder) adds s = -log(1 - U(key, x[t-2], x[t-1], x[t], v)) to cell [i, v] of an [r, D] matrix, for
@@ -91,6 +93,16 @@ def gamma_log_sf(scores: npt.NDArray[np.float64], tokens: int) -> npt.NDArray[np
     if tokens <= 0:
         return np.zeros_like(scores, dtype=np.float64)
     out: npt.NDArray[np.float64] = stats.gamma.logsf(scores, tokens)
+    return out
+
+
+def gamma_log_sf_each(scores: npt.NDArray[np.float64], tokens: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    """log P(Gamma(tokens_j, 1) >= scores_j) per element; 0 (p = 1) where tokens_j is 0."""
+    from scipy import stats
+
+    out = np.zeros(scores.shape, dtype=np.float64)
+    some = tokens > 0
+    out[some] = stats.gamma.logsf(scores[some], tokens[some])
     return out
 
 

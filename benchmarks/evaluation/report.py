@@ -459,7 +459,14 @@ def render_forensic(results: dict[str, Any]) -> str:
         "Protocol: `benchmarks/evaluation/forensic.py`. Rates: count / trials = rate (Wilson 95 % interval).",
         "",
         "*Named*: the right user named. *Wrong*: another user named. `auto` is `/trace`'s default "
-        "(counting, then the likelihood decoder when counting names nobody, each at α / 2).",
+        "(counting, then the likelihood decoder when counting names nobody, each at α / 2)."
+        + (
+            " `gumbel` settings use the distortion-free scheme (`xmark_core.gumbel`: no bias, keyed sampling), "
+            "read by its own decoder (counting: exact Gamma p-values, and a name only when the identity test "
+            "against every other registered ID is at most α)."
+            if any(row.get("scheme") == "gumbel" for row in results["attribution"])
+            else ""
+        ),
         "",
         "## Attribution",
         "",

@@ -9,6 +9,7 @@ from scipy import stats
 
 from xmark_core import (
     CandidateSet,
+    Message,
     ModelScores,
     ParamsError,
     TorchWatermarker,
@@ -247,3 +248,35 @@ def test_the_fused_sampler_chooses_what_the_eager_one_does(gkey: WatermarkKey) -
     fused = fused_marker.apply(logits, context, blocks, active, temperature=temperature)
     assert fused_marker._compiled_sampler is not None  # it ran compiled, not the eager fallback
     assert torch.equal(fused, eager)
+
+
+def test_the_identity_test_refuses_a_name_a_neighbour_explains(gkey: WatermarkKey) -> None:
+    """A registry holding the author and a neighbour that differs from them in one block: the
+    identity test against the neighbour is only as strong as that block's tokens, and a twin that
+    differs only in a block the text never visits cannot be told apart (p = 1, nobody named)."""
+    from xmark_core.attribution import gumbel_identity_p
+
+    author = random_messages(PARAMS, 1, seed=21)[0]
+    marked = generate(gkey, [author], 120, seed=22, temperature=0.7)
+    result = decode(marked.tokens[0], gkey)
+    near = author.blocks.copy()
+    visited = int(np.argmax(result.row_counts))
+    near[visited] = (near[visited] + 1) % 4
+    registry = [
+        author.bits,
+        *(m.bits for m in random_messages(PARAMS, 50, seed=23)),
+        Message.from_blocks(near, PARAMS).bits,
+    ]
+    candidates = CandidateSet(registry, list(range(len(registry))), PARAMS)
+    outcome = attribute(result, candidates)
+    assert outcome.best is not None and outcome.best.id == 0
+    assert 0.0 < gumbel_identity_p(result, candidates, 0) <= 1e-3
+    # 12 scored tokens over 16 blocks: some block has none
+    short = decode(marked.tokens[0][:14], gkey)
+    empty = np.flatnonzero(short.row_counts == 0)
+    assert empty.size >= 4
+    twin = author.blocks.copy()
+    twin[empty[0]] = (twin[empty[0]] + 1) % 4
+    pair = CandidateSet([author.bits, Message.from_blocks(twin, PARAMS).bits], [0, 1], PARAMS)
+    assert gumbel_identity_p(short, pair, 0) == 1.0
+    assert attribute(short, pair).best is None

@@ -261,10 +261,24 @@ def test_gumbel_rows_choose_after_suppression_at_their_own_temperature() -> None
     assert torch.equal(again[1, keep], base[1, keep])
 
 
+def _until_a_context_repeats(prompt_tail: list[int], ids: list[int]) -> int:
+    """How many tokens of an answer were written before one's context (its two previous tokens,
+    the prompt's last two for the first) had already been used in the answer."""
+    history, used = list(prompt_tail), set()
+    for position, token in enumerate(ids):
+        context = (history[-2], history[-1])
+        if context in used:
+            return position
+        used.add(context)
+        history.append(token)
+    return len(ids)
+
+
 @pytest.mark.model
 def test_real_engine_gumbel_answers_are_fixed_by_user_and_prompt() -> None:
-    """What the distortion-free scheme costs, on a real engine: one user gets the same answer to the
-    same prompt whatever the sampling seed, and the n = 2 completions of one request are identical;
+    """What the distortion-free scheme costs, on a real engine: one user's answer to one prompt is
+    the same whatever the sampling seed, and the n = 2 completions of one request are the same,
+    until a context recurs in the answer (sampled with the request's own randomness from there);
     another user gets another answer, and the decoder reads the author's message."""
     from benchmarks.evaluation.generation import load_model
     from benchmarks.evaluation.vllm_engine import VllmGenerator
@@ -279,15 +293,19 @@ def test_real_engine_gumbel_answers_are_fixed_by_user_and_prompt() -> None:
     key = evaluation_key(spec.params(), SEED)
     messages = user_messages(32, 2, SEED)
     prompt = "Write a short poem about rivers."
+    prompt_ids = generator._prompt_ids(prompt)
     jobs = [RowJob(spec.name, user, 0, "a", prompt, 1.0, key, messages[user]) for user in (0, 1)]
     max_new = 48
     first = generator.generate(jobs, max_new, SEED, seed_of=lambda j: 1)
     second = generator.generate(jobs, max_new, SEED, seed_of=lambda j: 2)
-    assert [r.token_ids for r in first] == [r.token_ids for r in second]  # the seed changes nothing
+    for a, b in zip(first, second, strict=True):
+        fixed = _until_a_context_repeats(prompt_ids[-2:], a.token_ids)
+        assert fixed >= 3  # the chat template's answer opening alone
+        assert a.token_ids[:fixed] == b.token_ids[:fixed]  # the seed changes nothing up to there
     assert first[0].token_ids != first[1].token_ids  # another user, another answer
     plain = RowJob("none-t1", 0, 0, "a", prompt, 1.0, None, None)
     unmarked = generator.generate([plain], max_new, SEED, seed_of=lambda j: 1)
-    # n = 2 in one request: both completions are the user's one answer
+    # n = 2 in one request: both completions are the user's one answer up to the first repeated context
     params = SamplingParams(
         n=2,
         temperature=1.0,
@@ -297,9 +315,9 @@ def test_real_engine_gumbel_answers_are_fixed_by_user_and_prompt() -> None:
         detokenize=False,
         extra_args=request_args(jobs[0], SEED, generator._suppress),
     )
-    prompt_ids = generator._prompt_ids(prompt)
     out = generator._llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
-    assert [list(c.token_ids) for c in out.outputs] == [first[0].token_ids] * 2
+    fixed = _until_a_context_repeats(prompt_ids[-2:], first[0].token_ids)
+    assert [list(c.token_ids)[:fixed] for c in out.outputs] == [first[0].token_ids[:fixed]] * 2
     candidates = CandidateSet([m.bits for m in messages], [0, 1], spec.params())
     for user, result in enumerate(first):
         read = attribute(decode(prompt_ids[-2:] + result.token_ids, key), candidates)
