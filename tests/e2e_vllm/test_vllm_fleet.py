@@ -136,22 +136,29 @@ async def test_a_tool_round_trip_is_watermarked_and_traced_to_the_caller(
     calls: list[str] = []
     answers: list[str] = []
     call_tokens = answer_tokens = 0
-    # a model may close the JSON, or answer, early: round trips are gathered until each side holds
-    # enough text to name the caller with confidence (about 150 tokens)
-    for _ in range(8):
-        arguments, used, answer, answered = await _round_trip(client)
-        calls.append(arguments)
-        answers.append(answer)
-        call_tokens += used
-        answer_tokens += answered
-        if min(call_tokens, answer_tokens) >= 200:
-            break
-    assert min(call_tokens, answer_tokens) >= 120, (call_tokens, answer_tokens)  # enough text to trace
+    named: dict[str, Any] = {}
+    # a model may close the JSON, or answer, early, and a tool call's JSON repeats itself (the trace
+    # scores each (x[t-2], x[t-1], x[t]) once): round trips are gathered until each side, traced on its
+    # own, names someone (at most 8 round trips); every name it gives on the way must be the caller's
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
-        for texts in (calls, answers):  # the calls and the answers each name the caller on their own
-            report = await trace(http, auditor["api_key"], "\n\n".join(texts))
-            assert report["attribution"] is not None, (report["p_value"], report["scored_tokens"])
-            assert report["attribution"]["user_id"] == dora["id"]
+        for _ in range(8):
+            arguments, used, answer, answered = await _round_trip(client)
+            calls.append(arguments)
+            answers.append(answer)
+            call_tokens += used
+            answer_tokens += answered
+            if min(call_tokens, answer_tokens) < 150:  # too little text yet to name anyone with confidence
+                continue
+            for side, texts in (("calls", calls), ("answers", answers)):
+                if side not in named:
+                    report = await trace(http, auditor["api_key"], "\n\n".join(texts))
+                    if report["attribution"] is not None:
+                        assert report["attribution"]["user_id"] == dora["id"], (side, report["attribution"])
+                        named[side] = report
+            if len(named) == 2:
+                break
+    # the calls and the answers each name the caller on their own
+    assert set(named) == {"calls", "answers"}, (call_tokens, answer_tokens, sorted(named))
     rows = await generation_rows(e2e_config.database_url, [dora["id"]])
     recorded = [row["completion_text"] for row in rows]
     assert set(answers) <= set(recorded)  # the final answers are recorded as generated
