@@ -147,7 +147,11 @@ async def test_logprobs_and_sampling_fields_pass_through(gateway: Any, people: d
         for entry in entries:
             assert entry["logprob"] <= 0.0
             assert len(entry["top_logprobs"]) == 3
-        assert "".join(e["token"] for e in entries) == body["choices"][0]["message"]["content"]
+        # a token that ends inside a UTF-8 character has no text of its own: the answer shows U+FFFD where the
+        # token strings show nothing (or U+FFFD), so the two agree once that mark is left out of both
+        joined = "".join(e["token"] for e in entries)
+        content = body["choices"][0]["message"]["content"]
+        assert joined.replace("\ufffd", "") == content.replace("\ufffd", "")
 
         # streamed: the same entries arrive with the deltas
         streamed: list[dict[str, Any]] = []
