@@ -34,7 +34,7 @@ from .decoder import DecodeResult, null_inclusion_probability
 from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
 from .message import bits_to_blocks
-from .null import binomial_log_cdf
+from .null import binomial_log_cdf, binomial_log_pmf
 from .params import WatermarkParams
 
 DEFAULT_MIN_CONFIDENCE = 0.99
@@ -121,6 +121,9 @@ class Attribution:
     p_value: float
     confidence: float
     margin: float
+    # the identity test's p-value for the best candidate (``attribute(..., identity_level=...)``);
+    # None where it did not run
+    identity_p_value: float | None = None
 
 
 def attribute(
@@ -131,6 +134,7 @@ def attribute(
     alpha: float = DEFAULT_ALPHA,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     tries: int = 1,
+    identity_level: float | None = None,
 ) -> Attribution:
     """Score every candidate against the decoded matrix.
 
@@ -141,7 +145,17 @@ def attribute(
     (``p_value < alpha``) AND the best is much likelier than every other registered ID
     (``confidence >= min_confidence``): in a dense registry neighbouring IDs differ in one or two
     blocks, and a short text can fit a neighbour almost as well as the author.
+
+    ``identity_level``: also require :func:`counting_identity_p` against every other candidate at
+    most this (a wrong registered user is then named with probability at most ``identity_level``,
+    edited text included); needs a cTMM reading or k = 1. The ``gumbel`` scheme always runs its own
+    identity test (:func:`gumbel_identity_p`), at ``alpha`` or at this level where it is stricter.
     """
+    if identity_level is not None and not 0.0 < identity_level < 1.0:
+        raise ValueError(f"identity_level must be in (0, 1) (got {identity_level})")
+    distortion_free = result.params.distortion_free
+    if identity_level is not None and not distortion_free and not result.constrained and result.params.num_keys > 1:
+        raise ValueError("identity_level needs a cTMM reading (decode(..., constrained=True)) or k = 1")
     if not 0.0 <= min_confidence <= 1.0:
         raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
     params = result.params
@@ -153,8 +167,11 @@ def attribute(
     trials = result.trials
     if count == 0 or trials == 0:
         return Attribution([], None, 1.0, 0.0, 0.0)
-    if params.distortion_free:
-        return _attribute_gumbel(result, candidates, top=top, alpha=alpha, min_confidence=min_confidence, tries=tries)
+    if distortion_free:
+        level = alpha if identity_level is None else min(alpha, identity_level)
+        return _attribute_gumbel(
+            result, candidates, top=top, alpha=alpha, min_confidence=min_confidence, tries=tries, identity_level=level
+        )
     upper = params.scheme == "mpac"
     q0 = null_inclusion_probability(params, result.constrained)
     hits = candidates.hits(result.matrix)  # [C]
@@ -190,7 +207,11 @@ def attribute(
     p_best = float(p_values[0])
     confidence = float(posterior[order[0]])
     named = p_best < alpha and margin > 0 and confidence >= min_confidence  # an exact tie names nobody
-    return Attribution(out, out[0] if named else None, p_best, confidence, margin)
+    identity = None
+    if named and identity_level is not None:  # the best explains the text; does no other user?
+        identity = counting_identity_p(result, candidates, int(order[0]))
+        named = identity is not None and identity <= identity_level
+    return Attribution(out, out[0] if named else None, p_best, confidence, margin, identity)
 
 
 def _attribute_gumbel(
@@ -201,13 +222,15 @@ def _attribute_gumbel(
     alpha: float,
     min_confidence: float,
     tries: int,
+    identity_level: float,
 ) -> Attribution:
     """:func:`attribute` for the ``gumbel`` scheme: a candidate's score S_m = sum_i M[i, m_i] is
     Gamma(n, 1) on unwatermarked text (n scored tokens), its p-value the exact Gamma tail (Bonferroni
     over candidates and tries); the reported score is the LLR of an Exp(rate) model of the message
     cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best). The best is
     named when, besides the rule of :func:`attribute`, its identity test against every other
-    candidate (:func:`gumbel_identity_p`) is at most ``alpha``."""
+    candidate (:func:`gumbel_identity_p`) is at most ``identity_level`` (``alpha``, or the caller's
+    stricter level)."""
     count, tokens = len(candidates), result.scored_tokens
     totals = candidates.hits(result.matrix)  # float64 [C]
     k = min(top, count)
@@ -241,9 +264,11 @@ def _attribute_gumbel(
         margin = float(scores_all[order[0]])
     p_best, confidence = float(p_values[0]), float(posterior[order[0]])
     named = p_best < alpha and margin > 0 and confidence >= min_confidence
+    identity = None
     if named and count > 1:
-        named = gumbel_identity_p(result, candidates, int(order[0])) <= alpha
-    return Attribution(out, out[0] if named else None, p_best, confidence, margin)
+        identity = gumbel_identity_p(result, candidates, int(order[0]))
+        named = identity <= identity_level
+    return Attribution(out, out[0] if named else None, p_best, confidence, margin, identity)
 
 
 def gumbel_identity_p(result: DecodeResult, candidates: CandidateSet, best: int) -> float:
@@ -267,6 +292,115 @@ def gumbel_identity_p(result: DecodeResult, candidates: CandidateSet, best: int)
             tail = np.exp(gumbel.gamma_log_sf_each(score[others], tokens[others]))
             worst = max(worst, float(tail.max()))
     return worst
+
+
+def rival_shares(params: WatermarkParams) -> tuple[float, float]:
+    """(q_in, q_out): on a text that carries block value v' at a position, the probability that its
+    token is in E_v for another value v, given that it is in E_v' (q_in) or not (q_out).
+
+    The text was generated seeing only E_v' (a token's membership in it), and the keyed hash puts
+    each token's k shards uniformly over the patterns consistent with that membership, whatever the
+    model did. XMark / LoSo (E_v: every shard differs from v): in E_v' every shard is one of the
+    D - 1 other values, so q_in = ((D - 2) / (D - 1))^k; out of it, among the D^k - (D - 1)^k
+    patterns with a shard equal to v', (D - 1)^k - (D - 2)^k avoid v. MPAC (E_v: the shard is v):
+    q_in = 0, q_out = 1 / (D - 1).
+    """
+    shards, k = params.num_shards, params.num_keys
+    if params.scheme == "mpac":
+        return 0.0, 1.0 / (shards - 1)
+    q_in = ((shards - 2) / (shards - 1)) ** k
+    q_out = ((shards - 1) ** k - (shards - 2) ** k) / (shards**k - (shards - 1) ** k)
+    return q_in, q_out
+
+
+_CHERNOFF_LAMBDAS = np.geomspace(0.01, 12.0, 40)  # the Chernoff bound's exponents, per token
+MAX_EXACT_RIVALS = 64
+_RIVAL_CHUNK = 65_536
+
+
+def counting_identity_p(result: DecodeResult, candidates: CandidateSet, best: int) -> float | None:
+    """The counting decoder's identity test of candidate ``best`` against every other candidate c:
+    the largest, over c, of the exact p-value of "the text carries c" (None: the test needs one trial
+    per token, a cTMM or k = 1).
+
+    Over the blocks where c differs from the best, S counts the tokens outside E_best (XMark, LoSo:
+    a token with a shard equal to the best's value; MPAC: inside it). If c wrote the text, its
+    generation saw only each token's membership in E_c, which the matrix gives per block (the cell
+    of c's value), and the keyed hash puts a token's shards uniformly over the patterns consistent
+    with that membership (:func:`rival_shares`): given those counts, S is a sum of two binomials,
+    Binomial(N_in, 1 - q_in) + Binomial(N_out, 1 - q_out) (MPAC: Binomial(N_out, q_out) counted from
+    above), exactly, whatever the model did. That holds for tokens an editor put in or moved too:
+    their shards are the hash's alone. A wrong name needs the author's own test to reject, so
+    naming only when this is at most beta names a wrong registered user with probability at most
+    beta, with no correction for the registry's size.
+
+    Every rival is bounded by Chernoff first (vectorised over the registry); the at most
+    ``MAX_EXACT_RIVALS`` rivals the bound leaves above the largest exact p-value so far are tested
+    exactly (past them the bound stands).
+    """
+    params = result.params
+    if not result.constrained and params.num_keys > 1:
+        return None
+    if len(candidates) < 2:
+        return 0.0
+    matrix = result.matrix.astype(np.int64)  # [r, D]
+    rows = np.arange(matrix.shape[0])
+    values = candidates.blocks[best].astype(np.int64)  # [r]
+    own = matrix[rows, values]  # [r] the best's cell of each block
+    counts = result.row_counts.astype(np.int64)  # [r]
+    q_in, q_out = rival_shares(params)
+    mpac = params.scheme == "mpac"
+    # per block and rival value: tokens inside E_c (N_in) and their chance of counting in S
+    inside = matrix if mpac else counts[:, None] - matrix  # [r, D]
+    p_in, p_out = (q_in, q_out) if mpac else (1.0 - q_in, 1.0 - q_out)
+    lam = _CHERNOFF_LAMBDAS if mpac else -_CHERNOFF_LAMBDAS  # [L]: e^{lam S}, upper or lower tail
+    log_in = np.log1p(p_in * np.expm1(lam))  # [L] per token inside E_c
+    log_out = np.log1p(p_out * np.expm1(lam))  # [L] per token outside
+    unsettled: list[tuple[float, int]] = []
+    for first in range(0, len(candidates), _RIVAL_CHUNK):
+        part = candidates.blocks[first : first + _RIVAL_CHUNK].astype(np.int64)  # [c, r]
+        differs = part != values[None, :]  # [c, r]
+        n_in = (differs * inside[rows[None, :], part]).sum(axis=1)  # [c]
+        n_all = differs @ counts  # [c]
+        observed = differs @ own  # [c]
+        exponent = n_in[:, None] * log_in + (n_all - n_in)[:, None] * log_out - lam * observed[:, None]  # [c, L]
+        bound = np.exp(np.minimum(0.0, exponent.min(axis=1)))  # [c]
+        bound[~differs.any(axis=1)] = -1.0  # the best itself
+        keep = min(bound.size, MAX_EXACT_RIVALS + 1)
+        largest = np.argpartition(-bound, keep - 1)[:keep]
+        unsettled.extend((float(bound[i]), first + int(i)) for i in largest if bound[i] >= 0.0)
+    unsettled.sort(reverse=True)
+    worst = 0.0
+    for rank, (bound_value, index) in enumerate(unsettled):
+        if bound_value <= worst:
+            break
+        if rank >= MAX_EXACT_RIVALS:
+            return max(worst, bound_value)
+        differs = candidates.blocks[index].astype(np.int64) != values
+        n_in = int(inside[rows[differs], candidates.blocks[index][differs].astype(np.int64)].sum())
+        n_all = int(counts[differs].sum())
+        worst = max(worst, _two_binomial_tail(n_in, p_in, n_all - n_in, p_out, int(own[differs].sum()), upper=mpac))
+    return worst
+
+
+def _two_binomial_tail(n1: int, p1: float, n2: int, p2: float, observed: int, *, upper: bool) -> float:
+    """P(X + Y <= observed) (``upper``: >=), X ~ Binomial(n1, p1), Y ~ Binomial(n2, p2), exactly."""
+
+    def pmf(n: int, p: float) -> np.ndarray:
+        if p <= 0.0 or n == 0:
+            out = np.zeros(n + 1)
+            out[0] = 1.0
+            return out
+        if p >= 1.0:
+            out = np.zeros(n + 1)
+            out[n] = 1.0
+            return out
+        exact: np.ndarray = np.exp(binomial_log_pmf(n, p))
+        return exact
+
+    total = np.convolve(pmf(n1, p1), pmf(n2, p2))  # [n1 + n2 + 1]
+    tail = total[observed:].sum() if upper else total[: observed + 1].sum()
+    return float(min(1.0, tail))
 
 
 def _hamming_blocks(candidate: np.ndarray, decoded: np.ndarray, params: WatermarkParams) -> int:

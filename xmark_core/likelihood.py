@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks
+from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks, rival_shares
 from .decoder import MAX_TOKEN_ID, _first_occurrences
 from .detect import DEFAULT_ALPHA
 from .errors import DecodeInputError, ParamsError
@@ -362,25 +362,6 @@ def weighted_bernoulli_tail(
         dist[step : step + reach + 1] += moved
         reach += step
     return float(min(1.0, dist[observed:].sum()))
-
-
-def rival_shares(params: WatermarkParams) -> tuple[float, float]:
-    """(q_in, q_out): on a text that carries block value v' at a position, the probability that its
-    token is in E_v for another value v, given that it is in E_v' (q_in) or not (q_out).
-
-    The text was generated seeing only E_v' (a token's membership in it), and the keyed hash puts
-    each token's k shards uniformly over the patterns consistent with that membership, whatever the
-    model did. XMark / LoSo (E_v: every shard differs from v): in E_v' every shard is one of the
-    D - 1 other values, so q_in = ((D - 2) / (D - 1))^k; out of it, among the D^k - (D - 1)^k
-    patterns with a shard equal to v', (D - 1)^k - (D - 2)^k avoid v. MPAC (E_v: the shard is v):
-    q_in = 0, q_out = 1 / (D - 1).
-    """
-    shards, k = params.num_shards, params.num_keys
-    if params.scheme == "mpac":
-        return 0.0, 1.0 / (shards - 1)
-    q_in = ((shards - 2) / (shards - 1)) ** k
-    q_out = ((shards - 1) ** k - (shards - 2) ** k) / (shards**k - (shards - 1) ** k)
-    return q_in, q_out
 
 
 @dataclass(frozen=True)

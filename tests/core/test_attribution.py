@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -18,6 +19,7 @@ from xmark_core import (
     decode,
     null_inclusion_probability,
 )
+from xmark_core.attribution import counting_identity_p, rival_shares
 from xmark_core.params import Scheme
 
 from .synthetic import SECRET, generate, random_messages
@@ -265,3 +267,113 @@ def test_an_extended_candidate_set_equals_one_built_whole() -> None:
         assert grown.extended([], []) is grown
         with pytest.raises(ValueError):
             grown.extended(bits[:2], [1])
+
+
+def _substituted(tokens: np.ndarray, share: float, seed: int) -> np.ndarray:
+    """``tokens`` with ``share`` of the positions after the first two replaced by random tokens."""
+    rng = np.random.default_rng(seed)
+    out = tokens.copy()
+    chosen = rng.random(out.size) < share
+    chosen[:2] = False
+    out[chosen] = rng.integers(0, 4096, int(chosen.sum()))
+    return out
+
+
+@pytest.mark.parametrize("share", [0.0, 0.2])
+def test_counting_identity_p_values_are_super_uniform_when_the_text_carries_the_rival(share: float) -> None:
+    """400 texts of 100 tokens watermarked with m (unedited, or with 20 % of their tokens replaced at
+    random); the counting identity test of another message m* against m: P(p <= x) <= x up to
+    sampling error at x = 0.01, 0.05, 0.2, for messages 1, 4 and 8 blocks away. The test conditions
+    on what the generation saw (each token's membership in E_m), so edits do not void it."""
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    truth = Message.from_bits("1001110001011010", params)
+    count = 400
+    tokens = generate(key, [truth] * count, 100, seed=23, temperature=0.7).tokens
+    results = [decode(_substituted(row, share, seed=i), key) for i, row in enumerate(tokens)]
+    rng = np.random.default_rng(5)
+    for distance in (1, 4, 8):
+        named = truth.blocks.copy()
+        for block in rng.choice(params.num_blocks, size=distance, replace=False):
+            named[block] = (named[block] + rng.integers(1, params.num_shards)) % params.num_shards
+        pair = CandidateSet([Message(_bits(named, params), params).bits, truth.bits], ["named", "truth"], params)
+        p_values = np.array([counting_identity_p(result, pair, 0) for result in results])
+        for level in (0.01, 0.05, 0.2):
+            observed = float((p_values <= level).mean())
+            bound = level + 3.1 * math.sqrt(level * (1 - level) / count)
+            assert observed <= bound, f"{distance} blocks apart: P(p <= {level}) = {observed:.3f}"
+        # and the test has power: the carried message is told from the same rival (one block of an
+        # edited text is about ten tokens, a fifth of them random: too few to tell, and not asked)
+        if share == 0.0 or distance > 1:
+            own = np.array([counting_identity_p(result, pair, 1) for result in results])
+            assert float(np.median(own)) < 0.05, (distance, float(np.median(own)))
+
+
+def _bits(blocks: np.ndarray, params: WatermarkParams) -> str:
+    return "".join(format(int(v), f"0{params.block_bits}b") for v in blocks)
+
+
+def test_counting_identity_p_is_the_largest_exact_p_value_over_the_registry() -> None:
+    """The Chernoff screen plus exact tails equals the exact tail of every rival, maximised; and a
+    decoder reading with k trials per token (no cTMM) has no such test."""
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    messages = random_messages(params, 300, seed=31)
+    candidates = CandidateSet([m.bits for m in messages], list(range(300)), params)
+    tokens = generate(key, messages[:3], 120, seed=32).tokens
+    q_in, q_out = rival_shares(params)
+    for author, row in enumerate(tokens):
+        result = decode(row, key)
+        own = result.matrix[np.arange(params.num_blocks), messages[author].blocks]
+        exact = 0.0
+        for rival in range(300):
+            differs = messages[rival].blocks != messages[author].blocks
+            if not differs.any():
+                continue
+            cells = result.matrix[np.arange(params.num_blocks), messages[rival].blocks]
+            n_in = int((result.row_counts - cells)[differs].sum())
+            n_all = int(result.row_counts[differs].sum())
+            x = np.arange(n_in + 1)[:, None] + np.arange(n_all - n_in + 1)[None, :]
+            joint = (
+                stats.binom.pmf(np.arange(n_in + 1), n_in, 1 - q_in)[:, None]
+                * stats.binom.pmf(np.arange(n_all - n_in + 1), n_all - n_in, 1 - q_out)[None, :]
+            )
+            exact = max(exact, float(joint[x <= own[differs].sum()].sum()))
+        assert counting_identity_p(result, candidates, author) == pytest.approx(exact, rel=1e-9, abs=1e-300)
+    assert counting_identity_p(decode(tokens[0], key, constrained=False), candidates, 0) is None
+
+
+def test_a_counting_identity_level_names_only_whom_no_other_registered_user_explains() -> None:
+    params = WatermarkParams(bits=16, num_keys=4)
+    key = WatermarkKey.from_secret(SECRET, params)
+    author = Message.from_bits("1100101001110001", params)
+    near = Message.from_bits("1100101001110010", params)  # one block away
+    candidates = CandidateSet([author.bits, near.bits], ["author", "near"], params)
+    result = decode(generate(key, [author], 300, seed=8, temperature=0.7).tokens[0], key)
+    plain = attribute(result, candidates)
+    assert plain.best is not None and plain.best.id == "author" and plain.identity_p_value is None
+    guarded = attribute(result, candidates, identity_level=1e-3)
+    assert guarded.identity_p_value == pytest.approx(counting_identity_p(result, candidates, 0))
+    assert (guarded.best is not None) == (guarded.identity_p_value <= 1e-3)
+    with pytest.raises(ValueError, match="identity_level"):
+        attribute(result, candidates, identity_level=1.5)
+    with pytest.raises(ValueError, match="cTMM"):
+        attribute(
+            decode(generate(key, [author], 50, seed=9).tokens[0], key, constrained=False),
+            candidates,
+            identity_level=0.01,
+        )
+
+
+def test_the_gumbel_scheme_runs_its_identity_test_at_the_stricter_level() -> None:
+    params = WatermarkParams(bits=16, num_keys=1, scheme="gumbel")
+    key = WatermarkKey.from_secret(SECRET, params)
+    author = Message.from_bits("1100101001110001", params)
+    near = Message.from_bits("1100101001110010", params)
+    candidates = CandidateSet([author.bits, near.bits], ["author", "near"], params)
+    result = decode(generate(key, [author], 200, seed=12, temperature=1.0).tokens[0], key)
+    plain = attribute(result, candidates)
+    assert plain.best is not None and plain.best.id == "author" and plain.identity_p_value is not None
+    assert plain.identity_p_value <= 1e-3  # the default level: alpha
+    strict = attribute(result, candidates, identity_level=plain.identity_p_value / 2)
+    assert strict.best is None and strict.identity_p_value == plain.identity_p_value

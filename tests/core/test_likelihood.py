@@ -23,12 +23,12 @@ from xmark_core import (
     decode,
     score_text,
 )
+from xmark_core.attribution import rival_shares
 from xmark_core.likelihood import (
     WEIGHT_STEPS_PER_NAT,
     boosted_share,
     identity_test,
     naming_test,
-    rival_shares,
     weighted_bernoulli_tail,
 )
 
