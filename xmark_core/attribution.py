@@ -24,7 +24,7 @@ named when a few blocks decode wrongly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -369,17 +369,28 @@ def counting_identity_p(result: DecodeResult, candidates: CandidateSet, best: in
         keep = min(bound.size, MAX_EXACT_RIVALS + 1)
         largest = np.argpartition(-bound, keep - 1)[:keep]
         unsettled.extend((float(bound[i]), first + int(i)) for i in largest if bound[i] >= 0.0)
-    unsettled.sort(reverse=True)
-    worst = 0.0
-    for rank, (bound_value, index) in enumerate(unsettled):
-        if bound_value <= worst:
-            break
-        if rank >= MAX_EXACT_RIVALS:
-            return max(worst, bound_value)
+
+    def exact(index: int) -> float:
         differs = candidates.blocks[index].astype(np.int64) != values
         n_in = int(inside[rows[differs], candidates.blocks[index][differs].astype(np.int64)].sum())
         n_all = int(counts[differs].sum())
-        worst = max(worst, _two_binomial_tail(n_in, p_in, n_all - n_in, p_out, int(own[differs].sum()), upper=mpac))
+        return _two_binomial_tail(n_in, p_in, n_all - n_in, p_out, int(own[differs].sum()), upper=mpac)
+
+    return largest_exact_p(unsettled, exact, MAX_EXACT_RIVALS)
+
+
+def largest_exact_p(unsettled: list[tuple[float, int]], exact: Callable[[int], float], limit: int) -> float:
+    """The largest p-value over rivals screened by an upper bound: ``unsettled`` holds (bound,
+    rival) pairs, ``exact(rival)`` the rival's exact p-value. Rivals are tested in decreasing order
+    of their bound until a bound falls to the largest exact p-value so far; past ``limit`` exact
+    tests the next bound stands for the rest."""
+    worst = 0.0
+    for rank, (bound_value, index) in enumerate(sorted(unsettled, reverse=True)):
+        if bound_value <= worst:
+            break
+        if rank >= limit:
+            return max(worst, bound_value)  # not settled exactly: the bound stands
+        worst = max(worst, min(exact(index), bound_value))
     return worst
 
 

@@ -69,7 +69,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks, rival_shares
+from .attribution import (
+    DEFAULT_MIN_CONFIDENCE,
+    CandidateScore,
+    CandidateSet,
+    _hamming_blocks,
+    largest_exact_p,
+    rival_shares,
+)
 from .decoder import MAX_TOKEN_ID, _first_occurrences
 from .detect import DEFAULT_ALPHA
 from .errors import DecodeInputError, ParamsError
@@ -456,19 +463,14 @@ def identity_test(
         bound = np.exp(np.minimum(0.0, (log_mgf - lam[None, :] * u_obs[:, None]).min(axis=1)))  # [c]
         largest = np.argpartition(-bound, keep - 1)[:keep] if bound.size > keep else np.arange(bound.size)
         unsettled.extend((float(bound[i]), first + int(i)) for i in largest)
-    unsettled.sort(reverse=True)
-    worst = 0.0
-    for rank, (bound_value, index) in enumerate(unsettled):
-        if bound_value <= worst:
-            break
-        if rank >= MAX_EXACT_RIVALS:
-            return max(worst, bound_value)  # not settled exactly: the bound stands
+
+    def exact(index: int) -> float:
         rival = rivals[index].astype(np.int64)
         inside = (rival != values)[result.rows]  # [m] positions in the differing blocks
         rival_q = q[np.arange(result.rows.size), rival[result.rows]]
-        exact = weighted_bernoulli_tail(units[inside], int(units[inside & hits].sum()), rival_q[inside])
-        worst = max(worst, min(exact, bound_value))
-    return worst
+        return weighted_bernoulli_tail(units[inside], int(units[inside & hits].sum()), rival_q[inside])
+
+    return largest_exact_p(unsettled, exact, MAX_EXACT_RIVALS)
 
 
 def attribute_likelihood(
