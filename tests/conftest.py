@@ -44,6 +44,8 @@ from service.db import session_scope, upgrade_database
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_DATABASE_URL = os.environ.get("XMARK_TEST_DATABASE_URL", "postgresql+asyncpg://root@127.0.0.1:5432/test")
+# the database bound of the session-wide settings (see ``settings``)
+SHARED_DATABASE_TIMEOUT_S = 5.0
 TEST_WATERMARK_SECRETS = {
     "v1": "test-watermark-secret-v1-5f0c2a9e71d4b386",
     "v2": "test-watermark-secret-v2-c83e1b07a6f4d952",
@@ -112,7 +114,11 @@ def make_test_settings(var_dir: Path, **overrides: Any) -> Settings:
 
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    return make_test_settings(tmp_path_factory.mktemp("var"))
+    # The shared app and engines talk to the shared server while the rest of the suite loads the
+    # 2 cores (models, private servers, subprocesses): the request bound of production (1 s, half of
+    # it to connect) refused a connection that came 0.5 s late there. Tests of that bound build
+    # settings of their own (make_test_settings) and keep the default.
+    return make_test_settings(tmp_path_factory.mktemp("var"), database_timeout_s=SHARED_DATABASE_TIMEOUT_S)
 
 
 async def reset_database(url: str) -> None:
