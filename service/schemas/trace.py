@@ -81,7 +81,8 @@ class Corroboration(BaseModel):
 
     ``corroborated``: the named user's log holds a generation at least as similar as the gateway's
     match threshold, and no other user's is closer. ``not_found``: it does not (a naming then rests
-    on the watermark only: a possible forgery, or a generation older than the sketches' retention),
+    on the watermark only: a possible forgery, or a generation older than the sketches' retention;
+    the ``note`` says when another user's logged generation matches the text instead),
     or nobody was named and nothing in the log resembles the text. ``leads``: nobody was named, but logged completions
     resemble the text (leads for an investigation, never a naming). ``disabled``: the gateway keeps
     no sketches (``XMARK_PROVENANCE=off``)."""

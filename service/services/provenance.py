@@ -39,6 +39,12 @@ NOT_FOUND_NOTE = (
     "watermark only — no matching generation in this user's log: possible forgery or a generation "
     "older than the retention"
 )
+# not found, and another user's logged completion resembles the text at least as much as a match
+# must: the better explanation an auditor should see first
+RIVAL_NOTE = (
+    "watermark only — no matching generation in this user's log, but another user's logged generation "
+    "matches the text (the first match): the text may be theirs, carrying a forged or mistaken watermark"
+)
 
 
 def sketch_columns(sketcher: Sketcher | None, text: str) -> dict[str, Any]:
@@ -151,7 +157,8 @@ class ProvenanceSearch:
             shown = [found[0], *shown[: MATCHES_SHOWN - 1]]
         if found:
             return Corroboration(status="corroborated", matches=[_match(lead) for lead in shown])
-        return Corroboration(status="not_found", matches=[_match(lead) for lead in shown], note=NOT_FOUND_NOTE)
+        note = RIVAL_NOTE if rival >= threshold else NOT_FOUND_NOTE
+        return Corroboration(status="not_found", matches=[_match(lead) for lead in shown], note=note)
 
 
 async def purge_sketches(

@@ -19,7 +19,13 @@ from service.models import Generation, KeyVersion, User
 from service.provenance.retrieval import LoggedSketch, MemoryIndex
 from service.provenance.sketch import QUERY_TERM_LIMIT, Sketcher, derive_sketch_key
 from service.repositories.provenance import ProvenanceRepository
-from service.services.provenance import ProvenanceSearch, purge_sketches, sketch_columns
+from service.services.provenance import (
+    NOT_FOUND_NOTE,
+    RIVAL_NOTE,
+    ProvenanceSearch,
+    purge_sketches,
+    sketch_columns,
+)
 from tests.service.test_provenance_sketch import ORIGINAL, PARAPHRASE, UNRELATED
 
 SKETCHER = Sketcher(derive_sketch_key(b"provenance-store-secret-0123456789"))
@@ -203,7 +209,17 @@ async def test_corroboration_needs_the_named_users_completion_to_be_the_closest(
     assert own.status == "corroborated" and own.matches[0].request_id == "req-1"
     closer_elsewhere = await search.corroborate(query, leads, 20)  # user 20 holds a paraphrase, user 10 the text
     assert leads[1].similarity >= settings.provenance_match_similarity
-    assert closer_elsewhere.status == "not_found" and closer_elsewhere.note is not None
+    assert closer_elsewhere.status == "not_found" and closer_elsewhere.note == RIVAL_NOTE
+    assert closer_elsewhere.matches[0].user_id == 10
+    # a user with no log at all, the text logged as user 10's: the same note, user 10 first
+    unlogged = await search.corroborate(query, leads, 40)
+    assert unlogged.status == "not_found" and unlogged.note == RIVAL_NOTE and unlogged.matches[0].user_id == 10
+    # nothing in the log resembles the text as much as a match must: the plain note
+    unrelated = search.sketch("Quarterly tidal almanacs list lunar perigee dates for harbour pilots.")
+    far_leads = await search.search(unrelated, top=5)
+    assert all(lead.similarity < settings.provenance_match_similarity for lead in far_leads)
+    alone = await search.corroborate(unrelated, far_leads, 40)
+    assert alone.status == "not_found" and alone.note == NOT_FOUND_NOTE
     nobody = await search.corroborate(query, leads, None)
     assert nobody.status == "leads" and nobody.matches[0].user_id == 10
     assert (await search.corroborate(search.sketch("🙂"), [], 10)).status == "not_found"
