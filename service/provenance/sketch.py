@@ -40,7 +40,6 @@ SHINGLE_WORDS = 3
 # a suspect text by XMARK_MAX_TRACE_CHARS): the sketch's cost stays bounded.
 MAX_CHARS = 200_000
 TERM_MASK = 0x7FFFFFFF  # terms are positive 31-bit integers (int4 in the database)
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 _WORD = re.compile(r"\w+")
 # Han, Hiragana, Katakana, Hangul: runs of these are read as character bigrams
@@ -165,13 +164,12 @@ class Sketcher:
         if len(tokens) < n:
             hashed = np.concatenate([hashed, np.zeros(n - len(tokens), dtype=np.uint64)])  # one shingle
         width = len(hashed) - n + 1
-        with np.errstate(over="ignore"):
-            shingles = hashed[:width].copy()  # [S]
-            for offset in range(1, n):
-                shingles = _mix64(shingles * np.uint64(0x9E3779B97F4A7C15) + hashed[offset : offset + width])
+        shingles = hashed[:width]  # [S]; array arithmetic wraps (no overflow warning, unlike scalars)
+        for offset in range(1, n):
+            shingles = _mix64(shingles * _GOLDEN + hashed[offset : offset + width])
         shingles = np.unique(shingles)  # a repeated shingle counts once
         mixed = _mix64(shingles[:, None] ^ self._seeds[None, :])  # [S, MINHASH_SIZE]
-        return tuple(int(v) for v in (mixed.min(axis=0) >> np.uint64(33)))
+        return tuple((mixed.min(axis=0) >> _SHIFT33).tolist())
 
     def sketch(self, text: str, *, limit: int = TERM_LIMIT) -> Sketch | None:
         """The sketch of ``text``; ``None`` when it has no word (an empty text, only symbols)."""
@@ -182,12 +180,17 @@ class Sketcher:
         return Sketch(self.terms(tokens, limit, hashes), self.minhash(tokens, hashes))
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_SHIFT27, _SHIFT30, _SHIFT31, _SHIFT33 = (np.uint64(s) for s in (27, 30, 31, 33))
+
+
 def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a keyed permutation per seed."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (x ^ (x >> np.uint64(31))) & _MASK64
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a keyed permutation per seed.
+    Arrays only: numpy wraps array arithmetic silently (scalars would warn on overflow)."""
+    x = (x ^ (x >> _SHIFT30)) * _MIX1
+    x = (x ^ (x >> _SHIFT27)) * _MIX2
+    return x ^ (x >> _SHIFT31)
 
 
 def minhash_similarity(a: Sequence[int], b: Sequence[int]) -> float:

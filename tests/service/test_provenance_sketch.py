@@ -168,3 +168,102 @@ def test_similarity_counts_only_what_a_bottom_k_sample_could_hold(sketcher: Sket
     assert similarity(query, weights, logged) == 1.0  # the same text, though only a sample was kept
     assert minhash_similarity(query.minhash, logged.minhash) == 1.0
     assert minhash_similarity((), ()) == 0.0
+
+
+# Sketches of this key, as every earlier version of the sketcher computed them. The log keeps
+# sketches for the whole retention: a new version must compute the same values, or logged
+# completions would stop matching the texts traced against them.
+GOLDEN = {
+    "The printing press let workshops copy books quickly, and ideas spread across Europe.": (
+        (
+            380162207,
+            440576332,
+            799931819,
+            819913707,
+            891816533,
+            1011852934,
+            1122941300,
+            1171225562,
+            1730883190,
+            2129195028,
+        ),
+        (
+            29241399,
+            50329964,
+            42840034,
+            743312196,
+            9754527,
+            137366133,
+            659417237,
+            195045268,
+            41439599,
+            363107289,
+            175179723,
+            19924801,
+            404965070,
+            238296636,
+            2724782,
+            176531811,
+            74985663,
+            501095591,
+            212386877,
+            504381059,
+            131426406,
+            111073117,
+            53551382,
+            58487699,
+            314520495,
+            57660193,
+            159606447,
+            325198033,
+            99870551,
+            137204150,
+            760920818,
+            9407545,
+        ),
+    ),
+    "Yes": (
+        (),
+        (
+            1811199426,
+            1614084109,
+            117549955,
+            2136062691,
+            1869814484,
+            1538776133,
+            1920606216,
+            1952723656,
+            1402533794,
+            1803126404,
+            1716476206,
+            636770352,
+            1639984517,
+            1838869120,
+            789086346,
+            1601594291,
+            1222317569,
+            1473048984,
+            822850537,
+            1486342646,
+            2071469511,
+            307288654,
+            1642833032,
+            760216661,
+            750735221,
+            646518642,
+            952981208,
+            153613325,
+            404916179,
+            1881652932,
+            1084636807,
+            643226473,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("text", sorted(GOLDEN))
+def test_sketches_stay_what_earlier_versions_logged(sketcher: Sketcher, text: str) -> None:
+    sketch = sketcher.sketch(text)
+    assert sketch is not None
+    assert (sketch.terms, sketch.minhash) == GOLDEN[text]
