@@ -23,6 +23,7 @@ from .errors import (
     WorkerConfigError,
     XMarkError,
 )
+from .gumbel_likelihood import GumbelLikelihoodResult, attribute_gumbel_likelihood, score_gumbel_text
 from .hashing import block_index, context_multipliers, shard, token_codes
 from .keys import WatermarkKey
 from .likelihood import (
@@ -50,6 +51,7 @@ __all__ = [
     "DecodeInputError",
     "DecodeResult",
     "Detection",
+    "GumbelLikelihoodResult",
     "LikelihoodAttribution",
     "LikelihoodResult",
     "Message",
@@ -68,6 +70,7 @@ __all__ = [
     "allocate_message",
     "apply_watermark",
     "attribute",
+    "attribute_gumbel_likelihood",
     "attribute_likelihood",
     "bits_to_blocks",
     "block_index",
@@ -75,6 +78,7 @@ __all__ = [
     "decode",
     "detect",
     "null_inclusion_probability",
+    "score_gumbel_text",
     "score_text",
     "shard",
     "token_codes",

@@ -225,7 +225,10 @@ def score_text(
     module's docstring); 0 reads every token as the model's.
     """
     if key.params.distortion_free:
-        raise ParamsError("the likelihood decoder reads biasing schemes only; scheme 'gumbel' is read by decode()")
+        raise ParamsError(
+            "score_text is the likelihood decoder of the biasing schemes; scheme 'gumbel' is read by decode() "
+            "(counting) or score_gumbel_text() (model-aware)"
+        )
     if not (temperature > 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
     if not 0.0 <= edit_rate < 1.0:
@@ -260,26 +263,8 @@ def score_text(
     words = key.words
     boosted = _boosted(shard(words, p2, p1, tok, params.block_bits), params)  # [m, D]
 
-    # the model at temperature tau: top-K, the text's token, and the rest spread evenly
     top_ids = scores.top_ids[positions]  # [m, K]
-    top_lp = scores.top_logprobs[positions] / temperature  # [m, K]
-    own_lp = scores.token_logprobs[positions] / temperature  # [m]
-    in_top = top_ids == tok[:, None]  # [m, K]
-    own_in_top = in_top.any(axis=1)  # [m]
-    raw_top = np.exp(scores.top_logprobs[positions])  # [m, K] at temperature 1
-    raw_own = np.exp(scores.token_logprobs[positions])
-    rest_raw = np.clip(1.0 - raw_top.sum(axis=1) - np.where(own_in_top, 0.0, raw_own), 0.0, 1.0)  # [m]
-    rest_count = scores.vocab_size - top_ids.shape[1] - (~own_in_top)  # [m]
-    with np.errstate(divide="ignore"):
-        rest_lp = np.log(rest_count) + (np.log(rest_raw) - np.log(rest_count)) / temperature  # [m]
-    shift = np.maximum(top_lp.max(axis=1), own_lp)  # [m]
-    top_p = np.exp(top_lp - shift[:, None])  # [m, K] unnormalised
-    own_p = np.exp(own_lp - shift)
-    rest_p = np.exp(rest_lp - shift)
-    total = top_p.sum(axis=1) + np.where(own_in_top, 0.0, own_p) + rest_p  # [m]
-    top_p /= total[:, None]
-    own_p = own_p / total
-    rest_p = rest_p / total
+    top_p, own_p, rest_p, in_top = tempered(scores, positions, tok, temperature)
 
     gamma = boosted_share(params)
     multipliers = context_multipliers(words, p2, p1)  # [m, k]
@@ -324,6 +309,31 @@ def score_text(
         offsets=offsets,
         edit_rate=float(edit_rate),
     )
+
+
+def tempered(
+    scores: ModelScores, positions: IntArray, tok: IntArray, temperature: float
+) -> tuple[FloatArray, FloatArray, FloatArray, BoolArray]:
+    """The model at temperature tau at the given text positions, whose tokens are ``tok``: the top-K
+    tokens' probabilities [m, K], the text's own token's [m], the rest's (spread evenly over the
+    tokens beyond the top K) [m], and which top-K column is the text's token (bool [m, K])."""
+    top_ids = scores.top_ids[positions]  # [m, K]
+    top_lp = scores.top_logprobs[positions] / temperature  # [m, K]
+    own_lp = scores.token_logprobs[positions] / temperature  # [m]
+    in_top = top_ids == tok[:, None]  # [m, K]
+    own_in_top = in_top.any(axis=1)  # [m]
+    raw_top = np.exp(scores.top_logprobs[positions])  # [m, K] at temperature 1
+    raw_own = np.exp(scores.token_logprobs[positions])
+    rest_raw = np.clip(1.0 - raw_top.sum(axis=1) - np.where(own_in_top, 0.0, raw_own), 0.0, 1.0)  # [m]
+    rest_count = scores.vocab_size - top_ids.shape[1] - (~own_in_top)  # [m]
+    with np.errstate(divide="ignore"):
+        rest_lp = np.log(rest_count) + (np.log(rest_raw) - np.log(rest_count)) / temperature  # [m]
+    shift = np.maximum(top_lp.max(axis=1), own_lp)  # [m]
+    top_p = np.exp(top_lp - shift[:, None])  # [m, K] unnormalised
+    own_p = np.exp(own_lp - shift)
+    rest_p = np.exp(rest_lp - shift)
+    total = top_p.sum(axis=1) + np.where(own_in_top, 0.0, own_p) + rest_p  # [m]
+    return top_p / total[:, None], own_p / total, rest_p / total, in_top
 
 
 def _scored_elsewhere(p2: IntArray, p1: IntArray, tok: IntArray, top_ids: IntArray) -> BoolArray:

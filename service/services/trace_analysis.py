@@ -42,13 +42,16 @@ from xmark_core import (
     Attribution,
     DecodeResult,
     Detection,
+    GumbelLikelihoodResult,
     LikelihoodAttribution,
     LikelihoodResult,
     ModelScores,
     attribute,
+    attribute_gumbel_likelihood,
     attribute_likelihood,
     decode,
     detect,
+    score_gumbel_text,
     score_text,
 )
 
@@ -444,7 +447,7 @@ def analyze_counting(
 @dataclass(frozen=True)
 class _LikelihoodReading:
     handle: KeyVersionHandle
-    result: LikelihoodResult
+    result: LikelihoodResult | GumbelLikelihoodResult
     attribution: LikelihoodAttribution
 
 
@@ -474,10 +477,19 @@ def analyze_likelihood(
     _check_tries(versions, tries)
     best: _LikelihoodReading | None = None
     for handle in versions:
-        result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
-        attribution = attribute_likelihood(
-            result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries, identity_level=identity_level
-        )
+        result: LikelihoodResult | GumbelLikelihoodResult
+        if handle.key.params.distortion_free:  # the gumbel scheme: its own model-aware reading
+            result = score_gumbel_text(
+                ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special
+            )
+            attribution = attribute_gumbel_likelihood(
+                result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries, identity_level=identity_level
+            )
+        else:
+            result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
+            attribution = attribute_likelihood(
+                result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries, identity_level=identity_level
+            )
         if best is None or attribution.p_value < best.attribution.p_value:
             best = _LikelihoodReading(handle, result, attribution)
     assert best is not None
