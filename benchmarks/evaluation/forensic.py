@@ -187,10 +187,6 @@ GUMBEL = ForensicConfig(
     scaling_sizes={},
 )
 
-# The same at temperature 0.7 only (the cell where the counting decoder falls short; its answers are
-# the preset gumbel's, so one cache serves both).
-GUMBEL_07 = replace(GUMBEL, settings=(GUMBEL.settings[0], GUMBEL.settings[2]), null_keys={0.7: 29})
-
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -206,19 +202,8 @@ PRESETS = {
     "strength": STRENGTH,
     "entropy": ENTROPY,
     "gumbel": GUMBEL,
-    "gumbel-0.7": GUMBEL_07,
     "small": SMALL,
 }
-
-
-def decoders_of(params: WatermarkParams) -> tuple[str, ...]:
-    """The decoders that read a setting (every scheme has a counting and a likelihood reading)."""
-    return DECODERS
-
-
-def default_decoder(params: WatermarkParams) -> str:
-    """What /trace runs by default on a setting's texts."""
-    return "auto"
 
 
 def _log(message: str) -> None:
@@ -492,7 +477,7 @@ class Evaluation:
                     named = wrong = 0
                     for author in range(setting.authors):
                         outcome = trace(
-                            default_decoder(params),
+                            "auto",
                             self.prefix(setting, author, t),
                             self.tokenizer,
                             versions,
@@ -511,7 +496,7 @@ class Evaluation:
                         "temperature": setting.temperature,
                         "registry": size,
                         "T": t,
-                        "decoder": default_decoder(params),
+                        "decoder": "auto",
                         "named": rate_cell(named, setting.authors),
                         "wrong": rate_cell(wrong, setting.authors),
                     }
@@ -523,7 +508,7 @@ class Evaluation:
                             for key in keys:
                                 pairs += 1
                                 versions_of = self.versions(key)
-                                decoder = default_decoder(params)
+                                decoder = "auto"
                                 false += trace(decoder, text, self.tokenizer, versions_of, snapshot, cfg).named
                         row["null_named"] = rate_cell(false, pairs)
                     rows.append(row)
@@ -552,7 +537,7 @@ class Evaluation:
         for setting, params, versions, authors in self.watermarked():
             snapshot = self.snapshot(params)
             for t in cfg.t_grid:
-                for decoder in decoders_of(params):
+                for decoder in DECODERS:
                     named = wrong = top1 = by_likelihood = 0
                     lengths, confidences, seconds = [], [], []
                     for author in range(setting.authors):
@@ -614,7 +599,7 @@ class Evaluation:
             keys = [evaluation_key(params, cfg.seed), *others]
             snapshot = self.snapshot(params)
             for t in cfg.t_grid:
-                decoders = decoders_of(params) if t == 150 else (default_decoder(params),)
+                decoders = DECODERS if t == 150 else ("auto",)
                 used = keys if t == 150 else keys[: cfg.other_t_keys]
                 counts = dict.fromkeys(decoders, 0)
                 pairs = 0
@@ -654,7 +639,7 @@ class Evaluation:
                 if name not in self.scorer.cache:
                     continue
                 level = cfg.copy_paste_level if attack == "copy_paste" else cfg.attack_level
-                for decoder in decoders_of(params):
+                for decoder in DECODERS:
                     named = wrong = 0
                     for author in range(count):
                         text = self.scorer.cache[f"{setting.name}/{author}/{attack}"]

@@ -462,8 +462,9 @@ def render_forensic(results: dict[str, Any]) -> str:
         "(counting, then the likelihood decoder when counting names nobody, each at α / 2)."
         + (
             " `gumbel` settings use the distortion-free scheme (`xmark_core.gumbel`: no bias, keyed sampling), "
-            "read by its own decoder (counting: exact Gamma p-values, and a name only when the identity test "
-            "against every other registered ID is at most α)."
+            "read by its own decoders (counting: exact Gamma p-values; likelihood: `xmark_core.gumbel_likelihood`, "
+            "each token's keyed uniform weighed by the model's probability of the token, exact grid-rounded null "
+            "laws), each naming only when its identity test against every other registered ID is at most α)."
             if any(row.get("scheme") == "gumbel" for row in results["attribution"])
             else ""
         ),
