@@ -68,6 +68,16 @@ LIKELIHOOD_TEST = (
     "likelihood: exact weighted-Bernoulli tail under the keyed-hash null, corrected for the "
     "registry size, the key versions and the decoders tried"
 )
+# the distortion-free scheme's readings (key versions of scheme gumbel)
+GUMBEL_COUNTING_TEST = (
+    "counting: exact Gamma tail of the keyed scores, corrected for the registry size, the key versions "
+    "and the decoders tried; a name also needs the identity test against every other registered ID"
+)
+GUMBEL_LIKELIHOOD_TEST = (
+    "likelihood: exact tail of the grid-rounded log-likelihood ratio under the keyed-hash null, corrected "
+    "for the registry size, the key versions and the decoders tried; a name also needs the identity test "
+    "against every other registered ID"
+)
 
 
 @dataclass(frozen=True)
@@ -401,7 +411,7 @@ def analyze_counting(
     attributed = attribution.best
     report = TraceReport(
         decoder=TraceDecoder.COUNTING,
-        test=COUNTING_TEST,
+        test=GUMBEL_COUNTING_TEST if result.params.distortion_free else COUNTING_TEST,
         confidence=attribution.confidence,
         margin=attribution.margin if attribution.candidates else None,
         watermarked=detection.is_watermarked,
@@ -513,7 +523,7 @@ def analyze_likelihood(
     named = attribution.best
     report = TraceReport(
         decoder=TraceDecoder.LIKELIHOOD,
-        test=LIKELIHOOD_TEST,
+        test=GUMBEL_LIKELIHOOD_TEST if result.params.distortion_free else LIKELIHOOD_TEST,
         temperature=result.temperature,
         edit_rate=result.edit_rate,
         confidence=attribution.confidence,
