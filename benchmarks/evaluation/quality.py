@@ -381,9 +381,11 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
         forensic = json.loads(path.read_text(encoding="utf-8"))
         plain = {float(q["temperature"]): q["ppl_mean"] for q in forensic["quality"] if not q.get("bits")}
         cost = {_setting_key(q): q["ppl_mean"] for q in forensic["quality"] if q.get("bits")}
+        # /trace's default: auto (results of the distortion-free scheme from before its likelihood
+        # decoder hold counting only: their counting rows stand for it)
+        read_auto = {_setting_key(r) for r in forensic["attribution"] if r["decoder"] == "auto"}
         for row in forensic["attribution"]:
-            # /trace's default: auto, or counting for the distortion-free scheme (its only decoder)
-            default = "counting" if row.get("scheme") == "gumbel" else "auto"
+            default = "auto" if _setting_key(row) in read_auto else "counting"
             if row["T"] != t or row["decoder"] != default or row["bits"] != 32:
                 continue
             key = _setting_key(row)
@@ -464,8 +466,8 @@ def render_frontier(points: list[dict[str, Any]]) -> list[str]:
         "## Naming against quality",
         "",
         f"Authors named at T = {points[0]['T'] if points else 150} tokens among 10,000 registered users (`auto`, the "
-        "forensic protocol: one answer per author, EOS suppressed; the distortion-free scheme by its own decoder, "
-        "counting) against the perplexity ratio. The ratio is the paired one of a quality run (QUALITY.md, "
+        "forensic protocol: one answer per author, EOS suppressed; the distortion-free scheme by its counting and "
+        "model-aware decoders) against the perplexity ratio. The ratio is the paired one of a quality run (QUALITY.md, "
         "QUALITY-GUMBEL.md: same prompts, same seeds) where one measured the setting, else the forensic run's (its "
         "answers' mean perplexity over its unwatermarked answers' at the same temperature; 300-token answers in "
         "FORENSIC.md and FORENSIC-STRENGTH.md, 200-token answers in FORENSIC-ENTROPY.md and FORENSIC-GUMBEL.md). "
