@@ -74,6 +74,8 @@ _CHERNOFF_LAMBDAS = np.geomspace(0.02, 8.0, 28)
 MAX_EXACT_RIVALS = 64
 _RIVAL_CHUNK = 16_384
 _DRAWS = float(1 << 32)
+# the smallest p-value reported (below it float64 underflows)
+P_FLOOR = 1e-300
 
 BOUND = "exact tail of the grid-rounded log-likelihood ratio under the keyed-hash null, Bonferroni over the registry"
 
@@ -142,13 +144,8 @@ class GumbelLikelihoodResult:
 
     def tail(self, observed: int, blocks: Iterable[int] | None = None) -> float:
         """P(units summed over these blocks >= observed) under the null, exactly."""
-        offset, pmf = self.null_law(blocks)
-        j = observed - offset
-        if j <= 0:
-            return 1.0
-        if j >= pmf.size:
-            return 0.0
-        return float(min(1.0, pmf[j:].sum()))
+        chosen = range(len(self.block_laws)) if blocks is None else blocks
+        return float(_tails([self.block_laws[i] for i in chosen], np.array([observed], dtype=np.int64))[0])
 
 
 def _scored_positions(ids: IntArray, skip: IntArray, dedup: bool) -> IntArray:
@@ -223,6 +220,33 @@ def _convolve_laws(laws: Sequence[tuple[int, FloatArray]]) -> tuple[int, FloatAr
             merged.append(parts[-1])
         parts = merged
     return offset, parts[0]
+
+
+def _tails(laws: Sequence[tuple[int, FloatArray]], observed: IntArray) -> FloatArray:
+    """P(sum >= o) for every o in ``observed``, the sum's terms independent with these laws. The
+    terms are split into two halves of about equal support, each half's law convolved, and the tail
+    read as sum_i P(A = i) P(B >= o - i): the largest convolution is never formed."""
+    if len(laws) < 2:
+        offset, pmf = _convolve_laws(laws)
+        upper = np.append(np.cumsum(pmf[::-1])[::-1], 0.0)  # upper[j] = P(X >= offset + j)
+        out: FloatArray = np.minimum(1.0, upper[np.clip(observed - offset, 0, pmf.size)])
+        return out
+    ordered = sorted(laws, key=lambda law: law[1].size)
+    first, second, size_a, size_b = [], [], 0, 0
+    for law in reversed(ordered):  # greedy balance of the two halves' supports
+        if size_a <= size_b:
+            first.append(law)
+            size_a += law[1].size
+        else:
+            second.append(law)
+            size_b += law[1].size
+    offset_a, pmf_a = _convolve_laws(first)
+    offset_b, pmf_b = _convolve_laws(second)
+    upper_b = np.append(np.cumsum(pmf_b[::-1])[::-1], 0.0)  # P(B >= offset_b + j), j = 0 .. size
+    shift = observed[:, None] - offset_a - offset_b - np.arange(pmf_a.size)[None, :]  # [O, |A|]
+    tails = upper_b[np.clip(shift, 0, pmf_b.size)]  # P(B >= o - i)
+    out = np.minimum(1.0, tails @ pmf_a)
+    return out
 
 
 def score_gumbel_text(
@@ -383,17 +407,16 @@ def attribute_gumbel_likelihood(
         margin = float(totals[order[0]]) - runner_up
     else:
         margin = float(totals[order[0]])
-    offset, pmf = result.null_law()
-    upper = np.cumsum(pmf[::-1])[::-1]  # upper[j] = P(units >= offset + j)
+    picked = candidates.blocks[order].astype(np.int64)  # [k, r]
+    observed_all = result.units[np.arange(picked.shape[1])[None, :], picked].sum(axis=1)  # [k]
+    raw = np.maximum(_tails(result.block_laws, observed_all), P_FLOOR)
     decoded = result.blocks
     out = []
     p_best, statistic = 1.0, 0
     for rank, idx in enumerate(order):
-        cand_blocks = candidates.blocks[idx].astype(np.int64)
-        observed = int(result.units[np.arange(cand_blocks.size), cand_blocks].sum())
-        j = observed - offset
-        p_raw = 1.0 if j <= 0 else 0.0 if j >= upper.size else float(upper[j])
-        p_value = min(1.0, p_raw * count * tries)
+        cand_blocks = picked[rank]
+        observed = int(observed_all[rank])
+        p_value = min(1.0, float(raw[rank]) * count * tries)
         if rank == 0:
             p_best, statistic = p_value, observed
         hamming = _hamming_blocks(cand_blocks, decoded, params)

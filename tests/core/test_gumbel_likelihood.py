@@ -19,7 +19,13 @@ from xmark_core import (
     decode,
     score_gumbel_text,
 )
-from xmark_core.gumbel_likelihood import LLR_FLOOR, _convolve_laws, _token_laws, gumbel_likelihood_identity_p
+from xmark_core.gumbel_likelihood import (
+    LLR_FLOOR,
+    _convolve_laws,
+    _tails,
+    _token_laws,
+    gumbel_likelihood_identity_p,
+)
 
 from .synthetic import OTHER_SECRET, SECRET, Generation, generate, random_messages
 
@@ -92,6 +98,21 @@ def test_convolution_keeps_tiny_tails() -> None:
     assert offset == 0 and pmf.size == 61
     assert pmf[-1] == pytest.approx(2.0**-60, rel=1e-9)
     assert pmf.sum() == pytest.approx(1.0)
+
+
+def test_tails_from_two_halves_equal_the_full_laws_tails() -> None:
+    rng = np.random.default_rng(4)
+    laws = []
+    for _ in range(7):
+        pmf = rng.random(int(rng.integers(1, 40)))
+        laws.append((int(rng.integers(-30, 5)), pmf / pmf.sum()))
+    offset, pmf = _convolve_laws(laws)
+    observed = np.arange(offset - 3, offset + pmf.size + 3)
+    full = np.array([pmf[max(0, o - offset) :].sum() if o - offset < pmf.size else 0.0 for o in observed])
+    assert np.allclose(_tails(laws, observed), np.minimum(1.0, full), rtol=1e-12, atol=0.0)
+    assert np.allclose(
+        _tails(laws[:1], observed), [min(1.0, laws[0][1][max(0, o - laws[0][0]) :].sum()) for o in observed]
+    )
 
 
 # ---- calibration ----------------------------------------------------------------------------------
