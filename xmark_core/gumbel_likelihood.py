@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -58,7 +57,16 @@ from .errors import DecodeInputError, ParamsError
 from .gumbel import hashed, value_codes
 from .hashing import block_index, context_multipliers, token_codes
 from .keys import WatermarkKey
-from .likelihood import DEFAULT_EDIT_RATE, DEFAULT_TEMPERATURE, LikelihoodAttribution, ModelScores, tempered
+from .likelihood import (
+    DEFAULT_EDIT_RATE,
+    DEFAULT_TEMPERATURE,
+    BlockScores,
+    LikelihoodAttribution,
+    ModelScores,
+    rank_by_likelihood,
+    tempered,
+)
+from .params import WatermarkParams
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -81,7 +89,7 @@ BOUND = "exact tail of the grid-rounded log-likelihood ratio under the keyed-has
 
 
 @dataclass(frozen=True)
-class GumbelLikelihoodResult:
+class GumbelLikelihoodResult(BlockScores):
     """What the model-aware ``gumbel`` decoder read from one text under one key.
 
     scores: float64 [r, D] S[i, v], the sum of g_t(v) over block i; units: int64 [r, D] the same on
@@ -90,7 +98,7 @@ class GumbelLikelihoodResult:
     step: the grid's step (nats); block_laws: per block, (offset, pmf) of its units' null law.
     """
 
-    params: Any
+    params: WatermarkParams
     temperature: float
     text_length: int
     scores: FloatArray
@@ -102,31 +110,6 @@ class GumbelLikelihoodResult:
     step: float = 1.0 / STEPS_PER_NAT
     block_laws: tuple[tuple[int, FloatArray], ...] = field(default=(), repr=False)
     edit_rate: float = 0.0
-
-    @property
-    def scored_tokens(self) -> int:
-        return int(self.positions.size)
-
-    @property
-    def blocks(self) -> IntArray:
-        """int64 [r]: the likeliest value of each block (-1 where no token was scored)."""
-        values: IntArray = self.scores.argmax(axis=1)
-        values[self.row_counts == 0] = -1
-        return values
-
-    @property
-    def bits(self) -> str:
-        d = self.params.block_bits
-        return "".join("?" * d if v < 0 else format(int(v), f"0{d}b") for v in self.blocks)
-
-    @property
-    def block_confidence(self) -> FloatArray:
-        """float64 [r]: posterior of each block's likeliest value (uniform prior over the D values)."""
-        shifted = self.scores - self.scores.max(axis=1, keepdims=True)
-        posterior = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
-        out: FloatArray = posterior.max(axis=1)
-        out[self.row_counts == 0] = 0.0
-        return out
 
     def token_llr(self, blocks: Sequence[int] | IntArray) -> FloatArray:
         """float64 [text_length]: each position's g_t (nats) for a message with these block values;
@@ -397,16 +380,7 @@ def attribute_gumbel_likelihood(
     if count == 0 or result.scored_tokens == 0:
         return LikelihoodAttribution([], None, 1.0, 0.0, 0.0, 0, bound=BOUND)
     totals = candidates.hits(result.scores)  # float64 [C]: L(m)
-    k = min(top, count)
-    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
-    order = order[np.argsort(-totals[order], kind="stable")]
-    shifted = totals - totals[order[0]]
-    confidence = float(1.0 / np.exp(shifted).sum())
-    if count > 1:
-        runner_up = float(totals[order[1]]) if k > 1 else float(np.partition(totals, count - 2)[count - 2])
-        margin = float(totals[order[0]]) - runner_up
-    else:
-        margin = float(totals[order[0]])
+    order, confidence, margin = rank_by_likelihood(totals, top)
     picked = candidates.blocks[order].astype(np.int64)  # [k, r]
     observed_all = result.units[np.arange(picked.shape[1])[None, :], picked].sum(axis=1)  # [k]
     raw = np.maximum(_tails(result.block_laws, observed_all), P_FLOOR)

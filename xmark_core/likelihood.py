@@ -151,27 +151,14 @@ def _boosted(shards: IntArray, params: WatermarkParams) -> BoolArray:
     return out  # [..., D]
 
 
-@dataclass(frozen=True)
-class LikelihoodResult:
-    """What the likelihood decoder read from one text under one key.
-
-    scores: float64 [r, D] S[i, v]; row_counts: int64 [r] scored tokens per block;
-    positions: int64 [m] the text positions scored; rows: int64 [m] their blocks;
-    boosted: bool [m, D] B_t(v); weights: float64 [m, D] log LR_t(v); offsets: float64 [m, D]
-    log(gamma LR + 1 - gamma); so llr = boosted * weights - offsets.
-    """
+class BlockScores:
+    """What every likelihood reading of a text gives: block scores S[i, v] (float64 [r, D]), the
+    scored tokens per block and the positions scored."""
 
     params: WatermarkParams
-    temperature: float
-    text_length: int
     scores: FloatArray
     row_counts: IntArray
     positions: IntArray
-    rows: IntArray
-    boosted: BoolArray
-    weights: FloatArray = field(repr=False)
-    offsets: FloatArray = field(repr=False)
-    edit_rate: float = 0.0
 
     @property
     def scored_tokens(self) -> int:
@@ -197,6 +184,46 @@ class LikelihoodResult:
         out: FloatArray = posterior.max(axis=1)
         out[self.row_counts == 0] = 0.0
         return out
+
+
+def rank_by_likelihood(totals: FloatArray, top: int) -> tuple[IntArray, float, float]:
+    """The ``top`` candidates by log-likelihood ratio L (descending), the best's posterior (softmax
+    of L over all candidates) and its margin in L over the runner-up."""
+    count = totals.size
+    k = min(top, count)
+    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
+    order = order[np.argsort(-totals[order], kind="stable")]
+    shifted = totals - totals[order[0]]
+    confidence = float(1.0 / np.exp(shifted).sum())
+    if count > 1:
+        runner_up = float(totals[order[1]]) if k > 1 else float(np.partition(totals, count - 2)[count - 2])
+        margin = float(totals[order[0]]) - runner_up
+    else:
+        margin = float(totals[order[0]])
+    return order, confidence, margin
+
+
+@dataclass(frozen=True)
+class LikelihoodResult(BlockScores):
+    """What the likelihood decoder read from one text under one key.
+
+    scores: float64 [r, D] S[i, v]; row_counts: int64 [r] scored tokens per block;
+    positions: int64 [m] the text positions scored; rows: int64 [m] their blocks;
+    boosted: bool [m, D] B_t(v); weights: float64 [m, D] log LR_t(v); offsets: float64 [m, D]
+    log(gamma LR + 1 - gamma); so llr = boosted * weights - offsets.
+    """
+
+    params: WatermarkParams
+    temperature: float
+    text_length: int
+    scores: FloatArray
+    row_counts: IntArray
+    positions: IntArray
+    rows: IntArray
+    boosted: BoolArray
+    weights: FloatArray = field(repr=False)
+    offsets: FloatArray = field(repr=False)
+    edit_rate: float = 0.0
 
     def token_llr(self, blocks: Sequence[int] | IntArray) -> FloatArray:
         """float64 [text_length]: each position's evidence (nats) for a message with these block
@@ -513,16 +540,7 @@ def attribute_likelihood(
     if count == 0 or result.scored_tokens == 0:
         return LikelihoodAttribution([], None, 1.0, 0.0, 0.0, 0)
     totals = candidates.hits(result.scores)  # float64 [C]: L(m)
-    k = min(top, count)
-    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
-    order = order[np.argsort(-totals[order], kind="stable")]
-    shifted = totals - totals[order[0]]
-    confidence = float(1.0 / np.exp(shifted).sum())
-    if count > 1:
-        runner_up = float(totals[order[1]]) if k > 1 else float(np.partition(totals, count - 2)[count - 2])
-        margin = float(totals[order[0]]) - runner_up
-    else:
-        margin = float(totals[order[0]])
+    order, confidence, margin = rank_by_likelihood(totals, top)
     decoded = result.blocks
     out = []
     p_best, statistic = 1.0, 0
