@@ -51,9 +51,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks, largest_exact_p
-from .decoder import MAX_TOKEN_ID
 from .detect import DEFAULT_ALPHA
-from .errors import DecodeInputError, ParamsError
+from .errors import ParamsError
 from .gumbel import hashed, value_codes
 from .hashing import block_index, context_multipliers, token_codes
 from .keys import WatermarkKey
@@ -63,6 +62,7 @@ from .likelihood import (
     BlockScores,
     LikelihoodAttribution,
     ModelScores,
+    checked_text,
     rank_by_likelihood,
     tempered,
 )
@@ -247,21 +247,8 @@ def score_gumbel_text(
     params = key.params
     if not params.distortion_free:
         raise ParamsError("score_gumbel_text reads scheme 'gumbel' only; biasing schemes are read by score_text()")
-    if not (temperature > 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
-    if not 0.0 <= edit_rate < 1.0:
-        raise ValueError(f"edit_rate must be in [0, 1) (got {edit_rate})")
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise DecodeInputError("token ids must be one 1-D sequence of integers")
-    ids = ids.astype(np.int64, copy=False)
+    ids = checked_text(token_ids, scores, temperature, edit_rate)
     n = ids.size
-    if n < 3:
-        raise DecodeInputError("need a text of 3 or more tokens (the first two are context)")
-    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
-        raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
-    if scores.token_logprobs.shape[0] != n:
-        raise DecodeInputError(f"model scores cover {scores.token_logprobs.shape[0]} positions, the text has {n}")
     r, values_n = params.num_blocks, params.num_shards
     positions = _scored_positions(ids, np.fromiter(skip_ids, dtype=np.int64), dedup)
     positions = positions[np.isfinite(scores.token_logprobs[positions])]

@@ -236,6 +236,28 @@ class LikelihoodResult(BlockScores):
         return out
 
 
+def checked_text(
+    token_ids: Sequence[int] | IntArray, scores: ModelScores, temperature: float, edit_rate: float
+) -> IntArray:
+    """The token ids of a text a likelihood reading can score (int64 [n]), or the reason it cannot."""
+    if not (temperature > 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
+    if not 0.0 <= edit_rate < 1.0:
+        raise ValueError(f"edit_rate must be in [0, 1) (got {edit_rate})")
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise DecodeInputError("token ids must be one 1-D sequence of integers")
+    ids = ids.astype(np.int64, copy=False)
+    n = ids.size
+    if n < 3:
+        raise DecodeInputError("need a text of 3 or more tokens (the first two are context)")
+    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+        raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+    if scores.token_logprobs.shape[0] != n:
+        raise DecodeInputError(f"model scores cover {scores.token_logprobs.shape[0]} positions, the text has {n}")
+    return ids
+
+
 def score_text(
     token_ids: Sequence[int] | IntArray,
     scores: ModelScores,
@@ -256,21 +278,8 @@ def score_text(
             "score_text is the likelihood decoder of the biasing schemes; scheme 'gumbel' is read by decode() "
             "(counting) or score_gumbel_text() (model-aware)"
         )
-    if not (temperature > 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
-    if not 0.0 <= edit_rate < 1.0:
-        raise ValueError(f"edit_rate must be in [0, 1) (got {edit_rate})")
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise DecodeInputError("token ids must be one 1-D sequence of integers")
-    ids = ids.astype(np.int64, copy=False)
+    ids = checked_text(token_ids, scores, temperature, edit_rate)
     n = ids.size
-    if n < 3:
-        raise DecodeInputError("need a text of 3 or more tokens (the first two are context)")
-    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
-        raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
-    if scores.token_logprobs.shape[0] != n:
-        raise DecodeInputError(f"model scores cover {scores.token_logprobs.shape[0]} positions, the text has {n}")
     params = key.params
     r, shards_n = params.num_blocks, params.num_shards
     prev2, prev1, token = ids[:-2], ids[1:-1], ids[2:]  # position t = index + 2
