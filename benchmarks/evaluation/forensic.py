@@ -197,13 +197,7 @@ SMALL = ForensicConfig(
 )
 
 
-PRESETS = {
-    "forensic": FORENSIC,
-    "strength": STRENGTH,
-    "entropy": ENTROPY,
-    "gumbel": GUMBEL,
-    "small": SMALL,
-}
+PRESETS = {"forensic": FORENSIC, "strength": STRENGTH, "entropy": ENTROPY, "gumbel": GUMBEL, "small": SMALL}
 
 
 def _log(message: str) -> None:
