@@ -29,6 +29,14 @@ seconds per 1,000 requests (user + system time of its whole process tree, over e
 cell, warm-up included), its RSS, a stream's time to first byte and per-chunk time, and every
 non-2xx answer by status. The vLLM cells add tokens/s and the gateway's tokens/s over direct.
 
+``--vllm-cores 0`` gives the vLLM worker's forward pass cores of its own, as a GPU worker has its own
+accelerator: vLLM binds its compute threads to the listed cores (``VLLM_CPU_OMP_THREADS_BIND``), and
+every other process of the vLLM cells (this one, the load generator, the gateways, vLLM's own API
+server and scheduler, and a PostgreSQL server of the run's own, started for them, as the shared
+server's processes cannot be moved) runs on the remaining cores, the host's CPU of a GPU
+deployment. Without it, vLLM binds its compute thread to one core but everything else floats over
+both, and whatever lands on that core during a decoding step stalls the step.
+
 The last line is one JSON object: ``results`` (one object per upstream, concurrency, stream,
 processes), ``litellm_version``, the machine and the settings.
 """
@@ -58,6 +66,7 @@ import psutil
 from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
 from benchmarks.litellm_proxy import LITELLM_PYTHON, LitellmProxy, litellm_version, start_litellm
 from benchmarks.pg_admin import create_database, drop_database
+from benchmarks.pg_server import PrivatePostgres
 from benchmarks.vllm_overhead import stop_server, wait_healthy
 from service.db import upgrade_database
 
@@ -146,10 +155,8 @@ class Xmark:
     port: int = 0
 
     @classmethod
-    async def prepare(cls, upstream_url: str, workdir: Path) -> Xmark:
-        database_url = (
-            f"{os.environ.get('XMARK_BENCH_POSTGRES', DEFAULT_POSTGRES)}/xmark_gateways_{secrets.token_hex(4)}"
-        )
+    async def prepare(cls, upstream_url: str, workdir: Path, postgres: str) -> Xmark:
+        database_url = f"{postgres}/xmark_gateways_{secrets.token_hex(4)}"
         await create_database(database_url)
         await asyncio.to_thread(upgrade_database, database_url)
         env = {
@@ -205,7 +212,7 @@ class Xmark:
 class Upstream:
     """The fake server or a CPU vLLM worker."""
 
-    def __init__(self, kind: str, workdir: Path, max_num_seqs: int) -> None:
+    def __init__(self, kind: str, workdir: Path, max_num_seqs: int, cores: list[int] | None = None) -> None:
         self.kind = kind
         self.port = free_port()
         self.log = workdir / f"upstream-{kind}.log"
@@ -220,6 +227,8 @@ class Upstream:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             command = vllm_serve_command(CHECKPOINT, self.port, max_num_seqs=max_num_seqs)
             command[0] = str(VLLM_PYTHON)
+            if cores:  # the forward pass's threads, bound by vLLM itself; its other processes stay beside the gateway
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         self.command = command
         self.env = env
         self.process: subprocess.Popen[bytes] | None = None
@@ -428,12 +437,45 @@ async def run_upstream(
     """Every cell of one upstream; the second value: targets that could not run, and why."""
     concurrencies = args.concurrency if kind == "fake" else args.vllm_concurrency
     seconds = args.seconds if kind == "fake" else args.vllm_seconds
-    upstream = Upstream(kind, workdir, max_num_seqs=max(concurrencies))
-    xmark: Xmark | None = None
+    worker_cores = args.vllm_cores if kind == "vllm" else None
+    upstream = Upstream(kind, workdir, max_num_seqs=max(concurrencies), cores=worker_cores)
     skipped: dict[str, str] = {}
+    with contextlib.ExitStack() as pinned:  # the private server stops after the gateway's database is dropped
+        postgres = os.environ.get("XMARK_BENCH_POSTGRES", DEFAULT_POSTGRES)
+        if worker_cores:
+            postgres = await asyncio.to_thread(_pin_beside_worker, worker_cores, pinned)
+        results = await _run_targets(kind, upstream, args, workdir, postgres, concurrencies, seconds, skipped)
+    return results, skipped
+
+
+def _pin_beside_worker(worker_cores: list[int], stack: contextlib.ExitStack) -> str:
+    """Move this process (and so every process it starts: the load generator, the gateways, vLLM's
+    processes but for the compute threads vLLM binds, PostgreSQL) off the worker's cores until
+    ``stack`` closes; start a PostgreSQL server of its own there; its base URL."""
+    before = os.sched_getaffinity(0)
+    rest = before - set(worker_cores)
+    os.sched_setaffinity(0, rest)
+    stack.callback(os.sched_setaffinity, 0, before)
+    server = PrivatePostgres()
+    stack.callback(server.close)
+    server.init()
+    return f"postgresql+asyncpg://xmark@127.0.0.1:{server.port}"
+
+
+async def _run_targets(
+    kind: str,
+    upstream: Upstream,
+    args: argparse.Namespace,
+    workdir: Path,
+    postgres: str,
+    concurrencies: list[int],
+    seconds: float,
+    skipped: dict[str, str],
+) -> list[dict[str, Any]]:
+    xmark: Xmark | None = None
     results: list[dict[str, Any]] = []
     try:
-        xmark = await Xmark.prepare(upstream.base_url, workdir)
+        xmark = await Xmark.prepare(upstream.base_url, workdir, postgres)
         await upstream.start(xmark.env["XMARK_WATERMARK_SECRETS"])
         direct = Target("direct", f"{upstream.base_url}/v1/chat/completions", [], [upstream.process.pid])  # type: ignore[union-attr]
         if kind == "vllm":  # the worker does the watermark's work for direct requests too
@@ -462,7 +504,7 @@ async def run_upstream(
         upstream.stop()
         if xmark is not None:
             await xmark.drop()
-    return results, skipped
+    return results
 
 
 def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -538,6 +580,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "vllm_tokens": VLLM_TOKENS,
             "prompt": PROMPT,
             "vllm_prompt": VLLM_PROMPT,
+            # None: the worker shares every core with the rest; else its cores, and the others'
+            "vllm_cores": args.vllm_cores,
+            "vllm_others_cores": sorted(os.sched_getaffinity(0) - set(args.vllm_cores)) if args.vllm_cores else None,
+            "vllm_postgres": "own server beside the gateway" if args.vllm_cores else "the shared server",
         },
     }
 
@@ -553,6 +599,12 @@ def main() -> None:
     parser.add_argument("--vllm-concurrency", type=_ints, default=[1, 16])
     parser.add_argument("--processes", type=_ints, default=[1, os.cpu_count() or 1])
     parser.add_argument("--vllm-processes", type=_ints, default=[1], help="gateway processes before vLLM")
+    parser.add_argument(
+        "--vllm-cores",
+        type=_ints,
+        default=None,
+        help="cores of the vLLM forward pass's own (e.g. 0); the rest of the vLLM cells runs on the other cores",
+    )
     parser.add_argument("--vllm-seconds", type=float, default=15.0, help="measured seconds per vLLM cell")
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per cell and round")
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -561,6 +613,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.litellm and not LITELLM_PYTHON.exists():
         parser.error("LiteLLM's virtualenv is missing: make venv-litellm (or --no-litellm)")
+    if args.vllm_cores is not None:
+        allowed = os.sched_getaffinity(0)
+        if not args.vllm_cores or not set(args.vllm_cores) < allowed:
+            parser.error(f"--vllm-cores must name some, not all, of this process's cores {sorted(allowed)}")
     report = asyncio.run(main_async(args))
     print(json.dumps(report))
 

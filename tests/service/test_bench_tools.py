@@ -4,14 +4,18 @@ loopback: what they report must be true, or every figure built on them is wrong.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks.launch import free_port
@@ -82,3 +86,36 @@ async def test_the_load_generator_counts_refusals_by_status_with_a_sample(upstre
     result = await asyncio.to_thread(_load, f"{upstream}/v1/nothing")
     assert result["requests"] == 0 and result["errors"]["404"] > 0
     assert set(result["error_samples"]) == {"404"}
+
+
+def _listeners(port: int) -> list[psutil.Process]:
+    return [
+        psutil.Process(c.pid)
+        for c in psutil.net_connections("tcp")
+        if c.pid and c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+    ]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to set one apart")
+def test_pinning_beside_the_worker_moves_the_run_and_its_own_postgres_off_the_worker_cores() -> None:
+    """``bench_gateways --vllm-cores``: the run, and the PostgreSQL server it starts, leave the
+    worker's cores while the pin lasts; the vLLM worker is told to bind its compute threads there;
+    the run's cores come back, and its server goes, afterwards."""
+    from benchmarks import bench_gateways, pg_server
+
+    if not pg_server.available():
+        pytest.skip("no PostgreSQL binaries to run a private server")
+    before = os.sched_getaffinity(0)
+    worker = [min(before)]
+    with contextlib.ExitStack() as stack:
+        base_url = bench_gateways._pin_beside_worker(worker, stack)
+        assert os.sched_getaffinity(0) == before - set(worker)
+        port = int(base_url.rsplit(":", 1)[1])
+        servers = _listeners(port)
+        assert servers, "the run's own PostgreSQL server is not listening"
+        assert all(set(server.cpu_affinity()) == before - set(worker) for server in servers)
+    assert os.sched_getaffinity(0) == before
+    assert not _listeners(port)
+    pinned = bench_gateways.Upstream("vllm", Path("/tmp"), max_num_seqs=1, cores=worker)
+    assert pinned.env["VLLM_CPU_OMP_THREADS_BIND"] == str(worker[0])
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in bench_gateways.Upstream("vllm", Path("/tmp"), max_num_seqs=1).env
