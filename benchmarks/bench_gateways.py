@@ -123,6 +123,28 @@ class Target:
 
 # -- the processes ---------------------------------------------------------------------------------
 
+# What each gateway process logs once its start-up work is done (``service.resources``): the trace
+# null distributions simulated on a worker thread and the start-up heap frozen. /readyz answers
+# before that (chat is served meanwhile), but the simulation takes seconds of CPU that would land
+# in the first cell's figures, and on the vLLM worker's cores.
+START_UP_DONE = "start-up heap frozen"
+
+
+async def wait_start_up(
+    log: Path, processes: int, process: subprocess.Popen[bytes], timeout: float = START_TIMEOUT_S
+) -> None:
+    """Wait until ``processes`` gateway processes have logged the end of their start-up work."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = (await asyncio.to_thread(log.read_text, errors="replace")).splitlines()
+        if sum(START_UP_DONE in line for line in lines) >= processes:
+            return
+        if process.poll() is not None:
+            raise RuntimeError(f"the gateway exited during start-up:\n{chr(10).join(lines[-20:])}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway's {processes} processes did not finish start-up in {timeout:.0f} s")
+        await asyncio.sleep(0.25)
+
 
 def _popen(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as handle:
@@ -193,6 +215,7 @@ class Xmark:
         command += ["--workers", str(workers)]
         self.process = _popen(command, self.env, log)
         await _wait_http(f"http://127.0.0.1:{self.port}/readyz", self.process, log)
+        await wait_start_up(log, workers, self.process)
         return Target(
             "xmark",
             f"http://127.0.0.1:{self.port}/v1/chat/completions",

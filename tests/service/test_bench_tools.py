@@ -119,3 +119,33 @@ def test_pinning_beside_the_worker_moves_the_run_and_its_own_postgres_off_the_wo
     pinned = bench_gateways.Upstream("vllm", Path("/tmp"), max_num_seqs=1, cores=worker)
     assert pinned.env["VLLM_CPU_OMP_THREADS_BIND"] == str(worker[0])
     assert "VLLM_CPU_OMP_THREADS_BIND" not in bench_gateways.Upstream("vllm", Path("/tmp"), max_num_seqs=1).env
+
+
+def test_the_benchmark_waits_for_every_gateway_process_to_end_its_start_up(tmp_path: Path) -> None:
+    """``bench_gateways.wait_start_up``: returns once as many processes as asked have logged the end
+    of their start-up work, and fails (never waits forever) when they do not."""
+    from benchmarks import bench_gateways
+
+    log = tmp_path / "gateway.log"
+    log.write_text('{"message": "trace null distributions ready"}\n')
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+
+        async def finish_later() -> None:
+            await asyncio.sleep(0.5)
+            with log.open("a") as handle:
+                handle.write(f'{{"message": "{bench_gateways.START_UP_DONE}"}}\n' * 2)
+
+        async def both() -> float:
+            started = time.monotonic()
+            await asyncio.gather(bench_gateways.wait_start_up(log, 2, process, timeout=10), finish_later())
+            return time.monotonic() - started
+
+        assert asyncio.run(both()) >= 0.5
+        with pytest.raises(RuntimeError, match="did not finish start-up"):
+            asyncio.run(bench_gateways.wait_start_up(log, 3, process, timeout=0.5))
+    finally:
+        process.kill()
+        process.wait()
+    with pytest.raises(RuntimeError, match="exited during start-up"):
+        asyncio.run(bench_gateways.wait_start_up(log, 3, process, timeout=10))
