@@ -55,7 +55,7 @@ import numpy as np
 
 from service.config import Settings
 from service.keyring import KeyVersionHandle
-from service.provenance.retrieval import LoggedSketch, MemoryIndex
+from service.provenance.retrieval import LoggedSketch, MemoryIndex, Retrieved
 from service.provenance.sketch import Sketcher, derive_sketch_key
 from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
@@ -320,11 +320,11 @@ class Evaluation:
         """What /trace answers (decoder auto), and the users of the leads, best first."""
         leads_seen: list[int] = []
 
-        async def analyze(lead_users: list[int]) -> FanoutOutcome:
-            leads_seen.extend(lead_users)
+        async def analyze(retrieved: Retrieved) -> FanoutOutcome:
+            leads_seen.extend(retrieved.users)
             plan = plan_for(
                 [LengthGroup((handle,), snapshot)],
-                lead_users,
+                retrieved,
                 decoders_for(TraceDecoder.AUTO, scorer_available=True),
             )
             reading = TextReading(scored.ids, self.tokenizer, alpha=ALPHA, temperature=0.7)

@@ -12,6 +12,7 @@ from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.fleet import model_settings, tokenizer_fingerprint
 from service.keyring import Keyring, params_from_settings
+from service.provenance.retrieval import Retrieved
 from service.repositories.provenance import ProvenanceRepository
 from service.resources import sketcher_for
 from service.services.provenance import ProvenanceSearch
@@ -56,10 +57,10 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
                 for group in group_by_length(versions)
             ]
 
-            async def analyze(lead_users: list[int]) -> FanoutOutcome:
+            async def analyze(retrieved: Retrieved) -> FanoutOutcome:
                 counting = (TraceDecoder.COUNTING,)
                 readings = tuple(ReadingPlan(tuple(names), counting) for names, _, _ in tokenized)
-                plan = plan_for(groups, lead_users, counting, readings)
+                plan = plan_for(groups, retrieved, counting, readings)
                 texts = [
                     TextReading(ids, tokenizer, alpha=settings.trace_alpha, temperature=settings.trace_temperature)
                     for _, tokenizer, ids in tokenized

@@ -39,6 +39,14 @@ DEFAULT_MAX_SHARE = 0.02
 DEFAULT_MIN_TERMS = 12
 # below this many sketched completions every term counts as informative
 MIN_TOTAL_FOR_SHARE = 1_000
+# A near-copy: a logged completion that holds at least this share of the suspect text's content
+# (``similarity``) and whose word 3-gram shingles agree with the text's in at least this share of
+# the MinHash positions (an estimate of their Jaccard similarity; 8 of 32). The first half of a
+# logged completion scores about 1.0 and 0.5. Answers to one prompt share little wording (four
+# answers at temperature 0.7: 4-gram Jaccard 0.065, docs/results/QUALITY.md), and the model's own
+# rewrites keep a median 16-19 % of the original's 3-grams (docs/results/PROVENANCE.md).
+NEAR_COPY_SIMILARITY = 0.9
+NEAR_COPY_SHINGLES = 0.25
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,27 @@ def rank(query: Sketch, stats: TermStats, candidates: Iterable[LoggedSketch], *,
     ]
     leads.sort(key=lambda lead: (-lead.similarity, -lead.shingle_similarity, -lead.generation_id))
     return leads[:top]
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """What a content search of the log gives /trace's fan-out: the users of the leads, best first,
+    and ``copy_holder``, the one user whose logged completions hold a near-copy of the text (None
+    when no user's do, or when several users' do)."""
+
+    users: tuple[int, ...] = ()
+    copy_holder: int | None = None
+
+
+def copy_holder(leads: Iterable[Lead]) -> int | None:
+    """The one user whose leads include a near-copy of the text (``NEAR_COPY_*``); None when no
+    lead is one or when near-copies belong to more than one user."""
+    holders = {
+        lead.user_id
+        for lead in leads
+        if lead.similarity >= NEAR_COPY_SIMILARITY and lead.shingle_similarity >= NEAR_COPY_SHINGLES
+    }
+    return next(iter(holders)) if len(holders) == 1 else None
 
 
 def lead_users(leads: Sequence[Lead], *, min_similarity: float, limit: int) -> list[int]:

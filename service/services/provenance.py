@@ -17,7 +17,16 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from service.models import utcnow
-from service.provenance.retrieval import Lead, LoggedSketch, TermStats, lead_users, rank, select_terms
+from service.provenance.retrieval import (
+    Lead,
+    LoggedSketch,
+    Retrieved,
+    TermStats,
+    copy_holder,
+    lead_users,
+    rank,
+    select_terms,
+)
 from service.provenance.sketch import QUERY_TERM_LIMIT, Sketch, Sketcher
 from service.repositories.provenance import ProvenanceRepository
 from service.schemas.trace import Corroboration, CorroborationMatch
@@ -110,16 +119,20 @@ class ProvenanceSearch:
         s = self._settings
         return lead_users(leads, min_similarity=s.provenance_lead_similarity, limit=s.provenance_leads)
 
+    def retrieved(self, leads: Sequence[Lead]) -> Retrieved:
+        """The lead users and the copy holder (``retrieval.copy_holder``) the fan-out plans with."""
+        return Retrieved(tuple(self.lead_users(leads)), copy_holder(leads))
+
     async def witness(
-        self, text: str, analyze: Callable[[list[int]], Awaitable[FanoutOutcome]], *, inline: bool = True
+        self, text: str, analyze: Callable[[Retrieved], Awaitable[FanoutOutcome]], *, inline: bool = True
     ) -> TraceOutcome:
         """A trace with the log as second witness: the leads (content only) are found first, so the
         fan-out's plan may include the users they point to; ``analyze`` runs the plan given those
-        users; the outcome's report gains ``named_by`` and ``corroboration``. ``inline``: sketch
-        the text on the event loop (short texts), else on a worker thread."""
+        users (and the copy holder); the outcome's report gains ``named_by`` and ``corroboration``.
+        ``inline``: sketch the text on the event loop (short texts), else on a worker thread."""
         query = self.sketch(text) if inline else await asyncio.to_thread(self.sketch, text)
         leads = await self.search(query, top=max(self._settings.provenance_leads, MATCHES_SHOWN))
-        fanout = await analyze(self.lead_users(leads))
+        fanout = await analyze(self.retrieved(leads))
         outcome = fanout.outcome
         corroboration = await self.corroborate(query, leads, outcome.attributed_user_id)
         named_by = None

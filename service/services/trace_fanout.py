@@ -25,6 +25,15 @@ the posterior confidence a naming needs there (``DEFAULT_MIN_CONFIDENCE``): only
 p-value, which pays for every registered user, may fall short. A registry user who explains the
 watermark as well or better withdraws it. The rule only withdraws namings, so the count stays
 valid.
+
+One retrieved user is exempt from the registry's ranking: the copy holder, the only user whose
+logged completions hold a near-copy of the text (``retrieval.copy_holder``). The case the rule
+guards against needs a text that carries another user's watermark; a near-copy in the holder's log
+says the gateway served this text to the holder, so the holder's own test among the retrieved
+users (its p-value corrected for them and for every test of the plan, its posterior among them)
+suffices. In a registry of 10^6 the author's nearest registered IDs differ in a block or two, and
+a 150-token text rarely gives the registry-wide posterior the confidence a naming needs. Where two
+users' logs hold near-copies there is no holder and the rule applies to both.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from service.provenance.retrieval import Retrieved
 from service.services.trace_analysis import (
     LengthGroup,
     TraceOutcome,
@@ -64,6 +74,8 @@ class CandidateSet:
 
     scope: CandidateScope
     groups: tuple[LengthGroup, ...]
+    # the retrieved set only: the one user whose logged completions hold a near-copy of the text
+    copy_holder: int | None = None
 
 
 @dataclass(frozen=True)
@@ -232,13 +244,18 @@ class TraceFanout:
                 scored[model] = await source()
             return scored[model]
 
-        def stands(outcome: TraceOutcome, model: str, decoder: TraceDecoder, scope: CandidateScope) -> bool:
+        def stands(outcome: TraceOutcome, model: str, decoder: TraceDecoder, candidates: CandidateSet) -> bool:
             """Records a registry outcome; whether ``outcome``'s naming stands."""
-            if scope == CandidateScope.REGISTRY:
+            if candidates.scope == CandidateScope.REGISTRY:
                 registry[(model, decoder)] = outcome
                 return outcome.named
+            if not outcome.named:
+                return False
+            user = outcome.attributed_user_id
+            if user is not None and user == candidates.copy_holder:
+                return True  # the gateway served this text to that user (see the module's docstring)
             ranked = registry.get((model, decoder))
-            return outcome.named and ranked is not None and _ranks_first(ranked, outcome.attributed_user_id)
+            return ranked is not None and _ranks_first(ranked, user)
 
         for candidates in plan.candidate_sets:
             readings = list(zip(plan.reading_plans, self.readings, strict=True))
@@ -250,7 +267,7 @@ class TraceFanout:
                 if TraceDecoder.COUNTING in reading_plan.decoders:
                     model = reading_plan.models[0]
                     first = await run_counting(functools.partial(self.counting, candidates, reading))
-                    if stands(first, model, TraceDecoder.COUNTING, candidates.scope) and counting_names:
+                    if stands(first, model, TraceDecoder.COUNTING, candidates) and counting_names:
                         return FanoutOutcome(first, candidates.scope, plan.tries, model)
                 counted.append(first)
             for (reading_plan, reading), first in zip(readings, counted, strict=True):
@@ -263,7 +280,7 @@ class TraceFanout:
                         work = functools.partial(self.likelihood, candidates, scores, first, reading)
                         outcome = await run_likelihood(work)
                         last_model = model
-                        if stands(outcome, model, TraceDecoder.LIKELIHOOD, candidates.scope):
+                        if stands(outcome, model, TraceDecoder.LIKELIHOOD, candidates):
                             return FanoutOutcome(outcome, candidates.scope, plan.tries, model)
                 if candidates.scope == CandidateScope.REGISTRY and outcome is not None:
                     reported.append((outcome, last_model))
@@ -317,17 +334,21 @@ def decoders_for(requested: TraceDecoder, *, scorer_available: bool) -> tuple[Tr
 
 def plan_for(
     registry: Sequence[LengthGroup],
-    retrieved_users: Sequence[int],
+    retrieved: Retrieved | Sequence[int],
     decoders: tuple[TraceDecoder, ...],
     readings: tuple[ReadingPlan, ...] | None = None,
 ) -> FanoutPlan:
     """The registry, and the retrieved users when a content search found any that hold a message
     ID of a length the registry reads. The retrieved set reads every key version the registry
     reads (a length where no lead holds an ID has no candidate there), so the count is the same.
+    ``retrieved``: the search's result (or just its users: no copy holder).
     ``readings``: the text's readings by the served models (None: one, by one model)."""
+    if not isinstance(retrieved, Retrieved):
+        retrieved = Retrieved(tuple(retrieved))
     sets = [CandidateSet(CandidateScope.REGISTRY, tuple(registry))]
-    if retrieved_users:
-        groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(retrieved_users)) for g in registry)
+    if retrieved.users:
+        groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(list(retrieved.users))) for g in registry)
         if any(len(g.snapshot) for g in groups):
-            sets.append(CandidateSet(CandidateScope.RETRIEVED, groups))
+            holder = retrieved.copy_holder if retrieved.copy_holder in retrieved.users else None
+            sets.append(CandidateSet(CandidateScope.RETRIEVED, groups, holder))
     return FanoutPlan(tuple(sets), decoders, readings)

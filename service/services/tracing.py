@@ -25,6 +25,7 @@ from service.errors import (
 )
 from service.fleet import Fleet, ServedModel, models_by_tokenizer
 from service.models import utcnow
+from service.provenance.retrieval import Retrieved
 from service.repositories.provenance import PlannerStatistics, ProvenanceRepository
 from service.schemas.common import Principal
 from service.schemas.trace import (
@@ -238,7 +239,7 @@ class TracingService:
         request: TraceRequest,
         readings: Sequence[_ModelsReading],
         groups: Sequence[LengthGroup],
-        lead_users: list[int],
+        retrieved: Retrieved,
         *,
         identity_level: float | None = None,
     ) -> FanoutOutcome:
@@ -290,7 +291,7 @@ class TracingService:
                 scorers = ()
             plans.append(ReadingPlan(tuple(m.name for m in reading.models), decoders, scorers))
         used = tuple(d for d in (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD) if any(d in p.decoders for p in plans))
-        plan = plan_for(groups, lead_users, used, tuple(plans))
+        plan = plan_for(groups, retrieved, used, tuple(plans))
         fanout = TraceFanout(
             plan,
             [

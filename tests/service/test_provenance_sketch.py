@@ -12,6 +12,7 @@ from service.provenance.retrieval import (
     LoggedSketch,
     MemoryIndex,
     TermStats,
+    copy_holder,
     lead_users,
     select_terms,
     similarity,
@@ -141,6 +142,22 @@ def test_a_paraphrase_finds_its_source_among_unrelated_completions(sketcher: Ske
     assert index.search(query, top=5, user_id=20) == []  # shares no rare term with the paraphrase
     assert [lead.user_id for lead in index.search(query, top=5, user_id=10)] == [10]
     assert lead_users(leads, min_similarity=0.3, limit=5) == [10]
+
+
+def test_the_copy_holder_is_the_one_user_whose_log_holds_a_near_copy(sketcher: Sketcher) -> None:
+    index = MemoryIndex()
+    index.add(_logged(1, 10, ORIGINAL, sketcher))
+    index.add(_logged(2, 20, UNRELATED, sketcher))
+    half = " ".join(ORIGINAL.split()[: len(ORIGINAL.split()) // 2])
+    for text in (ORIGINAL, half):
+        leads = index.search(sketcher.sketch(text, limit=QUERY_TERM_LIMIT), top=5)  # type: ignore[arg-type]
+        assert copy_holder(leads) == 10, leads
+    # a paraphrase keeps the topic, not the wording: no near-copy
+    assert copy_holder(index.search(sketcher.sketch(PARAPHRASE, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
+    # two users' logs hold the text: no holder
+    index.add(_logged(3, 30, ORIGINAL, sketcher))
+    assert copy_holder(index.search(sketcher.sketch(ORIGINAL, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
+    assert copy_holder([]) is None
 
 
 def test_term_selection_prefers_rare_terms_and_skips_the_common() -> None:

@@ -12,6 +12,7 @@ import pytest
 from scipy.stats import binom
 
 from service.keyring import KeyVersionHandle
+from service.provenance.retrieval import Retrieved
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
 from service.services.trace_analysis import LengthGroup, TraceOutcome
 from service.services.trace_fanout import (
@@ -161,6 +162,43 @@ def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
     # 60 tokens: rarely enough among 20,000 IDs; among 5, enough whenever the registry-wide test
     # ranks the author first with the confidence a naming needs (seeded: 1 of 24 here)
     assert named_by[CandidateScope.RETRIEVED] >= 1, named_by
+
+
+def test_the_copy_holder_is_named_without_the_registry_s_ranking() -> None:
+    """The same short texts among 20,000 registered users, the search's leads as above: when the
+    author is the copy holder (the one user whose log holds a near-copy), the retrieved set's test
+    names them without the registry-wide ranking's confidence; a holder the watermark does not
+    point to changes nothing and is never named."""
+    params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
+    key = WatermarkKey.from_secret("fanout-narrowing-secret-0123456789", params)
+    messages = random_messages(params, 20_000, seed=5)
+    handle = KeyVersionHandle(1, "v1", key, KeyVersionStatus.ACTIVE)
+    groups = [LengthGroup((handle,), _registry(params, messages))]
+    author, leads = 1234, (1234, 17, 99, 4000, 12_000)
+    rows = 24
+    generation = generate(key, [messages[author - 1]] * rows, 60, top_k=20, seed=3, temperature=1.0)
+    by_retrieval = {}
+    for holder in (None, author, 17):
+        by_retrieval[holder] = 0
+        for row in range(rows):
+            ids = [int(t) for t in generation.tokens[row]]
+            reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+            plan = plan_for(groups, Retrieved(leads, holder), BOTH)
+            assert plan.tries == 2 * 1 * 2  # the holder changes no count
+            result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+            assert result.outcome.attributed_user_id in (None, author)
+            by_retrieval[holder] += result.named_in == CandidateScope.RETRIEVED
+    # seeded: 1 of 24 without a holder, 19 with the author as holder
+    assert by_retrieval[author] >= 16, by_retrieval
+    assert by_retrieval[None] <= 4 and by_retrieval[17] == by_retrieval[None], by_retrieval
+
+
+def test_a_copy_holder_outside_the_leads_is_dropped() -> None:
+    groups = _groups(users=30)
+    plan = plan_for(groups, Retrieved((3, 7), copy_holder=12), BOTH)
+    assert plan.candidate_sets[1].copy_holder is None
+    assert plan_for(groups, Retrieved((3, 7), copy_holder=7), BOTH).candidate_sets[1].copy_holder == 7
+    assert plan_for(groups, [3, 7], BOTH).candidate_sets[1].copy_holder is None
 
 
 def test_a_plan_without_leads_reports_the_registry_reading() -> None:
