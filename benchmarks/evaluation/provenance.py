@@ -199,6 +199,9 @@ class Evaluation:
         from .generation import load_model
 
         self.args = args
+        # one row per attacked text's trace (written by ``--traces``); the copy holder of the last trace
+        self.traces: list[dict[str, Any]] = []
+        self.last_holder: int | None = None
         self.folder: Path = args.corpus
         self.authors, self.registry_bits = load_corpus(self.folder)
         if args.authors:  # the first ``authors`` of each temperature
@@ -322,6 +325,7 @@ class Evaluation:
 
         async def analyze(retrieved: Retrieved) -> FanoutOutcome:
             leads_seen.extend(retrieved.users)
+            self.last_holder = retrieved.copy_holder
             plan = plan_for(
                 [LengthGroup((handle,), snapshot)],
                 retrieved,
@@ -373,10 +377,29 @@ class Evaluation:
                     if attack != "forged"
                     else ProvenanceSearch(_Without(index, own[author.author]), self.sketcher, self.settings)
                 )
+                self.last_holder = None
                 outcome, leads = await self.trace(text, self.scored(author, attack), handle, snapshot, searcher)
                 kept = kept_trigrams(author.answer_text, text)
                 cells.setdefault((author.temperature, attack), Cell()).add(
                     outcome, author.user_id, leads, kept, attack in REWRITES
+                )
+                report = outcome.report
+                matches = report.corroboration.matches if report.corroboration else []
+                self.traces.append(
+                    {
+                        "registry": len(snapshot),
+                        "temperature": author.temperature,
+                        "attack": attack,
+                        "author": author.user_id,
+                        "named": outcome.attributed_user_id,
+                        "named_by": report.named_by,
+                        "p_value": report.p_value,
+                        "corroboration": report.corroboration.status if report.corroboration else None,
+                        "copy_holder": self.last_holder,
+                        "top_lead": leads[0] if leads else None,
+                        "matches": [[m.user_id, m.similarity] for m in matches][:3],
+                        "kept_3grams": round(kept, 4),
+                    }
                 )
             if n % 50 == 49:
                 _log(f"  {n + 1}/{len(self.authors)} authors traced")
@@ -547,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--null-keys", type=int, default=8)
     parser.add_argument("--authors", type=int, default=0, help="authors per temperature (0: the whole corpus)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--traces", type=Path, help="also write every attacked text's trace here (JSON lines)")
     args = parser.parse_args(argv)
     import torch
 
@@ -562,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         "registries": args.registries,
     }
     write_report(results, meta, args.output_dir)
+    if args.traces is not None:
+        args.traces.write_text("".join(json.dumps(row) + "\n" for row in evaluation.traces), encoding="utf-8")
     print(json.dumps({"meta": meta, **results}))
     return 0
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
+from service.config import Settings
 from service.provenance.retrieval import (
     LoggedSketch,
     MemoryIndex,
+    Retrieved,
     TermStats,
     copy_holder,
     lead_users,
@@ -26,6 +30,7 @@ from service.provenance.sketch import (
     minhash_similarity,
     words,
 )
+from service.services.provenance import ProvenanceSearch
 
 SECRET = b"provenance-test-secret-0123456789abcdef"
 ORIGINAL = (
@@ -158,6 +163,27 @@ def test_the_copy_holder_is_the_one_user_whose_log_holds_a_near_copy(sketcher: S
     index.add(_logged(3, 30, ORIGINAL, sketcher))
     assert copy_holder(index.search(sketcher.sketch(ORIGINAL, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
     assert copy_holder([]) is None
+
+
+def test_the_trace_s_plan_is_given_the_copy_holder(sketcher: Sketcher) -> None:
+    """``ProvenanceSearch.witness`` hands the fan-out the lead users and the copy holder."""
+    index = MemoryIndex()
+    index.add(_logged(1, 10, ORIGINAL, sketcher))
+    index.add(_logged(2, 20, UNRELATED, sketcher))
+    search = ProvenanceSearch(index, sketcher, Settings(provenance_lead_similarity=0.0))
+    seen: list[Retrieved] = []
+
+    class _Seen(Exception):
+        pass
+
+    async def analyze(retrieved: Retrieved) -> Any:
+        seen.append(retrieved)
+        raise _Seen
+
+    for text, holder in ((ORIGINAL, 10), (PARAPHRASE, None)):
+        with pytest.raises(_Seen):
+            asyncio.run(search.witness(text, analyze))
+        assert seen[-1].users[0] == 10 and seen[-1].copy_holder == holder
 
 
 def test_term_selection_prefers_rare_terms_and_skips_the_common() -> None:
