@@ -34,6 +34,12 @@ users (its p-value corrected for them and for every test of the plan, its poster
 suffices. In a registry of 10^6 the author's nearest registered IDs differ in a block or two, and
 a 150-token text rarely gives the registry-wide posterior the confidence a naming needs. Where two
 users' logs hold near-copies there is no holder and the rule applies to both.
+
+With a holder, no one else is named: a registry-wide naming of anyone else does not stand (the
+fan-out goes on to the retrieved users' test, which may name the holder), nor does another lead's. The watermark of an
+edited or short text can fit a registry neighbour of the author's ID better than the author's
+own; the provenance evaluation saw it name the wrong user at 10^6 for a text held verbatim in the
+author's log. The rule only withdraws namings, so the count stays valid.
 """
 
 from __future__ import annotations
@@ -134,6 +140,11 @@ class FanoutPlan:
             return self.readings
         scorers = ("",) if TraceDecoder.LIKELIHOOD in self.decoders else ()
         return (ReadingPlan(("",), self.decoders, scorers),)
+
+    @property
+    def copy_holder(self) -> int | None:
+        """The retrieved set's copy holder (see the module's docstring), if any."""
+        return next((c.copy_holder for c in self.candidate_sets if c.copy_holder is not None), None)
 
     @property
     def tries(self) -> int:
@@ -248,12 +259,12 @@ class TraceFanout:
             """Records a registry outcome; whether ``outcome``'s naming stands."""
             if candidates.scope == CandidateScope.REGISTRY:
                 registry[(model, decoder)] = outcome
-                return outcome.named
+                return outcome.named and plan.copy_holder in (None, outcome.attributed_user_id)
             if not outcome.named:
                 return False
             user = outcome.attributed_user_id
-            if user is not None and user == candidates.copy_holder:
-                return True  # the gateway served this text to that user (see the module's docstring)
+            if plan.copy_holder is not None:  # the gateway served this text to that user: no one else
+                return user == plan.copy_holder
             ranked = registry.get((model, decoder))
             return ranked is not None and _ranks_first(ranked, user)
 

@@ -167,8 +167,8 @@ def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
 def test_the_copy_holder_is_named_without_the_registry_s_ranking() -> None:
     """The same short texts among 20,000 registered users, the search's leads as above: when the
     author is the copy holder (the one user whose log holds a near-copy), the retrieved set's test
-    names them without the registry-wide ranking's confidence; a holder the watermark does not
-    point to changes nothing and is never named."""
+    names them without the registry-wide ranking's confidence; with a holder the watermark does not
+    point to, no one is named."""
     params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
     key = WatermarkKey.from_secret("fanout-narrowing-secret-0123456789", params)
     messages = random_messages(params, 20_000, seed=5)
@@ -177,9 +177,9 @@ def test_the_copy_holder_is_named_without_the_registry_s_ranking() -> None:
     author, leads = 1234, (1234, 17, 99, 4000, 12_000)
     rows = 24
     generation = generate(key, [messages[author - 1]] * rows, 60, top_k=20, seed=3, temperature=1.0)
-    by_retrieval = {}
+    by_retrieval, named = {}, {}
     for holder in (None, author, 17):
-        by_retrieval[holder] = 0
+        by_retrieval[holder] = named[holder] = 0
         for row in range(rows):
             ids = [int(t) for t in generation.tokens[row]]
             reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
@@ -188,9 +188,37 @@ def test_the_copy_holder_is_named_without_the_registry_s_ranking() -> None:
             result = _run(TraceFanout(plan, reading), scores_of(generation, row))
             assert result.outcome.attributed_user_id in (None, author)
             by_retrieval[holder] += result.named_in == CandidateScope.RETRIEVED
+            named[holder] += result.named_in is not None
     # seeded: 1 of 24 without a holder, 19 with the author as holder
     assert by_retrieval[author] >= 16, by_retrieval
-    assert by_retrieval[None] <= 4 and by_retrieval[17] == by_retrieval[None], by_retrieval
+    assert by_retrieval[None] <= 4 and by_retrieval[17] == 0, by_retrieval
+    assert named[17] == 0 and named[None] >= 4 + by_retrieval[None], named
+
+
+def test_a_copy_holder_overrules_a_registry_naming_of_another_user() -> None:
+    """Texts the registry-wide test names their author by: where another lead holds the near-copy,
+    that naming is withdrawn (and no one else is named); where the author holds it, it stands."""
+    params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
+    key = WatermarkKey.from_secret("fanout-overrule-secret-0123456789", params)
+    messages = random_messages(params, 200, seed=9)
+    handle = KeyVersionHandle(1, "v1", key, KeyVersionStatus.ACTIVE)
+    groups = [LengthGroup((handle,), _registry(params, messages))]
+    author, other = 42, 7
+    rows = 8
+    generation = generate(key, [messages[author - 1]] * rows, 120, top_k=20, seed=5, temperature=1.0)
+    named: dict[int | None, list[int | None]] = {}
+    for holder in (None, author, other):
+        named[holder] = []
+        for row in range(rows):
+            ids = [int(t) for t in generation.tokens[row]]
+            reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+            result = _run(TraceFanout(plan_for(groups, Retrieved((other, author), holder), BOTH), reading), None)
+            named[holder].append(result.outcome.attributed_user_id)
+            if holder == other:
+                assert result.named_in is None and result.outcome.report.attribution is None
+    assert named[None].count(author) >= rows - 1, named  # the registry names the author
+    assert named[author] == named[None]
+    assert named[other] == [None] * rows
 
 
 def test_a_copy_holder_outside_the_leads_is_dropped() -> None:
