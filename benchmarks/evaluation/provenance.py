@@ -74,6 +74,8 @@ ALPHA = 1e-3
 TOP_K = 20
 ATTACKS = ("original", "t150", "paraphrase", "summary", "reorder", "substitution", "wrapped", "forged")
 REWRITES = ("paraphrase", "summary")
+# leads written per trace by --traces
+TRACE_LEADS = 5
 SKETCH_SECRET = b"xmark-provenance-evaluation-sketch-secret"
 LARGE_REGISTRY = 1_000_000
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
@@ -379,6 +381,7 @@ class Evaluation:
                 )
                 self.last_holder = None
                 outcome, leads = await self.trace(text, self.scored(author, attack), handle, snapshot, searcher)
+                top = [] if self.args.traces is None else await searcher.search(searcher.sketch(text), top=TRACE_LEADS)
                 kept = kept_trigrams(author.answer_text, text)
                 cells.setdefault((author.temperature, attack), Cell()).add(
                     outcome, author.user_id, leads, kept, attack in REWRITES
@@ -398,6 +401,8 @@ class Evaluation:
                         "copy_holder": self.last_holder,
                         "top_lead": leads[0] if leads else None,
                         "matches": [[m.user_id, m.similarity] for m in matches][:3],
+                        # the best leads: user, content similarity, shingle similarity
+                        "leads": [[lead.user_id, lead.similarity, lead.shingle_similarity] for lead in top],
                         "kept_3grams": round(kept, 4),
                     }
                 )
@@ -422,6 +427,19 @@ class Evaluation:
                 with_leads += bool(leads)
                 named += outcome.attributed_user_id is not None
                 narrowed += outcome.report.named_by == "watermark+retrieval"
+                if self.args.traces is not None and j == 0:  # the leads are the same under every key
+                    top = await search.search(search.sketch(author.null_text), top=TRACE_LEADS)
+                    self.traces.append(
+                        {
+                            "registry": len(snapshot),
+                            "temperature": author.temperature,
+                            "attack": "null",
+                            "author": author.user_id,
+                            "named": outcome.attributed_user_id,
+                            "copy_holder": self.last_holder,
+                            "leads": [[lead.user_id, lead.similarity, lead.shingle_similarity] for lead in top],
+                        }
+                    )
         return {
             "pairs": pairs,
             "texts": len(self.authors),

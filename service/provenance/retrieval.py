@@ -42,11 +42,19 @@ MIN_TOTAL_FOR_SHARE = 1_000
 # A near-copy: a logged completion that holds at least this share of the suspect text's content
 # (``similarity``) and whose word 3-gram shingles agree with the text's in at least this share of
 # the MinHash positions (an estimate of their Jaccard similarity; 8 of 32). The first half of a
-# logged completion scores about 1.0 and 0.5. Answers to one prompt share little wording (four
-# answers at temperature 0.7: 4-gram Jaccard 0.065, docs/results/QUALITY.md), and the model's own
-# rewrites keep a median 16-19 % of the original's 3-grams (docs/results/PROVENANCE.md).
+# logged completion scores about 1.0 and 0.5. Answers to one prompt share topic but little wording
+# (four answers at temperature 0.7: 4-gram Jaccard 0.065, docs/results/QUALITY.md), and the model's
+# own rewrites keep a median 16-19 % of the original's 3-grams (docs/results/PROVENANCE.md).
 NEAR_COPY_SIMILARITY = 0.9
 NEAR_COPY_SHINGLES = 0.25
+# An edited copy, looked for only when no user's log holds a near-copy: the completion with a fifth
+# of its tokens replaced scores about 0.75 and 0.3 (7 of 32 positions). Other users' answers to the
+# same prompt reach 0.9 of the content but rarely 7 of 32: 8 of the 927 best leads of the provenance
+# evaluation's 200 never-logged answers did, and no answer had such a lead in exactly one user's
+# log. Near-copies come first so that a same-prompt answer close enough to be an edited copy never
+# hides the user whose log holds the text itself.
+EDITED_COPY_SIMILARITY = 0.6
+EDITED_COPY_SHINGLES = 0.2
 
 
 @dataclass(frozen=True)
@@ -186,14 +194,22 @@ class Retrieved:
 
 
 def copy_holder(leads: Iterable[Lead]) -> int | None:
-    """The one user whose leads include a near-copy of the text (``NEAR_COPY_*``); None when no
-    lead is one or when near-copies belong to more than one user."""
-    holders = {
-        lead.user_id
-        for lead in leads
-        if lead.similarity >= NEAR_COPY_SIMILARITY and lead.shingle_similarity >= NEAR_COPY_SHINGLES
-    }
-    return next(iter(holders)) if len(holders) == 1 else None
+    """The one user whose leads include a near-copy of the text (``NEAR_COPY_*``) or, when no
+    lead is one, an edited copy (``EDITED_COPY_*``); None when no lead is either, or when the
+    first kind found belongs to more than one user."""
+    leads = list(leads)
+    for min_similarity, min_shingles in (
+        (NEAR_COPY_SIMILARITY, NEAR_COPY_SHINGLES),
+        (EDITED_COPY_SIMILARITY, EDITED_COPY_SHINGLES),
+    ):
+        holders = {
+            lead.user_id
+            for lead in leads
+            if lead.similarity >= min_similarity and lead.shingle_similarity >= min_shingles
+        }
+        if holders:
+            return next(iter(holders)) if len(holders) == 1 else None
+    return None
 
 
 def lead_users(leads: Sequence[Lead], *, min_similarity: float, limit: int) -> list[int]:

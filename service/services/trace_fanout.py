@@ -27,7 +27,8 @@ watermark as well or better withdraws it. The rule only withdraws namings, so th
 valid.
 
 One retrieved user is exempt from the registry's ranking: the copy holder, the only user whose
-logged completions hold a near-copy of the text (``retrieval.copy_holder``). The case the rule
+logged completions hold a near-copy of the text (where no user's do: an edited copy;
+``retrieval.copy_holder``). The case the rule
 guards against needs a text that carries another user's watermark; a near-copy in the holder's log
 says the gateway served this text to the holder, so the holder's own test among the retrieved
 users (its p-value corrected for them and for every test of the plan, its posterior among them)

@@ -12,6 +12,7 @@ import pytest
 
 from service.config import Settings
 from service.provenance.retrieval import (
+    Lead,
     LoggedSketch,
     MemoryIndex,
     Retrieved,
@@ -157,12 +158,33 @@ def test_the_copy_holder_is_the_one_user_whose_log_holds_a_near_copy(sketcher: S
     for text in (ORIGINAL, half):
         leads = index.search(sketcher.sketch(text, limit=QUERY_TERM_LIMIT), top=5)  # type: ignore[arg-type]
         assert copy_holder(leads) == 10, leads
+    # a fifth of its words replaced: most of the content and a fifth of the 3-grams stay
+    rng = random.Random(1)
+    edited = " ".join(f"w{rng.randrange(10**6)}" if rng.random() < 0.2 else w for w in ORIGINAL.split())
+    leads = index.search(sketcher.sketch(edited, limit=QUERY_TERM_LIMIT), top=5)  # type: ignore[arg-type]
+    assert leads[0].similarity < 0.9 and copy_holder(leads) == 10, leads
     # a paraphrase keeps the topic, not the wording: no near-copy
     assert copy_holder(index.search(sketcher.sketch(PARAPHRASE, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
     # two users' logs hold the text: no holder
     index.add(_logged(3, 30, ORIGINAL, sketcher))
     assert copy_holder(index.search(sketcher.sketch(ORIGINAL, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
     assert copy_holder([]) is None
+
+
+def _lead(user_id: int, similarity: float, shingles: float) -> Lead:
+    return Lead(user_id, user_id, f"req-{user_id}", datetime(2026, 1, 1, tzinfo=UTC), "m", similarity, shingles)
+
+
+def test_an_edited_copy_makes_a_holder_only_where_no_log_holds_a_near_copy() -> None:
+    # the first half of user 1's answer; user 2's answer to the same prompt shares some wording
+    assert copy_holder([_lead(1, 1.0, 0.5625), _lead(2, 0.8966, 0.3125), _lead(3, 0.8929, 0.3438)]) == 1
+    # nobody holds a near-copy: the one user whose log holds an edited copy
+    assert copy_holder([_lead(1, 0.75, 0.3125), _lead(2, 0.9, 0.125), _lead(3, 0.4, 0.0)]) == 1
+    # two users' edited copies, or a lead that shares topic but too little wording: none
+    assert copy_holder([_lead(1, 0.75, 0.3125), _lead(2, 0.7, 0.25)]) is None
+    assert copy_holder([_lead(1, 0.75, 0.1875), _lead(2, 0.59, 0.5)]) is None
+    # two near-copies: none, whatever the edited copies say
+    assert copy_holder([_lead(1, 1.0, 1.0), _lead(2, 0.95, 0.5), _lead(3, 0.7, 0.3)]) is None
 
 
 def test_the_trace_s_plan_is_given_the_copy_holder(sketcher: Sketcher) -> None:
