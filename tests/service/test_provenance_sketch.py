@@ -23,6 +23,7 @@ from service.provenance.retrieval import (
     similarity,
 )
 from service.provenance.sketch import (
+    LEGACY_MINHASH_SIZE,
     MINHASH_SIZE,
     QUERY_TERM_LIMIT,
     TERM_LIMIT,
@@ -235,9 +236,10 @@ def test_similarity_counts_only_what_a_bottom_k_sample_could_hold(sketcher: Sket
     assert minhash_similarity((), ()) == 0.0
 
 
-# Sketches of this key, as every earlier version of the sketcher computed them. The log keeps
-# sketches for the whole retention: a new version must compute the same values, or logged
-# completions would stop matching the texts traced against them.
+# Sketches of this key, as every earlier version of the sketcher computed them (the MinHash with
+# its LEGACY_MINHASH_SIZE positions). The log keeps sketches for the whole retention: a new version
+# must compute the same values, or logged completions would stop matching the texts traced against
+# them.
 GOLDEN = {
     "The printing press let workshops copy books quickly, and ideas spread across Europe.": (
         (
@@ -327,8 +329,40 @@ GOLDEN = {
 }
 
 
+# SHA-256 of the full MINHASH_SIZE-position signatures (the values as 4-byte little-endian)
+GOLDEN_MINHASH_DIGEST = {
+    "The printing press let workshops copy books quickly, and ideas spread across Europe.": (
+        "ee384432c887135e03615ea3311202b52bfa5b737af370b0ba0864a6a2b09e42"
+    ),
+    "Yes": "6216e4f00d3952dcc62715fced0b17d8f9db0bd899d746c8c8497316f3ba4398",
+}
+
+
+def _digest(values: tuple[int, ...]) -> str:
+    import hashlib
+
+    return hashlib.sha256(b"".join(v.to_bytes(4, "little") for v in values)).hexdigest()
+
+
 @pytest.mark.parametrize("text", sorted(GOLDEN))
 def test_sketches_stay_what_earlier_versions_logged(sketcher: Sketcher, text: str) -> None:
     sketch = sketcher.sketch(text)
     assert sketch is not None
-    assert (sketch.terms, sketch.minhash) == GOLDEN[text]
+    terms, legacy = GOLDEN[text]
+    assert sketch.terms == terms
+    # the longer signature begins with the positions logged before, so old sketches still compare
+    assert len(sketch.minhash) == MINHASH_SIZE > LEGACY_MINHASH_SIZE == len(legacy)
+    assert sketch.minhash[:LEGACY_MINHASH_SIZE] == legacy
+    assert _digest(sketch.minhash) == GOLDEN_MINHASH_DIGEST[text]
+
+
+def test_a_legacy_signature_is_compared_on_the_positions_it_has(sketcher: Sketcher) -> None:
+    original, edited = sketcher.sketch(ORIGINAL), sketcher.sketch(ORIGINAL.replace("Europe", "the continent"))
+    assert original is not None and edited is not None
+    legacy = original.minhash[:LEGACY_MINHASH_SIZE]
+    on_legacy = minhash_similarity(edited.minhash[:LEGACY_MINHASH_SIZE], legacy)
+    assert minhash_similarity(edited.minhash, legacy) == minhash_similarity(legacy, edited.minhash) == on_legacy
+    assert 0.0 < on_legacy < 1.0
+    full = minhash_similarity(edited.minhash, original.minhash)
+    assert 0.0 < full < 1.0
+    assert minhash_similarity(original.minhash, legacy) == 1.0

@@ -10,14 +10,21 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from service.db import upgrade_database
 from service.models import Generation, KeyVersion, User
 from service.provenance.retrieval import LoggedSketch, MemoryIndex
-from service.provenance.sketch import QUERY_TERM_LIMIT, Sketcher, derive_sketch_key
+from service.provenance.sketch import (
+    LEGACY_MINHASH_SIZE,
+    MINHASH_SIZE,
+    QUERY_TERM_LIMIT,
+    Sketcher,
+    derive_sketch_key,
+    minhash_similarity,
+)
 from service.repositories.provenance import ProvenanceRepository
 from service.services.provenance import (
     NOT_FOUND_NOTE,
@@ -109,6 +116,26 @@ async def test_search_finds_the_source_of_a_paraphrase_on_both_databases(store: 
     own = await repo.candidates([gutenberg], 10, user_id=leads[0].user_id)
     assert [c.generation_id for c in own] == [ids[0]]
     assert await repo.candidates([gutenberg], 10, user_id=leads[0].user_id + 10_000) == []
+
+
+async def test_a_sketch_logged_with_the_shorter_minhash_still_makes_a_copy_holder(
+    store: AsyncSession, settings: Any
+) -> None:
+    """Rows logged before the signature grew keep LEGACY_MINHASH_SIZE values: an edited copy of
+    such a completion is compared on those positions and its user is still the copy holder."""
+    ids = await _seed(store, [ORIGINAL, UNRELATED])
+    legacy = list(SKETCHER.sketch(ORIGINAL).minhash[:LEGACY_MINHASH_SIZE])  # type: ignore[union-attr]
+    await store.execute(update(Generation).where(Generation.id == ids[0]).values(sketch_minhash=legacy))
+    await store.flush()
+    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, settings)
+    query = search.sketch(ORIGINAL.replace("Europe", "the continent"))
+    assert query is not None and len(query.minhash) == MINHASH_SIZE
+    leads = await search.search(query, top=5)
+    assert leads[0].generation_id == ids[0]
+    expected = minhash_similarity(query.minhash[:LEGACY_MINHASH_SIZE], legacy)
+    assert leads[0].shingle_similarity == round(expected, 4) and 0.5 < expected < 1.0
+    owner = await store.scalar(select(Generation.user_id).where(Generation.id == ids[0]))
+    assert search.retrieved(leads).copy_holder == owner
 
 
 async def test_purge_drops_old_sketches_and_keeps_the_records(store: AsyncSession, settings: Any) -> None:
