@@ -41,20 +41,21 @@ DEFAULT_MIN_TERMS = 12
 MIN_TOTAL_FOR_SHARE = 1_000
 # A near-copy: a logged completion that holds at least this share of the suspect text's content
 # (``similarity``) and whose word 3-gram shingles agree with the text's in at least this share of
-# the MinHash positions (an estimate of their Jaccard similarity; 8 of 32). The first half of a
-# logged completion scores about 1.0 and 0.5. Answers to one prompt share topic but little wording
+# the MinHash positions (an estimate of their Jaccard similarity; 32 of 128). The first half of a
+# logged answer scores about 1.0 and 0.5. Answers to one prompt share topic but little wording
 # (four answers at temperature 0.7: 4-gram Jaccard 0.065, docs/results/QUALITY.md), and the model's
-# own rewrites keep a median 16-19 % of the original's 3-grams (docs/results/PROVENANCE.md).
+# own rewrites keep a median 6-19 % of the original's 3-grams (docs/results/PROVENANCE.md).
 NEAR_COPY_SIMILARITY = 0.9
 NEAR_COPY_SHINGLES = 0.25
 # An edited copy, looked for only when no user's log holds a near-copy: the completion with a fifth
-# of its tokens replaced scores about 0.75 and 0.3 (7 of 32 positions). Other users' answers to the
-# same prompt reach 0.9 of the content but rarely 7 of 32: 8 of the 927 best leads of the provenance
-# evaluation's 200 never-logged answers did, and no answer had such a lead in exactly one user's
-# log. Near-copies come first so that a same-prompt answer close enough to be an edited copy never
-# hides the user whose log holds the text itself.
+# of its tokens replaced scores about 0.75 and 0.28 (median; 10th percentile 0.2), a rewrite that
+# keeps a third of the 3-grams about 0.8 and 0.2-0.4. In the provenance evaluation's log (10^5
+# generations, other users answering the same prompts) the best other-user lead of its 400 model
+# rewrites with at least 0.6 of the content reached 0.14 (one of 400 above 0.125). Near-copies come
+# first so that a same-prompt answer close enough to be an edited copy never hides the user whose
+# log holds the text itself.
 EDITED_COPY_SIMILARITY = 0.6
-EDITED_COPY_SHINGLES = 0.2
+EDITED_COPY_SHINGLES = 0.15
 
 
 @dataclass(frozen=True)

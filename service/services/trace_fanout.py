@@ -28,12 +28,13 @@ valid.
 
 One retrieved user is exempt from the registry's ranking: the copy holder, the only user whose
 logged completions hold a near-copy of the text (where no user's do: an edited copy;
-``retrieval.copy_holder``). The case the rule
-guards against needs a text that carries another user's watermark; a near-copy in the holder's log
-says the gateway served this text to the holder, so the holder's own test among the retrieved
-users (its p-value corrected for them and for every test of the plan, its posterior among them)
-suffices. In a registry of 10^6 the author's nearest registered IDs differ in a block or two, and
-a 150-token text rarely gives the registry-wide posterior the confidence a naming needs. Where two
+``retrieval.copy_holder``). The case the rule guards against needs a text that carries another
+user's watermark; a near-copy in the holder's log says the gateway served this text to the holder,
+so the holder's own test suffices: with a holder the retrieved set is the holder alone (only the
+holder may be named, below), its p-value corrected for every test of the plan. The content search
+chose the holder without the key, so the plan is fixed before any test and the count is unchanged.
+In a registry of 10^6 the author's nearest registered IDs differ in a block or two, and a
+150-token text rarely gives the registry-wide posterior the confidence a naming needs. Where two
 users' logs hold near-copies there is no holder and the rule applies to both.
 
 With a holder, no one else is named: a registry-wide naming of anyone else does not stand (the
@@ -359,8 +360,11 @@ def plan_for(
         retrieved = Retrieved(tuple(retrieved))
     sets = [CandidateSet(CandidateScope.REGISTRY, tuple(registry))]
     if retrieved.users:
-        groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(list(retrieved.users))) for g in registry)
+        holder = retrieved.copy_holder if retrieved.copy_holder in retrieved.users else None
+        # with a copy holder only the holder may be named, so the holder alone is tested: its p-value
+        # pays for one user, not every lead (the content search chose the holder: the plan is fixed)
+        users = [holder] if holder is not None else list(retrieved.users)
+        groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(users)) for g in registry)
         if any(len(g.snapshot) for g in groups):
-            holder = retrieved.copy_holder if retrieved.copy_holder in retrieved.users else None
             sets.append(CandidateSet(CandidateScope.RETRIEVED, groups, holder))
     return FanoutPlan(tuple(sets), decoders, readings)

@@ -229,6 +229,26 @@ def test_a_copy_holder_outside_the_leads_is_dropped() -> None:
     assert plan_for(groups, [3, 7], BOTH).candidate_sets[1].copy_holder is None
 
 
+def test_with_a_copy_holder_the_retrieved_test_reads_the_holder_alone() -> None:
+    """Only the holder may be named, so the retrieved set is the holder alone (its p-value pays for
+    one user, not every lead); the count is unchanged, and on unwatermarked text the holder is
+    named at most at alpha (the content search, not the watermark, chose the holder)."""
+    groups = _groups(users=200)
+    plan = plan_for(groups, Retrieved((3, 7, 9), copy_holder=7), BOTH)
+    assert [list(g.snapshot.candidates.ids) for g in plan.candidate_sets[1].groups] == [[7], [7]]
+    assert plan.tries == plan_for(groups, [3, 7, 9], BOTH).tries == 2 * 4 * 2
+    alpha, rows = 0.2, 300
+    generation = generate(groups[0].versions[0].key, [None] * rows, 60, top_k=20, seed=13)
+    named = 0
+    for row in range(rows):
+        ids = [int(t) for t in generation.tokens[row]]
+        reading = TextReading(ids, _Tokenizer(), alpha=alpha, temperature=1.0)  # type: ignore[arg-type]
+        result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+        assert result.outcome.attributed_user_id in (None, 7)
+        named += result.outcome.attributed_user_id == 7
+    assert named <= binom.ppf(0.999, rows, alpha), named
+
+
 def test_a_plan_without_leads_reports_the_registry_reading() -> None:
     groups = _groups(users=30)
     generation = generate(groups[0].versions[0].key, [None], 50, top_k=20, seed=2)
