@@ -8,7 +8,9 @@ Search in two steps, both bounded:
 
 1. ``select_terms``: the suspect text's rarest terms (by document frequency in the log), up to
    ``max_terms`` and until their postings would pass ``budget``; terms in more than ``max_share``
-   of the log say nothing about a source and are skipped.
+   of the log say nothing about a source and are skipped. A text of several parts (paragraphs;
+   ``sketch.text_parts``) has each part's rarest terms chosen in turn (``select_terms_by_part``):
+   a completion pasted between other paragraphs is found by its own words.
 2. The store returns the logged sketches sharing most of those terms; ``rank`` scores each by
    ``similarity`` and keeps the best.
 
@@ -114,19 +116,54 @@ def select_terms(
     """The terms to look up: the rarest that occur in the log, until ``max_terms`` or ``budget``
     postings (but at least ``min_terms``); a term in more than ``max_share`` of a large log is
     skipped."""
-    chosen: list[int] = []
-    spent = 0
+    return select_terms_by_part(
+        [terms], stats, max_terms=max_terms, budget=budget, max_share=max_share, min_terms=min_terms
+    )
+
+
+def select_terms_by_part(
+    parts: Sequence[Iterable[int]],
+    stats: TermStats,
+    *,
+    max_terms: int = DEFAULT_MAX_TERMS,
+    budget: int = DEFAULT_BUDGET,
+    max_share: float = DEFAULT_MAX_SHARE,
+    min_terms: int = DEFAULT_MIN_TERMS,
+) -> list[int]:
+    """``select_terms`` over a text read in parts: each part's rarest terms in turn (its rarest,
+    then every other part's rarest, then each one's next), under the same bounds, so a completion
+    pasted between other paragraphs has its own words in the search even where the paragraphs
+    around it hold rarer ones. A part whose terms are all taken or too common drops out."""
     share_cap = max_share * stats.total if stats.total >= MIN_TOTAL_FOR_SHARE else math.inf
-    for term in sorted(terms, key=lambda t: (stats.of(t), t)):
-        df = stats.of(term)
-        if df == 0:
-            continue  # in no logged completion
-        if df > share_cap or (spent + df > budget and len(chosen) >= min_terms):
-            break
-        chosen.append(term)
-        spent += df
-        if len(chosen) >= max_terms:
-            break
+    queues = [sorted(set(part), key=lambda t: (stats.of(t), t)) for part in parts]
+    positions = [0] * len(queues)
+    chosen: list[int] = []
+    taken: set[int] = set()
+    spent = 0
+    live = [i for i, queue in enumerate(queues) if queue]
+    while live:
+        for i in list(live):
+            queue = queues[i]
+            while positions[i] < len(queue) and (
+                queue[positions[i]] in taken or stats.of(queue[positions[i]]) == 0  # 0: in no logged completion
+            ):
+                positions[i] += 1
+            if positions[i] >= len(queue):
+                live.remove(i)
+                continue
+            term = queue[positions[i]]
+            df = stats.of(term)
+            if df > share_cap:  # this part's other terms are as common or more
+                live.remove(i)
+                continue
+            if spent + df > budget and len(chosen) >= min_terms:
+                return chosen
+            chosen.append(term)
+            taken.add(term)
+            spent += df
+            positions[i] += 1
+            if len(chosen) >= max_terms:
+                return chosen
     return chosen
 
 
@@ -278,5 +315,5 @@ class MemoryIndex:
     ) -> list[Lead]:
         """``ProvenanceSearch.search`` in memory (synchronous)."""
         stats = self.stats(query.terms)
-        chosen = select_terms(query.terms, stats)
+        chosen = select_terms_by_part(query.parts, stats) if query.parts else select_terms(query.terms, stats)
         return rank(query, stats, self.matching(chosen, candidates, user_id, exclude), top=top)

@@ -41,6 +41,11 @@ QUERY_TERM_LIMIT = 1024  # per suspect text
 MINHASH_SIZE = 128
 LEGACY_MINHASH_SIZE = 32  # the signature length of sketches logged before
 SHINGLE_WORDS = 3
+# A suspect text is also read in parts (``text_parts``): at most this many, of at least this many
+# content words each, so that a completion pasted between other paragraphs is searched by its own
+# words, not only by the rarest words of the text around it.
+MAX_PARTS = 4
+MIN_PART_WORDS = 16  # as many as a logged completion needs for its containment to count (retrieval)
 # Only this many characters of a text are read (a completion is bounded by its token cap anyway;
 # a suspect text by XMARK_MAX_TRACE_CHARS): the sketch's cost stays bounded.
 MAX_CHARS = 200_000
@@ -111,10 +116,12 @@ def content_words(tokens: Iterable[str]) -> set[str]:
 @dataclass(frozen=True)
 class Sketch:
     """``terms``: sorted distinct positive 31-bit term hashes; ``minhash``: ``MINHASH_SIZE`` values
-    (empty when the text has no shingle)."""
+    (empty when the text has no shingle); ``parts``: a suspect text's terms by part (``text_parts``),
+    for a search that gives each part a say; empty for a logged completion and a one-part text."""
 
     terms: tuple[int, ...]
     minhash: tuple[int, ...]
+    parts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def size_bytes(self) -> int:
@@ -176,13 +183,44 @@ class Sketcher:
         mixed = _mix64(shingles[:, None] ^ self._seeds[None, :])  # [S, MINHASH_SIZE], a fresh array
         return tuple((mixed.min(axis=0) >> _SHIFT33).tolist())
 
-    def sketch(self, text: str, *, limit: int = TERM_LIMIT) -> Sketch | None:
-        """The sketch of ``text``; ``None`` when it has no word (an empty text, only symbols)."""
+    def sketch(self, text: str, *, limit: int = TERM_LIMIT, parts: bool = False) -> Sketch | None:
+        """The sketch of ``text``; ``None`` when it has no word (an empty text, only symbols).
+        ``parts``: also the terms of each of the text's parts (``text_parts``; a suspect text)."""
         tokens = words(text)
         if not tokens:
             return None
         hashes = {w: self._hash64(w) for w in dict.fromkeys(tokens)}  # one keyed hash per distinct word
-        return Sketch(self.terms(tokens, limit, hashes), self.minhash(tokens, hashes))
+        terms = self.terms(tokens, limit, hashes)
+        by_part: tuple[tuple[int, ...], ...] = ()
+        if parts:
+            kept = set(terms)  # a part's terms within the text's own sample (the terms a search has figures for)
+            by_part = tuple(tuple(t for t in self.terms(part, limit, hashes) if t in kept) for part in text_parts(text))
+        return Sketch(terms, self.minhash(tokens, hashes), by_part)
+
+
+def text_parts(text: str) -> list[list[str]]:
+    """A suspect text's parts, as word lists: its lines (paragraphs, list items) grouped in order
+    into runs of at least ``MIN_PART_WORDS`` content words (a shorter last run joins the one before),
+    then the two neighbouring runs with the fewest content words merged until at most ``MAX_PARTS``
+    are left. A text pasted into other writing keeps its own lines, so one part holds mostly its
+    words. A text of fewer than two runs is one part: an empty list."""
+    runs: list[tuple[list[str], int]] = []
+    current: list[str] = []
+    size = 0
+    for line in text[:MAX_CHARS].splitlines():
+        tokens = words(line)
+        current.extend(tokens)
+        size += len(content_words(tokens))
+        if size >= MIN_PART_WORDS:
+            runs.append((current, size))
+            current, size = [], 0
+    if current and runs:
+        last, n = runs[-1]
+        runs[-1] = (last + current, n + size)  # too few content words for a part: with the run before
+    while len(runs) > MAX_PARTS:
+        i = min(range(len(runs) - 1), key=lambda j: runs[j][1] + runs[j + 1][1])
+        runs[i : i + 2] = [(runs[i][0] + runs[i + 1][0], runs[i][1] + runs[i + 1][1])]
+    return [run for run, _ in runs] if len(runs) >= 2 else []
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

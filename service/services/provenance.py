@@ -26,6 +26,7 @@ from service.provenance.retrieval import (
     lead_users,
     rank,
     select_terms,
+    select_terms_by_part,
 )
 from service.provenance.sketch import QUERY_TERM_LIMIT, Sketch, Sketcher
 from service.repositories.provenance import ProvenanceRepository
@@ -103,14 +104,14 @@ class ProvenanceSearch:
         return self._sketcher is not None
 
     def sketch(self, text: str) -> Sketch | None:
-        return None if self._sketcher is None else self._sketcher.sketch(text, limit=QUERY_TERM_LIMIT)
+        return None if self._sketcher is None else self._sketcher.sketch(text, limit=QUERY_TERM_LIMIT, parts=True)
 
     async def search(self, query: Sketch | None, *, top: int, user_id: int | None = None) -> list[Lead]:
         """The ``top`` logged completions most like the text (of ``user_id`` only, when given)."""
         if query is None or not query.terms:
             return []
         stats = await self._repo.term_stats(query.terms)
-        chosen = select_terms(query.terms, stats)
+        chosen = select_terms_by_part(query.parts, stats) if query.parts else select_terms(query.terms, stats)
         candidates = await self._repo.candidates(chosen, CANDIDATES, user_id=user_id)
         return rank(query, stats, candidates, top=top)
 

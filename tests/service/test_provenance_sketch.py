@@ -20,6 +20,7 @@ from service.provenance.retrieval import (
     copy_holder,
     lead_users,
     select_terms,
+    select_terms_by_part,
     similarity,
 )
 from service.provenance.sketch import (
@@ -27,9 +28,11 @@ from service.provenance.sketch import (
     MINHASH_SIZE,
     QUERY_TERM_LIMIT,
     TERM_LIMIT,
+    Sketch,
     Sketcher,
     derive_sketch_key,
     minhash_similarity,
+    text_parts,
     words,
 )
 from service.services.provenance import ProvenanceSearch
@@ -225,6 +228,65 @@ def test_term_selection_prefers_rare_terms_and_skips_the_common() -> None:
     assert select_terms([1], small) == [1]
     unlisted = TermStats(total=10_000, df={1: 5}, unlisted_df=20)  # planner statistics: rarer than listed
     assert unlisted.of(99) == 20 and unlisted.idf(1) > unlisted.idf(99)
+
+
+def test_a_text_is_read_in_parts_of_its_own_lines(sketcher: Sketcher) -> None:
+    assert text_parts(ORIGINAL) == []  # one paragraph: one part
+    assert text_parts(f"{ORIGINAL}\n\nThanks.") == []  # a short line joins the part before
+    wrapped = f"{UNRELATED}\n\n{ORIGINAL}\n\n{PARAPHRASE}"
+    parts = text_parts(wrapped)
+    assert [" ".join(p) for p in parts] == [" ".join(words(t)) for t in (UNRELATED, ORIGINAL, PARAPHRASE)]
+    listing = "\n".join(f"- item {i}: {UNRELATED}" for i in range(12))  # many lines: at most 4 parts, in order
+    assert len(text_parts(listing)) == 4 and sum(map(len, text_parts(listing))) == len(words(listing))
+    sketch = sketcher.sketch(wrapped, limit=QUERY_TERM_LIMIT, parts=True)
+    assert sketch is not None and len(sketch.parts) == 3
+    assert all(set(part) <= set(sketch.terms) for part in sketch.parts)
+    assert set().union(*sketch.parts) == set(sketch.terms)
+    assert sketcher.sketch(wrapped) == sketcher.sketch(wrapped, parts=False)  # what a completion logs: no parts
+    assert sketcher.sketch(wrapped).parts == ()  # type: ignore[union-attr]
+
+
+def test_term_selection_by_part_takes_each_part_s_rarest_in_turn() -> None:
+    stats = TermStats(total=10_000, df={1: 1, 2: 2, 3: 3, 4: 4, 11: 50, 12: 60, 13: 70, 20: 5_000, 30: 0})
+    # the whole text's rarest are all the first part's; in parts, each gives its rarest in turn
+    assert select_terms([1, 2, 3, 4, 11, 12, 13], stats, max_terms=4) == [1, 2, 3, 4]
+    assert select_terms_by_part([[1, 2, 3, 4], [11, 12, 13]], stats, max_terms=4) == [1, 11, 2, 12]
+    # a term both parts hold is taken once; a part of only common or unlogged terms drops out
+    assert select_terms_by_part([[1, 2, 11], [11, 12], [20, 30]], stats) == [1, 11, 2, 12]
+    assert select_terms_by_part([[1, 2], [11, 12]], stats, budget=55, min_terms=1) == [1, 11, 2]
+    assert select_terms_by_part([[1, 2, 3, 4]], stats) == select_terms([1, 2, 3, 4], stats)  # one part: as before
+
+
+def test_a_completion_pasted_between_paragraphs_is_found_by_its_own_words(sketcher: Sketcher) -> None:
+    """The paragraphs around a pasted completion hold the rarer words (summaries of them are
+    logged; other users' answers on the completion's topic are many): searched by the whole text's
+    rarest words, their summaries fill the candidate list; read in parts, the completion's own
+    words bring it in, and it leads (it is all there)."""
+    before = (
+        "Archaeologists at the Vindolanda fort unearthed wooden writing tablets, leather sandals, a bronze "
+        "stylus, birthday invitations and supply lists near Hadrian's Wall."
+    )
+    after = (
+        "Glaciologists drilling the Vostok ice core measured trapped bubbles of ancient atmosphere, dust layers, "
+        "volcanic ash and deuterium ratios spanning four glacial cycles."
+    )
+    rng = random.Random(7)
+    index = MemoryIndex()
+    index.add(_logged(1, 10, ORIGINAL, sketcher))
+    generation = 1
+    for paragraph, count in ((before, 80), (after, 80), (ORIGINAL, 100)):
+        tokens = words(paragraph)
+        for _ in range(count):  # summaries of each paragraph; other users' answers on the completion's topic
+            generation += 1
+            kept = " ".join(w for w in tokens if rng.random() < (0.6 if paragraph is ORIGINAL else 0.5))
+            index.add(_logged(generation, 1_000 + generation, kept, sketcher))
+    wrapped = f"{before}\n\n{ORIGINAL}\n\n{after}"
+    query = sketcher.sketch(wrapped, limit=QUERY_TERM_LIMIT, parts=True)
+    assert query is not None and len(query.parts) == 3
+    whole = Sketch(query.terms, query.minhash)  # the same text searched by its rarest words alone
+    assert 10 not in [lead.user_id for lead in index.search(whole, top=5, candidates=50)]
+    leads = index.search(query, top=5, candidates=50)
+    assert leads[0].user_id == 10 and leads[0].similarity == 1.0
 
 
 def test_similarity_counts_only_what_a_bottom_k_sample_could_hold(sketcher: Sketcher) -> None:
