@@ -25,6 +25,7 @@ from .errors import (
 )
 from .gumbel_likelihood import GumbelLikelihoodResult, attribute_gumbel_likelihood, score_gumbel_text
 from .hashing import block_index, context_multipliers, shard, token_codes
+from .identity import identity_p
 from .keys import WatermarkKey
 from .likelihood import (
     DEFAULT_EDIT_RATE,
@@ -77,6 +78,7 @@ __all__ = [
     "context_multipliers",
     "decode",
     "detect",
+    "identity_p",
     "null_inclusion_probability",
     "score_gumbel_text",
     "score_text",

@@ -162,9 +162,16 @@ class Cell:
     # rewrites that kept >= 30 % of the 3-grams
     strong_trials: int = 0
     strong_named: int = 0
+    # registry-wide namings withdrawn by the leads' identity test (trace_fanout): of the author, of another
+    withdrawn_author: int = 0
+    withdrawn_other: int = 0
 
-    def add(self, outcome: TraceOutcome, author: int, leads: list[int], kept: float, rewrite: bool) -> None:
+    def add(
+        self, outcome: TraceOutcome, author: int, leads: list[int], kept: float, rewrite: bool, withdrawn: int | None
+    ) -> None:
         self.trials += 1
+        self.withdrawn_author += withdrawn == author
+        self.withdrawn_other += withdrawn is not None and withdrawn != author
         named = outcome.attributed_user_id
         self.named_right += named == author
         self.named_wrong += named is not None and named != author
@@ -193,6 +200,8 @@ class Cell:
             "not_found_of_named": rate_cell(self.not_found, named),
             "kept_3grams_median": round(statistics.median(self.kept), 3) if self.kept else None,
             "named_when_kept_30pct": rate_cell(self.strong_named, self.strong_trials),
+            "withdrawn_author": rate_cell(self.withdrawn_author, self.trials),
+            "withdrawn_other": rate_cell(self.withdrawn_other, self.trials),
         }
 
 
@@ -204,6 +213,8 @@ class Evaluation:
         # one row per attacked text's trace (written by ``--traces``); the copy holder of the last trace
         self.traces: list[dict[str, Any]] = []
         self.last_holder: int | None = None
+        # the registry-wide naming the last trace's leads' identity test withdrew (trace_fanout)
+        self.last_withdrawn: int | None = None
         self.folder: Path = args.corpus
         self.authors, self.registry_bits = load_corpus(self.folder)
         if args.authors:  # the first ``authors`` of each temperature
@@ -328,6 +339,7 @@ class Evaluation:
         async def analyze(retrieved: Retrieved) -> FanoutOutcome:
             leads_seen.extend(retrieved.users)
             self.last_holder = retrieved.copy_holder
+            self.last_withdrawn = None
             plan = plan_for(
                 [LengthGroup((handle,), snapshot)],
                 retrieved,
@@ -341,7 +353,9 @@ class Evaluation:
             async def inline(work: Any) -> TraceOutcome:
                 return work()  # type: ignore[no-any-return]
 
-            return await TraceFanout(plan, reading).run(scores, run_counting=inline, run_likelihood=inline)
+            fanout = await TraceFanout(plan, reading).run(scores, run_counting=inline, run_likelihood=inline)
+            self.last_withdrawn = fanout.withdrawn
+            return fanout
 
         outcome = await search.witness(text, analyze)
         return outcome, leads_seen
@@ -379,12 +393,12 @@ class Evaluation:
                     if attack != "forged"
                     else ProvenanceSearch(_Without(index, own[author.author]), self.sketcher, self.settings)
                 )
-                self.last_holder = None
+                self.last_holder = self.last_withdrawn = None
                 outcome, leads = await self.trace(text, self.scored(author, attack), handle, snapshot, searcher)
                 top = [] if self.args.traces is None else await searcher.search(searcher.sketch(text), top=TRACE_LEADS)
                 kept = kept_trigrams(author.answer_text, text)
                 cells.setdefault((author.temperature, attack), Cell()).add(
-                    outcome, author.user_id, leads, kept, attack in REWRITES
+                    outcome, author.user_id, leads, kept, attack in REWRITES, self.last_withdrawn
                 )
                 report = outcome.report
                 matches = report.corroboration.matches if report.corroboration else []
@@ -399,6 +413,7 @@ class Evaluation:
                         "p_value": report.p_value,
                         "corroboration": report.corroboration.status if report.corroboration else None,
                         "copy_holder": self.last_holder,
+                        "withdrawn": self.last_withdrawn,
                         "top_lead": leads[0] if leads else None,
                         "matches": [[m.user_id, m.similarity] for m in matches][:3],
                         # the best leads: user, content similarity, shingle similarity
@@ -568,7 +583,16 @@ def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> No
                 f"{_pct(cell['not_found_of_named'])} | {_pct(cell['named_when_kept_30pct'])} |"
             )
         null = results["null"][str(size)]
+        cells = [cell for key, cell in results["cells"].items() if int(key.split("/")[0]) == size]
+        texts = sum(cell["texts"] for cell in cells)
+        withdrawn_author = sum(cell.get("withdrawn_author", {}).get("count", 0) for cell in cells)
+        withdrawn_other = sum(cell.get("withdrawn_other", {}).get("count", 0) for cell in cells)
         lines += [
+            "",
+            f"Registry-wide namings withdrawn because the named user's log holds nothing like the text and the "
+            f"test's identity test did not rule out every lead (`trace_fanout.LEAD_IDENTITY_LEVEL`), of {texts} "
+            f"attacked texts: "
+            f"{withdrawn_other} of another user than the author, {withdrawn_author} of the author.",
             "",
             f"False naming: {null['texts']} unwatermarked answers to the same prompts × {null['keys']} keys = "
             f"{null['pairs']} traces: named {_pct(null['named'])}, of which through retrieval "

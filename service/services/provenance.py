@@ -49,6 +49,12 @@ NOT_FOUND_NOTE = (
     "watermark only — no matching generation in this user's log: possible forgery or a generation "
     "older than the retention"
 )
+# nobody named: a registry-wide naming was withdrawn (``trace_fanout.lead_identity_stands``)
+NEIGHBOUR_NOTE = (
+    "not named: the watermark fits best a user whose log holds nothing like the text, but it cannot "
+    "rule out a user whose log does (a match): an edited text's watermark can fit a registry "
+    "neighbour of its author's message ID better than the author's own"
+)
 # not found, and another user's logged completion resembles the text at least as much as a match
 # must: the better explanation an auditor should see first
 RIVAL_NOTE = (
@@ -136,6 +142,8 @@ class ProvenanceSearch:
         fanout = await analyze(self.retrieved(leads))
         outcome = fanout.outcome
         corroboration = await self.corroborate(query, leads, outcome.attributed_user_id)
+        if fanout.withdrawn is not None and outcome.attributed_user_id is None:
+            corroboration = corroboration.model_copy(update={"note": NEIGHBOUR_NOTE})
         named_by = None
         if fanout.named_in is not None:
             named_by = "watermark+retrieval" if fanout.named_in == CandidateScope.RETRIEVED else "watermark"

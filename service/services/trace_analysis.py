@@ -51,6 +51,7 @@ from xmark_core import (
     attribute_likelihood,
     decode,
     detect,
+    identity_p,
     score_gumbel_text,
     score_text,
 )
@@ -90,6 +91,9 @@ class TraceOutcome:
     strength: float = 1.0
     # the posterior confidence of the best-ranked candidate among this test's candidates (named or not)
     confidence: float = 0.0
+    # the identity test of the named user against the leads it was given (``lead_identity_p``);
+    # None: not asked for, nobody named, the named user is a lead, or no lead holds an ID here
+    lead_identity_p: float | None = None
 
     @property
     def named(self) -> bool:
@@ -296,6 +300,24 @@ def _strongest(outcomes: Sequence[TraceOutcome]) -> TraceOutcome:
     return min(outcomes, key=lambda outcome: (not outcome.named, outcome.strength))
 
 
+def lead_identity_p(
+    result: DecodeResult | LikelihoodResult | GumbelLikelihoodResult,
+    snapshot: RegistrySnapshot,
+    named: int,
+    leads: Sequence[int],
+) -> float | None:
+    """The largest p-value, over the ``leads`` (user ids) other than the ``named`` user, that the
+    text carries that lead's message ID rather than the named user's (``xmark_core.identity_p``,
+    the decoder's own identity test). None when the named user is a lead, no lead holds an ID of
+    this length, or the decoder has no identity test for this key version."""
+    if named in leads:
+        return None
+    restricted = snapshot.restricted([named, *leads])
+    if len(restricted) < 2 or _user_id(restricted.candidates.ids[0]) != named:
+        return None
+    return identity_p(result, restricted.candidates, 0)
+
+
 def analyze_counting_by_length(
     ids: list[int],
     tokenizer: PreTrainedTokenizerBase,
@@ -304,9 +326,11 @@ def analyze_counting_by_length(
     alpha: float,
     include_tokens: bool = False,
     tries: int,
+    leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """``analyze_counting`` of each length group, every p-value corrected for ``tries`` tests; the
-    outcome that names someone, else the one with the smallest p-value."""
+    outcome that names someone, else the one with the smallest p-value. ``leads``: as for
+    :func:`analyze_counting`."""
     return _strongest(
         [
             analyze_counting(
@@ -317,6 +341,7 @@ def analyze_counting_by_length(
                 alpha=alpha,
                 include_tokens=include_tokens,
                 tries=tries,
+                leads=leads,
             )
             for group in groups
         ]
@@ -336,9 +361,11 @@ def analyze_likelihood_by_length(
     include_tokens: bool = False,
     tries: int,
     identity_level: float | None = None,
+    leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """``analyze_likelihood`` of each length group, every p-value corrected for ``tries`` tests;
-    the outcome that names someone, else the one with the smallest p-value."""
+    the outcome that names someone, else the one with the smallest p-value. ``leads``: as for
+    :func:`analyze_counting`."""
     return _strongest(
         [
             analyze_likelihood(
@@ -354,6 +381,7 @@ def analyze_likelihood_by_length(
                 include_tokens=include_tokens,
                 tries=tries,
                 identity_level=identity_level,
+                leads=leads,
             )
             for group in groups
         ]
@@ -369,12 +397,14 @@ def analyze_counting(
     alpha: float,
     include_tokens: bool = False,
     tries: int,
+    leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """The counting decoder's report of the text with token ids ``ids``.
 
     ``tries``: the tests run on the text in all (``trace_fanout.FanoutPlan.tries``; at least the
     key versions read here, all of one message length, that of ``snapshot``): every p-value is
-    corrected for them."""
+    corrected for them. ``leads``: users a content search led to; a naming of someone else gets
+    the identity test against them (``TraceOutcome.lead_identity_p``)."""
     params = versions[0].key.params
     if len(ids) < 3:  # the first two tokens are context only: nothing to score
         report = _empty_report(params.bits, params.block_bits)
@@ -445,12 +475,14 @@ def analyze_counting(
         if include_tokens
         else None,
     )
+    named_user = None if attributed is None else _user_id(attributed.id)
     return TraceOutcome(
         report,
         best.handle.id,
-        None if attributed is None else _user_id(attributed.id),
+        named_user,
         strength=best.strength,
         confidence=attribution.confidence,
+        lead_identity_p=None if named_user is None else lead_identity_p(result, snapshot, named_user, leads),
     )
 
 
@@ -475,13 +507,15 @@ def analyze_likelihood(
     include_tokens: bool = False,
     tries: int,
     identity_level: float | None = None,
+    leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
     verdict counts too (both were tested at ``alpha / tries``). ``tries``: as for
     :func:`analyze_counting`. ``identity_level``: as for ``xmark_core.attribute_likelihood``; the
-    report gives the level and the best candidate's identity p-value.
+    report gives the level and the best candidate's identity p-value. ``leads``: as for
+    :func:`analyze_counting`.
     """
     special = tokenizer.all_special_ids
     _check_tries(versions, tries)
@@ -553,10 +587,12 @@ def analyze_likelihood(
         identity_level=identity_level,
         identity_p_value=attribution.identity_p_value,
     )
+    named_user = None if named is None else _user_id(named.id)
     return TraceOutcome(
         report,
         handle.id,
-        None if named is None else _user_id(named.id),
+        named_user,
         strength=attribution.p_value,
         confidence=attribution.confidence,
+        lead_identity_p=None if named_user is None else lead_identity_p(result, snapshot, named_user, leads),
     )

@@ -42,6 +42,20 @@ fan-out goes on to the retrieved users' test, which may name the holder), nor do
 edited or short text can fit a registry neighbour of the author's ID better than the author's
 own; the provenance evaluation saw it name the wrong user at 10^6 for a text held verbatim in the
 author's log. The rule only withdraws namings, so the count stays valid.
+
+Without a holder the same mistake is checked by the watermark itself. When the user a
+registry-wide test names is not among the leads (their log holds nothing like the text), that
+test's own identity test is run against the leads: the p-value that the text carries a lead's
+message ID rather than the named user's (``trace_analysis.lead_identity_p``). If it does not reject
+every lead at ``LEAD_IDENTITY_LEVEL``, the naming is withdrawn (the report's note says why) and the
+fan-out goes on. An attacked answer whose watermark fits a registry neighbour of its author's ID
+better than the author's own, with the author among the leads, is withdrawn with probability at
+least 1 - ``LEAD_IDENTITY_LEVEL`` when the counting decoder named (its identity test is exact for
+the message a text carries, edits included; the likelihood decoder's is exact on unedited text:
+``xmark_core.identity_p``). A text that does carry the named user's watermark (a
+forgery, a generation past the retention) keeps its naming unless a lead's message ID is so close
+to the named user's that the text cannot tell them apart. The rule only withdraws namings, so the
+count stays valid.
 """
 
 from __future__ import annotations
@@ -67,6 +81,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
+
+# a registry-wide naming of a user whose log holds nothing like the text stands only if its identity
+# test rejects every lead at this level (see the module's docstring)
+LEAD_IDENTITY_LEVEL = 0.01
 
 
 class CandidateScope(enum.StrEnum):
@@ -118,6 +136,8 @@ class FanoutPlan:
     decoders: tuple[TraceDecoder, ...]
     # None: one reading, by the model "" (a plan of a single model's text, as evaluations build)
     readings: tuple[ReadingPlan, ...] | None = None
+    # the users of the content search's leads, best first (the registry-wide namings' identity check)
+    leads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.candidate_sets or not self.decoders:
@@ -162,6 +182,8 @@ class FanoutOutcome:
     tries: int
     # the model of the reading whose test decided ("" for a plan without readings)
     model: str | None = None
+    # the user of the first registry-wide naming the leads' identity test withdrew, if any
+    withdrawn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +225,13 @@ class TraceFanout:
     def counting(self, candidates: CandidateSet, reading: TextReading | None = None) -> TraceOutcome:
         r = self.reading if reading is None else reading
         return analyze_counting_by_length(
-            r.ids, r.tokenizer, candidates.groups, alpha=r.alpha, include_tokens=r.include_tokens, tries=self.plan.tries
+            r.ids,
+            r.tokenizer,
+            candidates.groups,
+            alpha=r.alpha,
+            include_tokens=r.include_tokens,
+            tries=self.plan.tries,
+            leads=self._leads(candidates),
         )
 
     def likelihood(
@@ -226,7 +254,12 @@ class TraceFanout:
             include_tokens=r.include_tokens,
             tries=self.plan.tries,
             identity_level=r.identity_level,
+            leads=self._leads(candidates),
         )
+
+    def _leads(self, candidates: CandidateSet) -> tuple[int, ...]:
+        """The leads a registry-wide naming is checked against (none for the retrieved set's test)."""
+        return self.plan.leads if candidates.scope == CandidateScope.REGISTRY else ()
 
     async def run(
         self,
@@ -250,6 +283,7 @@ class TraceFanout:
         reported: list[tuple[TraceOutcome, str]] = []
         # each (model, decoder)'s outcome over the whole registry: a retrieved user's naming must agree with it
         registry: dict[tuple[str, TraceDecoder], TraceOutcome] = {}
+        withdrawn: list[int] = []
 
         async def scores_of(model: str) -> ModelScores | None:
             if model not in scored:
@@ -261,7 +295,13 @@ class TraceFanout:
             """Records a registry outcome; whether ``outcome``'s naming stands."""
             if candidates.scope == CandidateScope.REGISTRY:
                 registry[(model, decoder)] = outcome
-                return outcome.named and plan.copy_holder in (None, outcome.attributed_user_id)
+                named = outcome.attributed_user_id
+                if named is None or plan.copy_holder not in (None, named):
+                    return False
+                if not lead_identity_stands(outcome):  # (the holder is a lead: never here)
+                    withdrawn.append(named)
+                    return False
+                return True
             if not outcome.named:
                 return False
             user = outcome.attributed_user_id
@@ -281,7 +321,7 @@ class TraceFanout:
                     model = reading_plan.models[0]
                     first = await run_counting(functools.partial(self.counting, candidates, reading))
                     if stands(first, model, TraceDecoder.COUNTING, candidates) and counting_names:
-                        return FanoutOutcome(first, candidates.scope, plan.tries, model)
+                        return FanoutOutcome(first, candidates.scope, plan.tries, model, _first(withdrawn))
                 counted.append(first)
             for (reading_plan, reading), first in zip(readings, counted, strict=True):
                 outcome, last_model = first, reading_plan.models[0]
@@ -294,13 +334,13 @@ class TraceFanout:
                         outcome = await run_likelihood(work)
                         last_model = model
                         if stands(outcome, model, TraceDecoder.LIKELIHOOD, candidates):
-                            return FanoutOutcome(outcome, candidates.scope, plan.tries, model)
+                            return FanoutOutcome(outcome, candidates.scope, plan.tries, model, _first(withdrawn))
                 if candidates.scope == CandidateScope.REGISTRY and outcome is not None:
                     reported.append((outcome, last_model))
         if not reported:
             raise RuntimeError("the plan ran no test (a likelihood-only plan whose scorer gave nothing)")
         best, model = min(reported, key=lambda pair: pair[0].report.p_value)
-        return FanoutOutcome(_unnamed(best) if best.named else best, None, plan.tries, model)
+        return FanoutOutcome(_unnamed(best) if best.named else best, None, plan.tries, model, _first(withdrawn))
 
     def run_now(self, scores: ModelScores | None) -> FanoutOutcome:
         """``run`` with the scores at hand, every analysis inline (offline evaluations; not from
@@ -325,6 +365,18 @@ def _ranks_first(outcome: TraceOutcome, user_id: int | None) -> bool:
         and candidates[0].user_id == user_id
         and outcome.confidence >= DEFAULT_MIN_CONFIDENCE
     )
+
+
+def lead_identity_stands(outcome: TraceOutcome) -> bool:
+    """Whether a registry-wide naming survives the leads' identity test (see the module's
+    docstring): not run (the named user is a lead, no lead holds an ID of that length, or the
+    decoder has none), or every lead rejected at ``LEAD_IDENTITY_LEVEL``."""
+    p = outcome.lead_identity_p
+    return p is None or p <= LEAD_IDENTITY_LEVEL
+
+
+def _first(users: Sequence[int]) -> int | None:
+    return users[0] if users else None
 
 
 def _unnamed(outcome: TraceOutcome) -> TraceOutcome:
@@ -367,4 +419,4 @@ def plan_for(
         groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(users)) for g in registry)
         if any(len(g.snapshot) for g in groups):
             sets.append(CandidateSet(CandidateScope.RETRIEVED, groups, holder))
-    return FanoutPlan(tuple(sets), decoders, readings)
+    return FanoutPlan(tuple(sets), decoders, readings, tuple(retrieved.users))

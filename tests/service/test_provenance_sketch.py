@@ -35,7 +35,9 @@ from service.provenance.sketch import (
     text_parts,
     words,
 )
-from service.services.provenance import ProvenanceSearch
+from service.services.provenance import NEIGHBOUR_NOTE, ProvenanceSearch
+from service.services.trace_analysis import TraceOutcome, _empty_report
+from service.services.trace_fanout import FanoutOutcome
 
 SECRET = b"provenance-test-secret-0123456789abcdef"
 ORIGINAL = (
@@ -214,6 +216,28 @@ def test_the_trace_s_plan_is_given_the_copy_holder(sketcher: Sketcher) -> None:
         with pytest.raises(_Seen):
             asyncio.run(search.witness(text, analyze))
         assert seen[-1].users[0] == 10 and seen[-1].copy_holder == holder
+
+
+def test_a_withdrawn_naming_is_said_in_the_corroboration_note(sketcher: Sketcher) -> None:
+    """When the fan-out withdrew a registry-wide naming (the leads' identity test) and named nobody,
+    the report's corroboration lists the leads and its note says why no one is named."""
+    index = MemoryIndex()
+    index.add(_logged(1, 10, ORIGINAL, sketcher))
+    search = ProvenanceSearch(index, sketcher, Settings())
+
+    def analyze_with(withdrawn: int | None) -> Any:
+        async def analyze(retrieved: Retrieved) -> FanoutOutcome:
+            assert retrieved.users == (10,)
+            outcome = TraceOutcome(_empty_report(32, 2), None, None)
+            return FanoutOutcome(outcome, None, 2, "", withdrawn=withdrawn)
+
+        return analyze
+
+    withdrawn = asyncio.run(search.witness(PARAPHRASE, analyze_with(7))).report.corroboration
+    assert withdrawn is not None and withdrawn.status == "leads" and withdrawn.note == NEIGHBOUR_NOTE
+    assert withdrawn.matches[0].user_id == 10
+    plain = asyncio.run(search.witness(PARAPHRASE, analyze_with(None))).report.corroboration
+    assert plain is not None and plain.status == "leads" and plain.note is None
 
 
 def test_term_selection_prefers_rare_terms_and_skips_the_common() -> None:

@@ -294,6 +294,52 @@ def test_a_retrieved_user_who_shares_blocks_with_the_real_author_is_not_named() 
     assert named_lead == 0
 
 
+def test_a_registry_naming_the_watermark_cannot_tell_from_a_lead_is_withdrawn() -> None:
+    """Texts carrying user A's watermark, 160 tokens, 2,000 registered users plus four whose IDs
+    differ from A's in 1-4 blocks. A is not among the leads (A's log holds nothing like the text):
+    the registry-wide naming of A stands when every lead's ID is ruled out by the identity test (far
+    IDs), and is withdrawn when a lead's ID is so close to A's that the text cannot tell them apart
+    (an attacked answer whose watermark fits a neighbour of its author looks like that); a lead A is
+    never checked. No one but A is ever named."""
+    params = WatermarkParams(bits=32, block_bits=2, num_keys=2)
+    key = WatermarkKey.from_secret("fanout-lead-identity-secret-0123456789", params)
+    messages = random_messages(params, 2_000, seed=21)
+    author = 42
+    neighbours = []
+    for blocks in (1, 2, 3, 4):  # user 2001 + i: A's ID with blocks 0, 2, .. changed (i + 1 of them)
+        flipped = list(messages[author - 1].bits)
+        for block in range(blocks):
+            flipped[4 * block + 1] = "1" if flipped[4 * block + 1] == "0" else "0"
+        neighbours.append(Message.from_bits("".join(flipped), params))
+    handle = KeyVersionHandle(1, "v1", key, KeyVersionStatus.ACTIVE)
+    groups = [LengthGroup((handle,), _registry(params, messages + neighbours))]
+    rows = 8
+    generation = generate(key, [messages[author - 1]] * rows, 160, top_k=20, seed=6, temperature=1.0)
+    named: dict[str, int] = {}
+    withdrawn: dict[str, int] = {}
+    cases = {"far": (7, 99, 1500), "author": (author, 7), "one block": (2001, 7), "two blocks": (2002, 7)}
+    for case, leads in cases.items():
+        named[case] = withdrawn[case] = 0
+        for row in range(rows):
+            ids = [int(t) for t in generation.tokens[row]]
+            reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+            plan = plan_for(groups, leads, BOTH)
+            assert plan.leads == leads and plan.tries == 2 * 1 * 2  # the check changes no count
+            result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+            assert result.outcome.attributed_user_id in (None, author)
+            named[case] += result.outcome.attributed_user_id == author
+            withdrawn[case] += result.withdrawn is not None
+            assert result.withdrawn in (None, author)
+            if result.withdrawn is not None and result.outcome.attributed_user_id is None:
+                assert result.named_in is None and result.outcome.report.attribution is None
+    # seeded: A named in 7 of 8 with far leads or A as a lead, none withdrawn; 1 of 8 with a lead one
+    # block away (6 withdrawn), 4 of 8 at two blocks (5 withdrawn)
+    assert withdrawn["far"] == withdrawn["author"] == 0, withdrawn
+    assert named["far"] == named["author"] >= 6, named
+    assert withdrawn["one block"] >= 4 and named["one block"] <= 3, (named, withdrawn)
+    assert withdrawn["two blocks"] >= 2, withdrawn
+
+
 def test_a_gumbel_key_version_is_read_by_its_model_aware_decoder() -> None:
     """Key versions of the distortion-free scheme go through the same fan-out: ``auto`` reads them by
     counting, then by the model-aware gumbel decoder, whose test the report names. On low-entropy
