@@ -215,6 +215,8 @@ class Evaluation:
         self.last_holder: int | None = None
         # the registry-wide naming the last trace's leads' identity test withdrew (trace_fanout)
         self.last_withdrawn: int | None = None
+        # the retrieved-set naming the registry's ranking did not back in the last trace
+        self.last_refused: int | None = None
         self.folder: Path = args.corpus
         self.authors, self.registry_bits = load_corpus(self.folder)
         if args.authors:  # the first ``authors`` of each temperature
@@ -339,7 +341,7 @@ class Evaluation:
         async def analyze(retrieved: Retrieved) -> FanoutOutcome:
             leads_seen.extend(retrieved.users)
             self.last_holder = retrieved.copy_holder
-            self.last_withdrawn = None
+            self.last_withdrawn = self.last_refused = None
             plan = plan_for(
                 [LengthGroup((handle,), snapshot)],
                 retrieved,
@@ -354,7 +356,7 @@ class Evaluation:
                 return work()  # type: ignore[no-any-return]
 
             fanout = await TraceFanout(plan, reading).run(scores, run_counting=inline, run_likelihood=inline)
-            self.last_withdrawn = fanout.withdrawn
+            self.last_withdrawn, self.last_refused = fanout.withdrawn, fanout.refused
             return fanout
 
         outcome = await search.witness(text, analyze)
@@ -414,6 +416,7 @@ class Evaluation:
                         "corroboration": report.corroboration.status if report.corroboration else None,
                         "copy_holder": self.last_holder,
                         "withdrawn": self.last_withdrawn,
+                        "refused": self.last_refused,
                         "top_lead": leads[0] if leads else None,
                         "matches": [[m.user_id, m.similarity] for m in matches][:3],
                         # the best leads: user, content similarity, shingle similarity

@@ -184,6 +184,8 @@ class FanoutOutcome:
     model: str | None = None
     # the user of the first registry-wide naming the leads' identity test withdrew, if any
     withdrawn: int | None = None
+    # the user of the first retrieved-set naming the registry's ranking did not back, if any
+    refused: int | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,7 @@ class TraceFanout:
         # each (model, decoder)'s outcome over the whole registry: a retrieved user's naming must agree with it
         registry: dict[tuple[str, TraceDecoder], TraceOutcome] = {}
         withdrawn: list[int] = []
+        refused: list[int] = []
 
         async def scores_of(model: str) -> ModelScores | None:
             if model not in scored:
@@ -302,13 +305,19 @@ class TraceFanout:
                     withdrawn.append(named)
                     return False
                 return True
-            if not outcome.named:
-                return False
             user = outcome.attributed_user_id
+            if user is None:
+                return False
             if plan.copy_holder is not None:  # the gateway served this text to that user: no one else
                 return user == plan.copy_holder
             ranked = registry.get((model, decoder))
-            return ranked is not None and _ranks_first(ranked, user)
+            if ranked is not None and _ranks_first(ranked, user):
+                return True
+            refused.append(user)
+            return False
+
+        def done(outcome: TraceOutcome, scope: CandidateScope | None, model: str) -> FanoutOutcome:
+            return FanoutOutcome(outcome, scope, plan.tries, model, _first(withdrawn), _first(refused))
 
         for candidates in plan.candidate_sets:
             readings = list(zip(plan.reading_plans, self.readings, strict=True))
@@ -321,7 +330,7 @@ class TraceFanout:
                     model = reading_plan.models[0]
                     first = await run_counting(functools.partial(self.counting, candidates, reading))
                     if stands(first, model, TraceDecoder.COUNTING, candidates) and counting_names:
-                        return FanoutOutcome(first, candidates.scope, plan.tries, model, _first(withdrawn))
+                        return done(first, candidates.scope, model)
                 counted.append(first)
             for (reading_plan, reading), first in zip(readings, counted, strict=True):
                 outcome, last_model = first, reading_plan.models[0]
@@ -334,13 +343,13 @@ class TraceFanout:
                         outcome = await run_likelihood(work)
                         last_model = model
                         if stands(outcome, model, TraceDecoder.LIKELIHOOD, candidates):
-                            return FanoutOutcome(outcome, candidates.scope, plan.tries, model, _first(withdrawn))
+                            return done(outcome, candidates.scope, model)
                 if candidates.scope == CandidateScope.REGISTRY and outcome is not None:
                     reported.append((outcome, last_model))
         if not reported:
             raise RuntimeError("the plan ran no test (a likelihood-only plan whose scorer gave nothing)")
         best, model = min(reported, key=lambda pair: pair[0].report.p_value)
-        return FanoutOutcome(_unnamed(best) if best.named else best, None, plan.tries, model, _first(withdrawn))
+        return done(_unnamed(best) if best.named else best, None, model)
 
     def run_now(self, scores: ModelScores | None) -> FanoutOutcome:
         """``run`` with the scores at hand, every analysis inline (offline evaluations; not from

@@ -281,7 +281,7 @@ def test_a_retrieved_user_who_shares_blocks_with_the_real_author_is_not_named() 
     alone = [LengthGroup((handle,), registry.restricted(leads))]  # the leads as the only candidates
     rows = 16
     generation = generate(key, [messages[author - 1]] * rows, 80, top_k=20, seed=4, temperature=1.0)
-    named_alone = named_lead = 0
+    named_alone = named_lead = refused = 0
     for row in range(rows):
         ids = [int(t) for t in generation.tokens[row]]
         reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
@@ -289,9 +289,13 @@ def test_a_retrieved_user_who_shares_blocks_with_the_real_author_is_not_named() 
         named_alone += lone.outcome.attributed_user_id == leads[0]
         result = _run(TraceFanout(plan_for(groups, leads, BOTH), reading), scores_of(generation, row))
         named_lead += result.outcome.attributed_user_id in leads
+        refused += result.refused == leads[0]
         assert result.outcome.attributed_user_id in (None, author)
+        assert result.refused in (None, leads[0])
     assert named_alone >= rows // 2, "the leads alone should pass for the author: the case is not tested"
     assert named_lead == 0
+    # the neighbour's naming in the retrieved set was refused, not missed (seeded: 13 of 16)
+    assert refused >= rows // 2, refused
 
 
 def test_a_registry_naming_the_watermark_cannot_tell_from_a_lead_is_withdrawn() -> None:
