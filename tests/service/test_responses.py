@@ -69,16 +69,19 @@ async def test_a_response_is_returned_and_recorded(
     assert usage is not None and usage.input_tokens > 0 and 0 < usage.output_tokens <= 20
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
-    # cut by the token budget exactly when it used all of it
-    if usage.output_tokens < 20:
+    # cut by the token budget only when it used all of it (an end token can also fall on the last place,
+    # so at exactly 20 tokens the recorded finish reason decides)
+    row = await _record(db_session, response.id)
+    if usage.output_tokens < 20 or row.finish_reason == "stop":
         assert response.status == "completed" and response.incomplete_details is None
         assert message.status == "completed" and response.completed_at is not None
     else:
+        assert row.finish_reason == "length"
         assert response.status == "incomplete" and response.incomplete_details is not None
+        assert response.incomplete_details.reason == "max_output_tokens"
     assert response.temperature == 0 and response.top_p == 1.0 and response.max_output_tokens == 20
     assert response.metadata == {"case": "7"} and response.tools == [] and response.error is None
 
-    row = await _record(db_session, response.id)
     assert row.user_id == author[0]["user_id"] and row.streamed is False
     assert row.prompt_tokens == usage.input_tokens and row.completion_tokens == usage.output_tokens
     assert row.completion_sha256 == hashlib.sha256(response.output_text.encode()).hexdigest()
@@ -120,12 +123,13 @@ async def test_a_streamed_response_is_typed_events(sdk: openai.AsyncOpenAI, db_s
     assert final.type in {"response.completed", "response.incomplete"}
     usage = final.response.usage
     assert usage is not None and usage.input_tokens > 0 and 0 < usage.output_tokens <= 24
-    assert final.type == ("response.incomplete" if usage.output_tokens == 24 else "response.completed")
+    row = await _record(db_session, final.response.id)
+    cut = usage.output_tokens == 24 and row.finish_reason == "length"
+    assert final.type == ("response.incomplete" if cut else "response.completed")
     assert final.response.output_text == text and final.response.status == final.type.removeprefix("response.")
     created = events[0]
     assert created.type == "response.created" and created.response.id == final.response.id
     assert created.response.status == "in_progress" and created.response.output == []
-    row = await _record(db_session, final.response.id)
     assert row.streamed is True and row.completion_tokens == usage.output_tokens
     assert row.completion_sha256 == hashlib.sha256(text.encode()).hexdigest()
 
