@@ -59,6 +59,8 @@ class CandidateSet:
             (blocks[:, 2 * q].astype(np.uint16) * shards + blocks[:, 2 * q + 1]).astype(np.uint8) for q in range(pairs)
         ]  # each [C], code = v_{2q} * D + v_{2q+1}
         self._single = blocks[:, r - 1].copy() if r % 2 else None
+        # each candidate's share of the level (``with_shares``); None: an equal share each
+        self.shares: np.ndarray | None = None
 
     def subset(self, indices: Sequence[int]) -> CandidateSet:
         """The candidates at ``indices``, in that order (e.g. the users a content search led to)."""
@@ -85,6 +87,30 @@ class CandidateSet:
             self.params,
         )
         return grown
+
+    def with_shares(self, shares: Sequence[float]) -> CandidateSet:
+        """These candidates, each given its share of the level (weighted Bonferroni): candidate c's
+        p-value is its tail over ``shares[c]`` (times ``tries``) rather than times ``len(self)``.
+        Naming any wrong candidate then has probability at most ``alpha * sum(shares)``, so the
+        shares must be positive, sum to at most 1, and be fixed before the text's watermark is
+        read (e.g. by a content search's ranking). ``subset`` and ``extended`` drop them."""
+        weights = np.asarray(shares, dtype=np.float64)
+        if weights.shape != (len(self),):
+            raise ValueError(f"got {weights.size} shares for {len(self)} candidates")
+        if len(self) and (not np.all(weights > 0) or weights.sum() > 1.0 + 1e-9):
+            raise ValueError("shares must be positive and sum to at most 1")
+        shared = CandidateSet.__new__(CandidateSet)
+        shared._pack(self.blocks, self.ids, self.params)
+        shared.shares = weights
+        return shared
+
+    def multiplicity(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+        """[len(indices)] float64: the factor each of these candidates' p-values is multiplied by
+        for the candidate set's size (``len(self)``, or one over the candidate's share)."""
+        chosen = np.asarray(indices, dtype=np.int64)
+        if self.shares is None:
+            return np.full(chosen.shape, float(len(self)))
+        return np.asarray(1.0 / self.shares[chosen], dtype=np.float64)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -190,7 +216,7 @@ def attribute(
     shifted = scores_all - scores_all.max()
     posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = binomial_log_cdf(hits[order], trials, q0, upper=upper)
-    p_values = np.minimum(1.0, count * tries * np.exp(log_tail))
+    p_values = np.minimum(1.0, candidates.multiplicity(order) * tries * np.exp(log_tail))
     decoded = result.blocks
     out = []
     for rank, idx in enumerate(order):
@@ -243,7 +269,7 @@ def _attribute_gumbel(
     shifted = scores_all - scores_all.max()
     posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = gumbel.gamma_log_sf(totals[order], tokens)
-    p_values = np.minimum(1.0, count * tries * np.exp(log_tail))
+    p_values = np.minimum(1.0, candidates.multiplicity(order) * tries * np.exp(log_tail))
     out = []
     for rank, idx in enumerate(order):
         cand_blocks = candidates.blocks[idx].astype(np.int64)

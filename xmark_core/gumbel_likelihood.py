@@ -372,12 +372,13 @@ def attribute_gumbel_likelihood(
     observed_all = result.units[np.arange(picked.shape[1])[None, :], picked].sum(axis=1)  # [k]
     raw = np.maximum(_tails(result.block_laws, observed_all), P_FLOOR)
     decoded = result.blocks
+    factors = candidates.multiplicity(order)
     out = []
     p_best, statistic = 1.0, 0
     for rank, idx in enumerate(order):
         cand_blocks = picked[rank]
         observed = int(observed_all[rank])
-        p_value = min(1.0, float(raw[rank]) * count * tries)
+        p_value = min(1.0, float(raw[rank]) * float(factors[rank]) * tries)
         if rank == 0:
             p_best, statistic = p_value, observed
         hamming = _hamming_blocks(cand_blocks, decoded, params)

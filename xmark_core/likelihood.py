@@ -551,12 +551,13 @@ def attribute_likelihood(
     totals = candidates.hits(result.scores)  # float64 [C]: L(m)
     order, confidence, margin = rank_by_likelihood(totals, top)
     decoded = result.blocks
+    factors = candidates.multiplicity(order)
     out = []
     p_best, statistic = 1.0, 0
     for rank, idx in enumerate(order):
         cand_blocks = candidates.blocks[idx].astype(np.int64)
         p_raw, observed = naming_test(result, cand_blocks)
-        p_value = min(1.0, p_raw * count * tries)
+        p_value = min(1.0, p_raw * float(factors[rank]) * tries)
         if rank == 0:
             p_best, statistic = p_value, observed
         hamming = _hamming_blocks(cand_blocks, decoded, params)

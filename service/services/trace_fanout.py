@@ -15,7 +15,14 @@ Order of the tests: the registry first, then the retrieved users; within each, e
 counting test (in the order of the models file), then every model's likelihood test; the first
 test that names someone decides, and its reading's model is the one the report names. A candidate set's p-values
 are also corrected for its own size (``xmark_core.attribute``), so the retrieved set's test pays
-for its handful of users rather than the whole registry.
+for its handful of users rather than the whole registry. Within the retrieved set the level is not
+split equally: the content search's best lead gets ``TOP_LEAD_SHARE`` of it and every other lead
+an equal part of the rest (a weighted Bonferroni correction, ``xmark_core.CandidateSet.with_shares``).
+A rewritten answer's author is the best lead far more often than any other (the provenance
+evaluation: 85–95 % of paraphrases and summaries), so the author's p-value is multiplied by 2
+rather than by the number of leads (20 by default), and a wrong lead is still named with
+probability at most ``alpha``: the shares sum to 1 and the search that ranks the leads reads
+content only, never the key.
 
 The retrieved set's test is exact for a text no one watermarked, but a text that carries another
 user's watermark can make a retrieved user whose message ID shares blocks with that user's pass
@@ -61,6 +68,7 @@ count stays valid.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -68,6 +76,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from service.provenance.retrieval import Retrieved
+from service.services.registry_cache import RegistrySnapshot
 from service.services.trace_analysis import (
     LengthGroup,
     TraceOutcome,
@@ -85,6 +94,9 @@ T = TypeVar("T")
 # a registry-wide naming of a user whose log holds nothing like the text stands only if its identity
 # test rejects every lead at this level (see the module's docstring)
 LEAD_IDENTITY_LEVEL = 0.01
+# the retrieved set's test gives its first lead this share of the level, the others equal parts of
+# the rest (see the module's docstring)
+TOP_LEAD_SHARE = 0.5
 
 
 class CandidateScope(enum.StrEnum):
@@ -406,15 +418,30 @@ def decoders_for(requested: TraceDecoder, *, scorer_available: bool) -> tuple[Tr
     return (TraceDecoder.COUNTING,)
 
 
+def lead_shares(count: int, top_share: float | None = TOP_LEAD_SHARE) -> list[float]:
+    """Each of ``count`` leads' share of the level, best first: ``top_share`` for the first, equal
+    parts of the rest for the others (one lead: all of it; ``top_share`` None: equal shares)."""
+    if count <= 1 or top_share is None:
+        return [1.0 / count] * count if count else []
+    if not 0.0 < top_share < 1.0:
+        raise ValueError(f"top_share must be in (0, 1) (got {top_share})")
+    return [top_share] + [(1.0 - top_share) / (count - 1)] * (count - 1)
+
+
 def plan_for(
     registry: Sequence[LengthGroup],
     retrieved: Retrieved | Sequence[int],
     decoders: tuple[TraceDecoder, ...],
     readings: tuple[ReadingPlan, ...] | None = None,
+    *,
+    top_lead_share: float | None = TOP_LEAD_SHARE,
 ) -> FanoutPlan:
     """The registry, and the retrieved users when a content search found any that hold a message
     ID of a length the registry reads. The retrieved set reads every key version the registry
     reads (a length where no lead holds an ID has no candidate there), so the count is the same.
+    Within each length, the retrieved set's first lead (the content search's best) has
+    ``top_lead_share`` of the level and the others equal parts of the rest (``lead_shares``;
+    None: equal shares, the plain Bonferroni correction for the set's size).
     ``retrieved``: the search's result (or just its users: no copy holder).
     ``readings``: the text's readings by the served models (None: one, by one model)."""
     if not isinstance(retrieved, Retrieved):
@@ -425,7 +452,16 @@ def plan_for(
         # with a copy holder only the holder may be named, so the holder alone is tested: its p-value
         # pays for one user, not every lead (the content search chose the holder: the plan is fixed)
         users = [holder] if holder is not None else list(retrieved.users)
-        groups = tuple(LengthGroup(g.versions, g.snapshot.restricted(users)) for g in registry)
+        groups = tuple(LengthGroup(g.versions, _shared(g.snapshot.restricted(users), top_lead_share)) for g in registry)
         if any(len(g.snapshot) for g in groups):
             sets.append(CandidateSet(CandidateScope.RETRIEVED, groups, holder))
     return FanoutPlan(tuple(sets), decoders, readings, tuple(retrieved.users))
+
+
+def _shared(snapshot: RegistrySnapshot, top_share: float | None) -> RegistrySnapshot:
+    """``snapshot`` (the leads holding an ID of one length, best first) with each lead's share."""
+    if len(snapshot) <= 1 or top_share is None:
+        return snapshot
+    return dataclasses.replace(
+        snapshot, candidates=snapshot.candidates.with_shares(lead_shares(len(snapshot), top_share))
+    )

@@ -21,6 +21,7 @@ from service.services.trace_fanout import (
     TextReading,
     TraceFanout,
     decoders_for,
+    lead_shares,
     plan_for,
 )
 from service.vocabulary import KeyVersionStatus, TraceDecoder
@@ -79,6 +80,26 @@ def test_the_count_is_candidate_sets_times_key_versions_times_decoders() -> None
         FanoutPlan(
             (plan_for(groups, [], BOTH).candidate_sets[0], plan_for(groups[:1], [], BOTH).candidate_sets[0]), BOTH
         )
+
+
+def test_the_first_lead_has_half_of_the_retrieved_set_s_level() -> None:
+    """Within each length the retrieved set's first lead holding an ID there gets half the level,
+    the others equal parts of the rest; a copy holder alone, or equal shares when asked for."""
+    groups = _groups(users=50)
+    assert lead_shares(1) == [1.0] and lead_shares(0) == []
+    assert lead_shares(3) == [0.5, 0.25, 0.25] and lead_shares(4, None) == [0.25] * 4
+    with pytest.raises(ValueError, match="top_share"):
+        lead_shares(3, 1.0)
+    retrieved = plan_for(groups, [7, 999, 3, 5], BOTH).candidate_sets[1]
+    for group in retrieved.groups:
+        candidates = group.snapshot.candidates
+        assert candidates.ids == [7, 3, 5]
+        assert candidates.shares is not None and candidates.shares.tolist() == [0.5, 0.25, 0.25]
+        assert candidates.multiplicity([0, 1, 2]).tolist() == [2.0, 4.0, 4.0]
+    equal = plan_for(groups, [7, 3, 5], BOTH, top_lead_share=None).candidate_sets[1]
+    assert all(g.snapshot.candidates.shares is None for g in equal.groups)
+    held = plan_for(groups, Retrieved((7, 3, 5), 3), BOTH).candidate_sets[1]
+    assert all(g.snapshot.candidates.ids == [3] and g.snapshot.candidates.shares is None for g in held.groups)
 
 
 def _all_tests(fanout: TraceFanout, scores: ModelScores) -> list[TraceOutcome]:
