@@ -32,7 +32,9 @@ False naming: every unwatermarked answer traced under the evaluation key and ind
 is the same for every key), against the same log.
 
 Rates come with counts and Wilson 95 % intervals. Writes docs/results/PROVENANCE.md and
-docs/results/provenance.json; model scores are cached in the corpus folder.
+docs/results/provenance.json; model scores are cached in the corpus folder. ``--traces FILE``
+also writes one row per trace, with what the retrieved set's test saw of every rewrite, forged
+and unwatermarked text (``Evaluation.probe``), which ``provenance_rules`` weighs rules on.
 """
 
 from __future__ import annotations
@@ -60,9 +62,26 @@ from service.provenance.sketch import Sketcher, derive_sketch_key
 from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
 from service.services.trace_analysis import LengthGroup, TraceOutcome
-from service.services.trace_fanout import FanoutOutcome, TextReading, TraceFanout, decoders_for, plan_for
+from service.services.trace_fanout import (
+    FanoutOutcome,
+    TextReading,
+    TraceFanout,
+    decoders_for,
+    lead_shares,
+    plan_for,
+)
 from service.vocabulary import KeyVersionStatus, TraceDecoder
-from xmark_core import CandidateSet, ModelScores, WatermarkParams
+from xmark_core import (
+    CandidateSet,
+    ModelScores,
+    WatermarkKey,
+    WatermarkParams,
+    attribute,
+    attribute_likelihood,
+    decode,
+    identity_p,
+    score_text,
+)
 
 from .attacks import substitute_tokens
 from .forensic import Scored, Scorer
@@ -362,6 +381,51 @@ class Evaluation:
         outcome = await search.witness(text, analyze)
         return outcome, leads_seen
 
+    def probe(self, scored: Scored, key: WatermarkKey, snapshot: RegistrySnapshot, leads: Sequence[int]) -> Any:
+        """What the retrieved set's test sees of a text, per decoder (``--traces``; rules the
+        fan-out does not apply are weighed from these): the leads' best by the decoder, its
+        p-value with equal shares and with the fan-out's shares, its posterior among the leads,
+        the registry-wide ranking's first user and confidence, the best's rank there, and its
+        identity test against the registry's 5 first others. None without leads."""
+        users = list(dict.fromkeys(leads))
+        restricted = snapshot.restricted(users)
+        if not len(restricted):
+            return None
+        tries = 2 * 2  # the plan's count: two candidate sets, one key version, two decoders
+        special = self.tokenizer.all_special_ids
+        shared = restricted.candidates
+        if len(restricted) > 1:
+            shared = shared.with_shares(lead_shares(len(restricted)))
+        readings = (
+            ("counting", decode(scored.ids, key, skip_ids=special)),
+            ("likelihood", score_text(scored.ids, scored.scores, key, temperature=0.7, skip_ids=special)),
+        )
+        out: dict[str, Any] = {}
+        for name, result in readings:
+            score = attribute if name == "counting" else attribute_likelihood
+            plain = score(result, restricted.candidates, top=1, tries=tries, alpha=ALPHA)  # type: ignore[arg-type]
+            weighted = score(result, shared, top=1, tries=tries, alpha=ALPHA)  # type: ignore[arg-type]
+            ranked = score(result, snapshot.candidates, top=6, tries=tries, alpha=ALPHA)  # type: ignore[arg-type]
+            if not plain.candidates or not ranked.candidates:
+                continue
+            best = int(str(plain.candidates[0].id))
+            order = [int(str(c.id)) for c in ranked.candidates]
+            rivals = [u for u in order if u != best][:5]
+            pair = snapshot.restricted([best, *rivals])
+            out[name] = {
+                "best": best,
+                "lead_rank": users.index(best),
+                "p_plain": plain.p_value,
+                "p_shared": weighted.p_value,
+                "conf_leads": plain.confidence,
+                "margin_leads": plain.margin,
+                "registry_first": order[0],
+                "registry_conf": ranked.confidence,
+                "best_registry_rank": order.index(best) if best in order else None,
+                "identity_top5": identity_p(result, pair.candidates, 0) if len(pair) > 1 else None,
+            }
+        return out
+
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         started = time.monotonic()
@@ -424,6 +488,8 @@ class Evaluation:
                         "kept_3grams": round(kept, 4),
                     }
                 )
+                if self.args.traces is not None and attack in (*REWRITES, "forged"):
+                    self.traces[-1]["probe"] = self.probe(self.scored(author, attack), handle.key, snapshot, leads)
             if n % 50 == 49:
                 _log(f"  {n + 1}/{len(self.authors)} authors traced")
         return cells
@@ -438,6 +504,7 @@ class Evaluation:
         named = narrowed = pairs = with_leads = 0
         for author in self.authors:
             scored = self.scorer.cache[f"{author.author}/null"]
+            probes = []
             for j, key in enumerate(keys):
                 handle = KeyVersionHandle(1, f"null-{j}", key, KeyVersionStatus.ACTIVE)
                 outcome, leads = await self.trace(author.null_text, scored, handle, snapshot, search)
@@ -445,6 +512,8 @@ class Evaluation:
                 with_leads += bool(leads)
                 named += outcome.attributed_user_id is not None
                 narrowed += outcome.report.named_by == "watermark+retrieval"
+                if self.args.traces is not None:
+                    probes.append(self.probe(scored, key, snapshot, leads))
                 if self.args.traces is not None and j == 0:  # the leads are the same under every key
                     top = await search.search(search.sketch(author.null_text), top=TRACE_LEADS)
                     self.traces.append(
@@ -458,6 +527,8 @@ class Evaluation:
                             "leads": [[lead.user_id, lead.similarity, lead.shingle_similarity] for lead in top],
                         }
                     )
+            if probes:
+                self.traces[-1]["probes"] = probes  # one per key, the evaluation key's first
         return {
             "pairs": pairs,
             "texts": len(self.authors),
