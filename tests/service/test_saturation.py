@@ -93,7 +93,14 @@ async def test_saturated_clients_get_no_503_while_the_database_lags_and_every_an
     errors: Counter[str] = Counter()
     with gateway_process(settings, tmp_path / "gateway.log"):
         base_url = f"http://{settings.host}:{settings.port}"
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        # a client must drop an idle connection before the server does: httpx's default expiry (5 s)
+        # equals the gateway's keep-alive timeout, so a connection idle through the lock could be
+        # reused at the instant the gateway closes it (a POST that never reached it, not retried)
+        limits = httpx.Limits(
+            max_connections=clients,
+            max_keepalive_connections=clients,
+            keepalive_expiry=settings.keep_alive_timeout_s - 1.0,
+        )
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60.0) as client:
             response = await client.post(
                 "/admin/users", json={"name": "busy", "role": "user"}, headers={"Authorization": f"Bearer {admin_key}"}
