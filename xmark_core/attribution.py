@@ -41,7 +41,8 @@ DEFAULT_MIN_CONFIDENCE = 0.99
 
 
 class CandidateSet:
-    """Registered messages, packed for scoring: two blocks per byte-sized code (D**2 <= 256)."""
+    """Registered messages, packed for scoring: two blocks per code (a byte while D**2 <= 256, two
+    bytes up to D = 256, the largest block a ``gumbel`` key has)."""
 
     def __init__(self, bits: Sequence[str], ids: Sequence[object], params: WatermarkParams) -> None:
         if len(bits) != len(ids):
@@ -55,8 +56,9 @@ class CandidateSet:
         shards = params.num_shards
         r = params.num_blocks
         pairs = r // 2
+        code = np.uint8 if shards * shards <= 256 else np.uint16
         self._pair_codes = [
-            (blocks[:, 2 * q].astype(np.uint16) * shards + blocks[:, 2 * q + 1]).astype(np.uint8) for q in range(pairs)
+            (blocks[:, 2 * q].astype(np.uint32) * shards + blocks[:, 2 * q + 1]).astype(code) for q in range(pairs)
         ]  # each [C], code = v_{2q} * D + v_{2q+1}
         self._single = blocks[:, r - 1].copy() if r % 2 else None
         # each candidate's share of the level (``with_shares``); None: an equal share each

@@ -12,6 +12,11 @@ SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso", "gumbel")
 # the schemes that bias logits (``gumbel`` samples instead: see ``xmark_core.gumbel``)
 BIASING_SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso")
 MAX_BITS = 256
+# d for the biasing schemes: each key partitions the vocabulary into 2**d shards
+MAX_BLOCK_BITS = 4
+# d for ``gumbel``: a block value only enters the keyed hash, so a block can carry more bits; the
+# decoders hold a [tokens, 2**d] score table per text, which bounds it
+MAX_GUMBEL_BLOCK_BITS = 8
 # the largest min-entropy threshold (nats): the min-entropy of a 49,152-token vocabulary is at most 10.8
 MAX_MIN_ENTROPY = 16.0
 
@@ -21,7 +26,10 @@ class WatermarkParams:
     """Parameters of a multi-bit watermark.
 
     bits (b): message length in bits, a positive multiple of ``block_bits``.
-    block_bits (d): bits per message block (1..4); each key partitions the vocabulary into 2**d shards.
+    block_bits (d): bits per message block: 1..4 for the biasing schemes (each key partitions the
+        vocabulary into 2**d shards), 1..8 for ``gumbel`` (the block value enters the keyed hash). Two
+        users' IDs can be told apart only by the blocks where they differ: with larger blocks, IDs
+        drawn far apart differ in more of the text's tokens (docs/results/FORENSIC-GUMBEL.md).
     num_keys (k): number of hash keys (1..8). ``loso``, ``mpac`` and ``gumbel`` use exactly one key.
     delta: logit bias added to the boosted tokens (> 0); ``gumbel`` adds none and requires the
         default (2.0), so that one setting has one fingerprint.
@@ -44,7 +52,7 @@ class WatermarkParams:
     min_entropy: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_int("block_bits", self.block_bits, 1, 4)
+        _check_int("block_bits", self.block_bits, 1, MAX_GUMBEL_BLOCK_BITS)
         _check_int("bits", self.bits, self.block_bits, MAX_BITS)
         if self.bits % self.block_bits:
             raise ParamsError(
@@ -64,6 +72,11 @@ class WatermarkParams:
         object.__setattr__(self, "min_entropy", float(self.min_entropy))
         if self.scheme not in SCHEMES:
             raise ParamsError(f"scheme must be one of {', '.join(SCHEMES)} (got {self.scheme!r})")
+        if self.scheme != "gumbel" and self.block_bits > MAX_BLOCK_BITS:
+            raise ParamsError(
+                f"block_bits must be in [1, {MAX_BLOCK_BITS}] for scheme {self.scheme!r} (got {self.block_bits}); "
+                f"scheme 'gumbel' allows up to {MAX_GUMBEL_BLOCK_BITS}"
+            )
         if self.scheme in ("loso", "mpac", "gumbel") and self.num_keys != 1:
             raise ParamsError(f"num_keys must be 1 for scheme {self.scheme!r} (got {self.num_keys})")
         if self.scheme == "gumbel":

@@ -25,13 +25,15 @@ class GenSpec:
     temperature: float = 0.7
     tier: int = 0
     min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy); 0: every position biased
+    block_bits: int = 2  # d (``gumbel`` allows up to 8)
 
     @property
     def name(self) -> str:
         if self.scheme == UNWATERMARKED:
             return f"none-t{self.temperature:g}"
         rule = f"-h{self.min_entropy:g}" if self.min_entropy else ""
-        return f"{self.scheme}-b{self.bits}-k{self.num_keys}-d{self.delta:g}{rule}-t{self.temperature:g}"
+        blocks = f"-bb{self.block_bits}" if self.block_bits != 2 else ""
+        return f"{self.scheme}-b{self.bits}{blocks}-k{self.num_keys}-d{self.delta:g}{rule}-t{self.temperature:g}"
 
     @property
     def watermarked(self) -> bool:
@@ -42,7 +44,7 @@ class GenSpec:
             raise ValueError("the unwatermarked setting has no watermark parameters")
         return WatermarkParams(
             bits=self.bits,
-            block_bits=2,
+            block_bits=self.block_bits,
             num_keys=self.num_keys,
             delta=float(self.delta),
             scheme=self.scheme,

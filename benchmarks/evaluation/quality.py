@@ -345,7 +345,13 @@ def render(results: dict[str, Any]) -> str:
 
 # ---- the frontier: naming against quality ---------------------------------------------------
 
-FORENSIC_FILES = ("forensic.json", "forensic-strength.json", "forensic-entropy.json", "forensic-gumbel.json")
+FORENSIC_FILES = (
+    "forensic.json",
+    "forensic-strength.json",
+    "forensic-entropy.json",
+    "forensic-gumbel.json",
+    "forensic-gumbel8.json",
+)
 # the quality runs whose paired perplexity ratios the frontier uses (besides the run being written)
 QUALITY_FILES = ("quality.json", "quality-gumbel.json")
 
@@ -354,6 +360,7 @@ def _setting_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (
         row.get("scheme") or "xmark",
         row.get("bits"),
+        int(row.get("block_bits") or 2),
         row.get("num_keys"),
         float(row.get("delta") or 2.0),
         float(row.get("min_entropy") or 0.0),
@@ -400,10 +407,11 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
                 {
                     "scheme": key[0],
                     "bits": key[1],
-                    "num_keys": key[2],
-                    "delta": key[3],
-                    "min_entropy": key[4],
-                    "temperature": key[5],
+                    "block_bits": key[2],
+                    "num_keys": key[3],
+                    "delta": key[4],
+                    "min_entropy": key[5],
+                    "temperature": key[6],
                     "T": t,
                     "named": row["named"],
                     "wrong": row["wrong"],
@@ -455,7 +463,8 @@ def plot_frontier(points: list[dict[str, Any]], path: Path) -> bool:
 
 def _frontier_label(p: dict[str, Any]) -> str:
     if p.get("scheme") == "gumbel":
-        return "gumbel (distortion-free)"
+        blocks = f" d={p['block_bits']}" if p.get("block_bits", 2) != 2 else ""
+        return f"gumbel{blocks} (distortion-free)"
     rule = f" h={p['min_entropy']:g}" if p["min_entropy"] else ""
     return f"k={p['num_keys']} δ={p['delta']:g}{rule}"
 

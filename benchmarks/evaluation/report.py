@@ -427,7 +427,8 @@ def _key_label(row: Row) -> str:
     strength = "" if delta == 2.0 else f" δ={delta:g}"
     rule = f" h={row['min_entropy']:g}" if row.get("min_entropy") else ""  # the entropy rule, where on
     if row.get("scheme") == "gumbel":  # distortion-free: no bias, one key
-        return f"gumbel b={row['bits']}"
+        blocks = f" d={row['block_bits']}" if row.get("block_bits", 2) != 2 else ""
+        return f"gumbel b={row['bits']}{blocks}"
     return f"b={row['bits']} k={row['num_keys']}{strength}{rule}"
 
 
@@ -443,7 +444,7 @@ def render_forensic(results: dict[str, Any]) -> str:
         "",
         f"`{results['command']}` on {results['machine']}. Model SmolLM2-135M-Instruct; "
         f"{cfg['registry_size']:,} message IDs per message length from the gateway's allocator; one answer of "
-        f"{cfg['max_tokens']} tokens per author; δ = 2 unless a setting says otherwise, d = 2; "
+        f"{cfg['max_tokens']} tokens per author; δ = 2 and d = 2 unless a setting says otherwise; "
         f"α = {cfg['alpha']:g}; the likelihood decoder assumes "
         f"temperature {cfg['trace_temperature']:g} and an edit rate of {cfg.get('trace_edit_rate', 0.0):g}, and "
         f"reads the top-{cfg['top_k']} log-probabilities of a {results.get('scorer_dtype', 'float32')} forward "

@@ -101,9 +101,16 @@ def test_short_text_with_wrong_blocks_still_ranks_the_true_user_first_allocated_
     assert np.mean(ranked) >= 0.9 and np.mean(named) >= 0.7
 
 
-@pytest.mark.parametrize(("bits", "d"), [(16, 2), (6, 2), (12, 4), (6, 3), (9, 1), (32, 4)])
-def test_hits_match_a_direct_sum(bits: int, d: int) -> None:
-    params = WatermarkParams(bits=bits, block_bits=d)
+@pytest.mark.parametrize(
+    ("bits", "d", "scheme"),
+    [
+        *[(16, 2, "xmark"), (6, 2, "xmark"), (12, 4, "xmark"), (6, 3, "xmark"), (9, 1, "xmark"), (32, 4, "xmark")],
+        # ``gumbel`` blocks of 5 to 8 bits: two blocks no longer fit one byte-sized code
+        *[(32, 8, "gumbel"), (40, 5, "gumbel"), (24, 8, "gumbel")],
+    ],
+)
+def test_hits_match_a_direct_sum(bits: int, d: int, scheme: Scheme) -> None:
+    params = WatermarkParams(bits=bits, block_bits=d, num_keys=1, scheme=scheme)
     rng = np.random.default_rng(bits * 10 + d)
     matrix = rng.integers(0, 50, (params.num_blocks, params.num_shards))
     messages = random_messages(params, min(300, 2**bits), seed=88)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -178,12 +180,16 @@ def test_one_candidates_score_is_gamma_on_unwatermarked_text(gkey: WatermarkKey)
     assert stats.kstest(values, "uniform").pvalue > 1e-3
 
 
-def test_null_p_values_are_calibrated(gkey: WatermarkKey) -> None:
+@pytest.mark.parametrize("block_bits", [2, 8])
+def test_null_p_values_are_calibrated(block_bits: int) -> None:
     """On 600 unwatermarked texts: each candidate's corrected p-value and the detection p-value
-    are super-uniform (at most their level, with a binomial allowance)."""
+    are super-uniform (at most their level, with a binomial allowance); blocks of 2 and of 8 bits
+    (the detection null is then the sum of maxima of 256 Gamma variables per block)."""
+    params = replace(PARAMS, block_bits=block_bits)
+    gkey = WatermarkKey.from_secret(SECRET, params)
     rng = np.random.default_rng(4)
-    messages = random_messages(PARAMS, 100, seed=5)
-    candidates = CandidateSet([m.bits for m in messages], list(range(100)), PARAMS)
+    messages = random_messages(params, 100, seed=5)
+    candidates = CandidateSet([m.bits for m in messages], list(range(100)), params)
     attributed, detected = [], []
     for _ in range(600):
         result = decode(rng.integers(0, 49_152, int(rng.integers(20, 200))), gkey)

@@ -24,9 +24,11 @@ SECRET = "TOPSECRET-value-0123456789"
         ({"bits": 258}, ValueError, r"bits must be in \[2, 256\]"),
         ({"bits": 16.0}, TypeError, r"bits must be an integer in \[2, 256\]"),
         ({"bits": True}, TypeError, r"bits must be an integer"),
-        ({"block_bits": 0}, ValueError, r"block_bits must be in \[1, 4\]"),
-        ({"block_bits": 5, "bits": 20}, ValueError, r"block_bits must be in \[1, 4\]"),
-        ({"block_bits": "2"}, TypeError, r"block_bits must be an integer in \[1, 4\]"),
+        ({"block_bits": 0}, ValueError, r"block_bits must be in \[1, 8\]"),
+        ({"block_bits": 5, "bits": 20}, ValueError, r"block_bits must be in \[1, 4\] for scheme 'xmark'"),
+        ({"block_bits": 8, "bits": 32, "scheme": "mpac", "num_keys": 1}, ValueError, r"\[1, 4\] for scheme 'mpac'"),
+        ({"block_bits": 9, "bits": 36, "scheme": "gumbel", "num_keys": 1}, ValueError, r"must be in \[1, 8\]"),
+        ({"block_bits": "2"}, TypeError, r"block_bits must be an integer in \[1, 8\]"),
         ({"num_keys": 0}, ValueError, r"num_keys must be in \[1, 8\]"),
         ({"num_keys": 9}, ValueError, r"num_keys must be in \[1, 8\]"),
         ({"num_keys": 2.0}, TypeError, r"num_keys must be an integer in \[1, 8\]"),
@@ -58,6 +60,8 @@ def test_invalid_params_name_the_field_and_its_range(fields: dict, exc: type, pa
         {"bits": 24, "block_bits": 3, "delta": 0.5},
         {"scheme": "loso", "num_keys": 1},
         {"scheme": "mpac", "num_keys": 1, "delta": 5},
+        {"bits": 32, "block_bits": 8, "num_keys": 1, "scheme": "gumbel"},
+        {"bits": 40, "block_bits": 5, "num_keys": 1, "scheme": "gumbel"},
     ],
 )
 def test_valid_params_and_derived_sizes(fields: dict) -> None:

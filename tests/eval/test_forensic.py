@@ -10,6 +10,7 @@ import pytest
 from benchmarks.evaluation.forensic import (
     FORENSIC,
     GUMBEL,
+    GUMBEL8,
     STRENGTH,
     ForensicConfig,
     Population,
@@ -72,7 +73,9 @@ def test_jobs_give_each_author_one_prompt_shared_with_the_null_text() -> None:
     assert len({row.prompt for row in marked}) == 12  # 124 prompts: no repeats among 12 authors
 
 
-@pytest.mark.parametrize("config", [FORENSIC, STRENGTH, GUMBEL], ids=["forensic", "strength", "gumbel"])
+@pytest.mark.parametrize(
+    "config", [FORENSIC, STRENGTH, GUMBEL, GUMBEL8], ids=["forensic", "strength", "gumbel", "gumbel8"]
+)
 def test_the_committed_protocol_has_the_counts_its_claims_need(config: ForensicConfig) -> None:
     headline = [s for s in config.settings if s.headline]
     assert headline and all(s.authors >= 300 for s in headline)  # 300/300 -> 95 % lower bound > 98.7 %
@@ -195,3 +198,15 @@ def test_the_gumbel_presets_sample_with_the_distortion_free_scheme() -> None:
     # the same authors, prompts and messages as the gateway's settings
     default = {(row.user, row.prompt, row.message) for row in jobs(forensic, Population(forensic), load_prompts())}
     assert {(row.user, row.prompt, row.message) for row in rows} <= default
+
+
+def test_the_gumbel8_preset_reads_the_same_ids_in_8_bit_blocks() -> None:
+    wide, narrow = (replace(config, registry_size=400) for config in (GUMBEL8, GUMBEL))
+    rows = jobs(wide, Population(wide), load_prompts())
+    marked = [row for row in rows if row.key is not None]
+    assert {row.spec_name for row in marked} == {"gumbel-b32-bb8-k1-d2-t0.7", "gumbel-b32-bb8-k1-d2-t1"}
+    assert {(row.key.params.block_bits, row.key.params.num_blocks) for row in marked} == {(8, 4)}
+    assert {row.message.params.block_bits for row in marked if row.message is not None} == {8}
+    # the same authors, prompts and ID bits as the 2-bit gumbel preset: only the blocks differ
+    same = {(r.user, r.prompt, r.message.bits) for r in jobs(narrow, Population(narrow), load_prompts()) if r.message}
+    assert {(r.user, r.prompt, r.message.bits) for r in marked if r.message is not None} == same

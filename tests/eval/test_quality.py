@@ -134,8 +134,15 @@ def test_the_frontier_joins_naming_and_paired_ratios_across_runs(tmp_path) -> No
     (tmp_path / "quality-gumbel.json").write_text(
         json.dumps({"rows": [{**paired, "watermarked": True, "ppl_ratio": {"ratio": 1.01}}]})
     )
+    wide = {**attribution("gumbel", 1, "auto"), "block_bits": 8, "named": _cell(292, 300)}
+    (tmp_path / "forensic-gumbel8.json").write_text(
+        json.dumps({"attribution": [wide], "quality": [plain_quality, {**wide, "ppl_mean": 4.05}]})
+    )
     points = frontier([], tmp_path)
-    assert [(p["scheme"], p["ppl_ratio"], p["ppl_source"]) for p in points] == [
-        ("gumbel", 1.01, "quality"),  # its paired ratio from the gumbel quality run, its naming by counting
-        ("xmark", 1.5, "forensic.json"),  # no quality run measured it here: the forensic run's ratio
+    assert [(p["scheme"], p["block_bits"], p["ppl_ratio"], p["ppl_source"]) for p in points] == [
+        ("gumbel", 2, 1.01, "quality"),  # its paired ratio from the gumbel quality run, its naming by counting
+        # 8-bit blocks: a setting of its own (the 2-bit quality run does not stand for it)
+        ("gumbel", 8, 1.0125, "forensic-gumbel8.json"),
+        ("xmark", 2, 1.5, "forensic.json"),  # no quality run measured it here: the forensic run's ratio
     ]
+    assert points[1]["named"]["count"] == 292
