@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     watermark_block_bits: int = 2
     watermark_num_keys: int = 4
     watermark_delta: float = 2.0
+    # The scheme of new key versions: ``xmark`` biases logits; ``gumbel`` is distortion-free (keyed
+    # sampling, k = 1, blocks of up to 8 bits; served by the local backend only, at temperature > 0
+    # and top_p = 1: docs/service.md, "The distortion-free scheme").
+    watermark_scheme: Literal["xmark", "loso", "mpac", "gumbel"] = "xmark"
     # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
     # token's probability, nats) is below this are not biased; 0 biases every position.
     watermark_min_entropy: float = 0.0

@@ -71,6 +71,7 @@ def params_from_settings(settings: Settings) -> WatermarkParams:
         block_bits=settings.watermark_block_bits,
         num_keys=settings.watermark_num_keys,
         delta=settings.watermark_delta,
+        scheme=settings.watermark_scheme,
         min_entropy=settings.watermark_min_entropy,
     )
 

@@ -42,6 +42,7 @@ from service.services.registry_cache import RegistryCache
 from service.services.reports import ReportSigner
 from service.services.tracing import prepare_null_distributions
 from service.telemetry import Telemetry, open_telemetry
+from service.vocabulary import KeyVersionStatus
 from xmark_core import WatermarkParams
 
 logger = logging.getLogger("xmark.app")
@@ -220,6 +221,20 @@ def _background(stack: AsyncExitStack, task: asyncio.Task[None]) -> asyncio.Task
     return task
 
 
+def _check_scheme_served(keyring: Keyring, model: str, backend: Backend) -> None:
+    """Refuse to start a model whose backend cannot encode with the active key version's scheme
+    (``gumbel`` samples: the vLLM workers' processors only bias). A version activated later is
+    checked per request (``scheme_not_served``)."""
+    active = next((h for h in keyring.usable() if h.status == KeyVersionStatus.ACTIVE), None)
+    scheme = active.key.params.scheme if active is not None else keyring.params.scheme
+    if scheme not in backend.schemes:
+        of = f"key version {active.name!r}" if active is not None else "new key versions (XMARK_WATERMARK_SCHEME)"
+        raise ConfigurationError(
+            f"model {model!r}: its backend does not serve the watermark scheme {scheme!r} of {of}; "
+            f"it serves {', '.join(sorted(backend.schemes))}"
+        )
+
+
 @asynccontextmanager
 async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
     """Open every resource of a gateway process; all are closed when the context exits."""
@@ -269,6 +284,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         served = []
         for own, aliases in model_settings(settings):
             backend = build_backend(own, metrics)
+            _check_scheme_served(keyring, own.model_name, backend)
             stack.push_async_callback(backend.close)
             await backend.start()
             # without a models file the one model follows the process settings themselves

@@ -31,6 +31,7 @@ from service.errors import InvalidRequestError, ServiceUnavailableError
 from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 from xmark_core import ModelScores
+from xmark_core.params import SCHEMES
 
 # the fake's vocabulary: its "tokens" are these words
 VOCABULARY = (
@@ -141,6 +142,7 @@ class FakeBackend:
     """``service.backends.base.Backend`` without a model (see the module docstring)."""
 
     honoured_fields = DEFAULT_HONOURED
+    schemes = frozenset(SCHEMES)
 
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id

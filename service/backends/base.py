@@ -200,11 +200,13 @@ class Backend(Protocol):
     ``start`` may return before the model is loaded; ``ready`` turns true once it can generate.
     ``tokenizer`` (None until loaded) is the served model's tokenizer, which ``/trace`` uses.
     ``honoured_fields``: the chat request fields it honours; any other field that would change the
-    output is refused by name (:mod:`service.services.request_fields`).
+    output is refused by name (:mod:`service.services.request_fields`). ``schemes``: the watermark
+    schemes it can encode with (a key version of another scheme is not served through it).
     """
 
     model_id: str
     honoured_fields: frozenset[str]
+    schemes: frozenset[str]
 
     @property
     def ready(self) -> bool: ...

@@ -61,6 +61,7 @@ from service.backends.scoring import ScorerDtype, resolve_scorer_dtype, score_te
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
 from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
+from xmark_core.params import SCHEMES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -145,6 +146,8 @@ class LocalBackend:
 
     # log-probabilities from the model's own distribution (``batch.LogprobCapture``)
     honoured_fields = DEFAULT_HONOURED | {"logprobs", "top_logprobs"}
+    # every scheme: the biasing ones through the op, ``gumbel`` by keyed sampling at the request's temperature
+    schemes = frozenset(SCHEMES)
 
     def __init__(
         self,
@@ -561,7 +564,10 @@ class LocalBackend:
             eos_token_id=sorted(self._eos_ids),
         )
         key = jobs[0].stamp.key
-        processor = XMarkLogitsProcessor(key, messages, watermarker=self._watermarker(key))
+        # ``gumbel`` samples itself at the batch's temperature (0 leaves a greedy row alone; the gateway
+        # refuses greedy requests under such a key version before they get here)
+        temperature = (0.0 if first.greedy else first.temperature) if key.params.distortion_free else None
+        processor = XMarkLogitsProcessor(key, messages, watermarker=self._watermarker(key), temperature=temperature)
         seed = first.seed if len(jobs) == 1 else None
         between_steps = BetweenSteps(len(prompts), self._between_steps)
         with torch.inference_mode():

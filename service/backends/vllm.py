@@ -59,6 +59,7 @@ from service.errors import (
 )
 from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
+from xmark_core.params import BIASING_SCHEMES
 from xmark_core.vllm_common import XARG_KEY_VERSION, XARG_MESSAGE  # the names the workers read
 
 if TYPE_CHECKING:
@@ -498,6 +499,8 @@ class VllmBackend:
     """Chat completions served by one or more vLLM workers."""
 
     honoured_fields = DEFAULT_HONOURED | PASS_THROUGH_FIELDS
+    # the workers' processors bias logits (xmark_core.vllm_v1 / vllm_v2); they do not sample
+    schemes = frozenset(BIASING_SCHEMES)
 
     def __init__(
         self,

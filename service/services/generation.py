@@ -38,6 +38,7 @@ import anyio
 from opentelemetry.trace import SpanKind
 
 from service.backends.base import (
+    GREEDY_TEMPERATURE,
     ChatTurn,
     ChoiceDelta,
     ChoiceResult,
@@ -96,6 +97,33 @@ if TYPE_CHECKING:
 OWNED_BY = "xmark-gateway"
 
 logger = logging.getLogger("xmark.generation")
+
+
+def _check_keyed_sampling(version: str, scheme: str, served: ServedModel, body: SamplingRequest) -> None:
+    """A distortion-free key version (``gumbel``) chooses every token itself, from the model's full
+    distribution at the request's temperature: a backend that cannot sample with it does not serve
+    it, and a greedy request or a nucleus (``top_p`` < 1) it could not honour is refused by name
+    rather than answered without the watermark or from another distribution."""
+    if scheme not in served.backend.schemes:
+        raise ServiceUnavailableError(
+            f"The active watermark key version '{version}' uses the '{scheme}' scheme, which the backend of "
+            f"model '{served.name}' does not serve",
+            code="scheme_not_served",
+        )
+    if body.temperature is not None and body.temperature < GREEDY_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature {body.temperature:g} (greedy decoding) cannot carry the distortion-free watermark of "
+            f"key version '{version}': it writes the watermark into the sampling draw; use a temperature above 0",
+            param="temperature",
+            code="unsupported_value",
+        )
+    if body.top_p is not None and body.top_p < 1.0:
+        raise InvalidRequestError(
+            f"top_p {body.top_p:g} is not supported with the distortion-free watermark of key version "
+            f"'{version}': it samples from the model's full distribution; leave top_p at 1",
+            param="top_p",
+            code="unsupported_value",
+        )
 
 
 @dataclass(frozen=True)
@@ -343,6 +371,8 @@ class GenerationService:
                 code="message_id_missing",
             )
         message = Message.from_bits(bits, params)
+        if params.distortion_free:
+            _check_keyed_sampling(handle.name, params.scheme, served, body)
         request = GenerationRequest(
             messages=messages,
             max_tokens=max_tokens,

@@ -1,0 +1,171 @@
+"""The gateway serving a distortion-free key version (``XMARK_WATERMARK_SCHEME=gumbel``): the local
+backend samples every token with the key (blocks of 8 bits), ``/trace`` names the author of the
+answer, requests it could not honour are refused by name, and a backend that cannot sample with the
+key (the vLLM workers' processors only bias) is refused at start-up and per request."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.backends import build_backend
+from service.config import ConfigurationError
+from service.errors import ServiceUnavailableError
+from service.fleet import ServedModel
+from service.keyring import Keyring, params_from_settings
+from service.metrics import Metrics
+from service.models import KeyVersion
+from service.resources import _check_scheme_served
+from service.schemas.admin import CreatedUser
+from service.services.generation import _check_keyed_sampling
+from service.services.users import UserService
+from tests.conftest import TEST_WATERMARK_SECRETS, make_test_settings
+from xmark_core import WatermarkKey, WatermarkParams
+
+GUMBEL = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel")
+MODEL = "smollm2-135m-instruct"
+S2 = TEST_WATERMARK_SECRETS["v2"].encode()
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+async def gumbel_users(
+    app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None
+) -> tuple[CreatedUser, CreatedUser, CreatedUser]:
+    """v2 as the only usable, active, ``gumbel`` version (b = 32, d = 8), and an author, another user and an
+    auditor with IDs of its length; rolled back with the test (the keyring is reloaded then). After
+    ``ready``: the app's start-up tasks (the registry cache's warm-up) share the test's connection,
+    and one still reading there would roll its savepoint, and these writes in it, back."""
+    resources = app.state.resources
+    monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)  # sees this transaction's users
+    now = datetime.now(UTC)
+    # the configured secret v2 becomes the only active version, as a ``gumbel`` one (its row is
+    # changed, or added, inside the test's transaction; every other version is retired there)
+    retired = await db_session.execute(
+        update(KeyVersion).where(KeyVersion.name != "v2").values(status="retired", retired_at=now),
+        execution_options={"synchronize_session": False},
+    )
+    db_session.expire_all()
+    row = (await db_session.scalars(select(KeyVersion).where(KeyVersion.name == "v2"))).one_or_none()
+    if row is None:
+        row = KeyVersion(name="v2", created_at=now)
+        db_session.add(row)
+    row.bits, row.block_bits, row.num_keys, row.delta, row.scheme = 32, 8, 1, 2.0, "gumbel"
+    row.min_entropy = 0.0
+    row.fingerprint = WatermarkKey.from_secret(S2, GUMBEL).fingerprint
+    row.status, row.activated_at, row.retired_at = "active", now, None
+    await db_session.flush()
+    rows = [(r.name, r.status, r.scheme) for r in (await db_session.scalars(select(KeyVersion))).all()]
+    await resources.keyring.refresh(db_session)
+    assert sorted(rows) == [("v1", "retired", "xmark"), ("v2", "active", "gumbel")], (retired.rowcount, rows)
+    assert [(h.name, h.key.params) for h in resources.keyring.usable()] == [("v2", GUMBEL)]
+    users = UserService(db_session, GUMBEL, resources.api_key_hasher)
+    author = await users.create_user("gumbel-author", "user")
+    other = await users.create_user("gumbel-other", "user")
+    auditor = await users.create_user("gumbel-auditor", "auditor")
+    for created in (author, other, auditor):
+        assert [(m.bits, m.block_bits) for m in created.message_ids] == [(32, 8)]
+    await db_session.flush()
+    return author, other, auditor
+
+
+@pytest.mark.model
+async def test_an_answer_sampled_with_the_key_is_traced_to_its_author(
+    app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
+) -> None:
+    author, other, auditor = gumbel_users
+    assert await app.state.resources.backend.wait_ready(180)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    response = await client.post("/v1/chat/completions", json=body, headers=_auth(author.api_key))
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    assert len(text.split()) > 40
+
+    traced = await client.post("/trace", json={"text": text, "model": MODEL}, headers=_auth(auditor.api_key))
+    assert traced.status_code == 200, traced.text
+    report = traced.json()
+    assert report["watermarked"] is True and report["key_version"] == "v2"
+    assert report["attribution"] is not None and report["attribution"]["user_id"] == author.id
+    assert report["candidates"][0]["user_id"] == author.id
+    assert len(report["blocks"]) == 4 and all(len(b["counts"]) == 256 for b in report["blocks"])
+
+    # the other user's answer to the same prompt is theirs, not the author's
+    again = await client.post("/v1/chat/completions", json=body, headers=_auth(other.api_key))
+    assert again.status_code == 200, again.text
+    theirs = again.json()["choices"][0]["message"]["content"]
+    assert theirs != text
+    traced = await client.post("/trace", json={"text": theirs, "model": MODEL}, headers=_auth(auditor.api_key))
+    attribution = traced.json()["attribution"]
+    assert attribution is None or attribution["user_id"] == other.id
+
+
+async def test_requests_it_cannot_honour_are_refused_by_name(
+    app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
+) -> None:
+    author, _, _ = gumbel_users
+    assert await app.state.resources.backend.wait_ready(180)
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    for extra, param in (({"temperature": 0}, "temperature"), ({"top_p": 0.9}, "top_p")):
+        response = await client.post("/v1/chat/completions", json={**base, **extra}, headers=_auth(author.api_key))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["code"] == "unsupported_value"
+        assert "distortion-free" in error["message"]
+    # the same fields on the text-completion endpoint
+    response = await client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Once", "max_tokens": 4, "temperature": 0},
+        headers=_auth(author.api_key),
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+    # a temperature above 0 with top_p left at 1 is served
+    fine = await client.post(
+        "/v1/chat/completions", json={**base, "temperature": 0.7, "top_p": 1}, headers=_auth(author.api_key)
+    )
+    assert fine.status_code == 200, fine.text
+
+
+async def test_a_backend_that_cannot_sample_with_the_key_is_refused(tmp_path: Any) -> None:
+    settings = make_test_settings(
+        tmp_path,
+        backend="vllm",
+        vllm_urls=["http://127.0.0.1:9"],
+        model_path=None,
+        watermark_scheme="gumbel",
+        watermark_block_bits=8,
+        watermark_num_keys=1,
+    )
+    params = params_from_settings(settings)
+    assert params == GUMBEL
+    backend = build_backend(settings, Metrics())
+    try:
+        assert "gumbel" not in backend.schemes
+        with pytest.raises(ConfigurationError, match="does not serve the watermark scheme 'gumbel'"):
+            _check_scheme_served(Keyring(params, {}), settings.model_name, backend)
+        # the biasing schemes pass
+        _check_scheme_served(Keyring(replace(GUMBEL, scheme="xmark", block_bits=2, num_keys=4), {}), "m", backend)
+        # a gumbel version activated later: refused per request, 503 with its own code
+        served = ServedModel(settings.model_name, backend, None, ())
+        from service.schemas.chat import ChatCompletionRequest
+
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+        with pytest.raises(ServiceUnavailableError) as caught:
+            _check_keyed_sampling("v9", "gumbel", served, body)
+        assert caught.value.code == "scheme_not_served" and "v9" in caught.value.message
+    finally:
+        await backend.close()
