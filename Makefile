@@ -146,10 +146,12 @@ eval-quality: venv-vllm model
 eval-entropy: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset entropy --max-num-seqs 128
 
-# The distortion-free scheme (xmark_core.gumbel): naming (FORENSIC-GUMBEL.md), then answer quality against
-# the same unwatermarked answers as eval-quality (QUALITY-GUMBEL.md), then QUALITY.md's frontier redrawn.
+# The distortion-free scheme (xmark_core.gumbel): naming with 2-bit and 8-bit blocks (FORENSIC-GUMBEL.md,
+# FORENSIC-GUMBEL8.md), then answer quality against the same unwatermarked answers as eval-quality
+# (QUALITY-GUMBEL.md), then QUALITY.md's frontier redrawn.
 eval-gumbel: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset gumbel --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset gumbel8 --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --preset gumbel --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --frontier-only
 

@@ -802,6 +802,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="the likelihood decoder also requires its identity test at most this (default: off, as /trace)",
     )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        help="/trace's level (XMARK_TRACE_ALPHA; default: the preset's, 0.001); results go to files "
+        "suffixed with it, e.g. forensic-gumbel8-alpha0.0001.json",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the forward pass")
     parser.add_argument("--report-only", action="store_true", help="no model: re-analyse the cache")
     parser.add_argument("--generate-only", action="store_true", help="stop once the answers are generated")
@@ -809,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
     preset = "small" if args.small else args.preset
     suffix = "" if preset == "forensic" else f"-{preset}"
     config = replace(PRESETS[preset], trace_edit_rate=args.edit_rate, trace_identity_level=args.identity_level)
+    if args.alpha is not None:
+        if not 0.0 < args.alpha < 1.0:
+            parser.error("--alpha must be in (0, 1)")
+        config = replace(config, alpha=args.alpha)
     cache_dir = args.cache_dir or Path("var/eval") / f"forensic{suffix}-seed{config.seed}"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -840,7 +850,9 @@ def main(argv: list[str] | None = None) -> int:
     scorer.score_all(texts)
     started = time.monotonic()
     results: dict[str, Any] = {
-        "command": "python -m benchmarks.evaluation.forensic" + ("" if preset == "forensic" else f" --preset {preset}"),
+        "command": "python -m benchmarks.evaluation.forensic"
+        + ("" if preset == "forensic" else f" --preset {preset}")
+        + ("" if args.alpha is None else f" --alpha {args.alpha:g}"),
         "config": config.to_dict(),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, no GPU",
         "scorer_dtype": dtype_name,
@@ -861,9 +873,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"forensic{suffix}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    (out / f"FORENSIC{suffix.upper()}.md").write_text(render_forensic(results), encoding="utf-8")
-    _log(f"wrote {out / f'FORENSIC{suffix.upper()}.md'}")
+    name = suffix + ("" if args.alpha is None else f"-alpha{args.alpha:g}")  # the cache is the preset's
+    (out / f"forensic{name}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    (out / f"FORENSIC{name.upper()}.md").write_text(render_forensic(results), encoding="utf-8")
+    _log(f"wrote {out / f'FORENSIC{name.upper()}.md'}")
     return 0
 
 

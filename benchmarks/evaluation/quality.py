@@ -368,6 +368,11 @@ def _setting_key(row: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+def _unruled(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A setting's key without the entropy rule (the null rows' parameters do not record it)."""
+    return key[:5] + key[6:]
+
+
 def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> list[dict[str, Any]]:
     """One row per watermarked setting the forensic evaluations named authors with: naming at
     ``t`` tokens among their registry (``auto``, as /trace), wrong names, and the perplexity ratio:
@@ -391,6 +396,13 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
         # /trace's default: auto (results of the distortion-free scheme from before its likelihood
         # decoder hold counting only: their counting rows stand for it)
         read_auto = {_setting_key(r) for r in forensic["attribution"] if r["decoder"] == "auto"}
+        # unwatermarked texts named under the setting's parameters at T (the null section; its rows
+        # do not record the entropy rule, which never changes what a null text carries)
+        false = {
+            (_unruled(_setting_key({**r, "temperature": r["texts_temperature"]})), r["decoder"]): r
+            for r in forensic.get("null", [])
+            if r["T"] == t
+        }
         for row in forensic["attribution"]:
             default = "auto" if _setting_key(row) in read_auto else "counting"
             if row["T"] != t or row["decoder"] != default or row["bits"] != 32:
@@ -415,6 +427,7 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
                     "T": t,
                     "named": row["named"],
                     "wrong": row["wrong"],
+                    "false": (false.get((_unruled(key), default)) or {}).get("named"),
                     "ppl_ratio": ratio,
                     "ppl_source": source,
                     "naming_source": name,
@@ -482,16 +495,20 @@ def render_frontier(points: list[dict[str, Any]]) -> list[str]:
         "FORENSIC.md and FORENSIC-STRENGTH.md, 200-token answers in FORENSIC-ENTROPY.md and FORENSIC-GUMBEL.md). "
         "b = 32 throughout. Plot: [quality_frontier.png](quality_frontier.png).",
         "",
-        "| setting | τ | named at T (95 % CI) | wrong | PPL ratio | ratio from | naming from |",
-        "|---|---|---|---|---|---|---|",
+        "*False*: unwatermarked texts at T named under the setting's keys (the forensic run's null section; "
+        "α = 0.001, so up to 1 in 1,000 is the level the test allows).",
+        "",
+        "| setting | τ | named at T (95 % CI) | wrong | false (unwatermarked) | PPL ratio | ratio from | naming from |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
-        named, wrong = p["named"], p["wrong"]
+        named, wrong, false = p["named"], p["wrong"], p.get("false")
         lo, hi = named["ci95"]
+        shown = "–" if false is None else f"{false['count']}/{false['of']:,}"
         out.append(
             f"| {_frontier_label(p)} | {p['temperature']:g} | {named['count']}/{named['of']} = "
-            f"{100 * named['rate']:.1f} % ({100 * lo:.1f}–{100 * hi:.1f}) | {wrong['count']} | {p['ppl_ratio']:.3f} "
-            f"| {p['ppl_source']} | {p['naming_source']} |"
+            f"{100 * named['rate']:.1f} % ({100 * lo:.1f}–{100 * hi:.1f}) | {wrong['count']} | {shown} "
+            f"| {p['ppl_ratio']:.3f} | {p['ppl_source']} | {p['naming_source']} |"
         )
     return out
 

@@ -135,8 +135,24 @@ def test_the_frontier_joins_naming_and_paired_ratios_across_runs(tmp_path) -> No
         json.dumps({"rows": [{**paired, "watermarked": True, "ppl_ratio": {"ratio": 1.01}}]})
     )
     wide = {**attribution("gumbel", 1, "auto"), "block_bits": 8, "named": _cell(292, 300)}
+    null = {"scheme": "gumbel", "bits": 32, "block_bits": 8, "num_keys": 1, "delta": 2.0}
     (tmp_path / "forensic-gumbel8.json").write_text(
-        json.dumps({"attribution": [wide], "quality": [plain_quality, {**wide, "ppl_mean": 4.05}]})
+        json.dumps(
+            {
+                "attribution": [wide],
+                "quality": [plain_quality, {**wide, "ppl_mean": 4.05}],
+                # unwatermarked texts named under its keys: per text temperature, T and decoder
+                "null": [
+                    {**null, "texts_temperature": temperature, "T": t, "decoder": decoder, "named": _cell(n, 3000)}
+                    for temperature, t, decoder, n in (
+                        (0.7, 150, "auto", 3),
+                        (1.0, 150, "auto", 2),
+                        (0.7, 100, "auto", 9),
+                    )
+                ]
+                + [{**null, "texts_temperature": 0.7, "T": 150, "decoder": "counting", "named": _cell(7, 3000)}],
+            }
+        )
     )
     points = frontier([], tmp_path)
     assert [(p["scheme"], p["block_bits"], p["ppl_ratio"], p["ppl_source"]) for p in points] == [
@@ -146,3 +162,5 @@ def test_the_frontier_joins_naming_and_paired_ratios_across_runs(tmp_path) -> No
         ("xmark", 2, 1.5, "forensic.json"),  # no quality run measured it here: the forensic run's ratio
     ]
     assert points[1]["named"]["count"] == 292
+    assert points[1]["false"]["count"] == 3  # auto at T = 150 and its own temperature
+    assert points[0]["false"] is None  # a forensic run without a null section
