@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.client_address import parse_networks
 from service.security import ApiKeyFormatError, parse_api_key
+from xmark_core.params import Scheme
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
     placeholder_reason,
@@ -62,7 +63,7 @@ class Settings(BaseSettings):
     # The scheme of new key versions: ``xmark`` biases logits; ``gumbel`` is distortion-free (keyed
     # sampling, k = 1, blocks of up to 8 bits; served by the local backend only, at temperature > 0
     # and top_p = 1: docs/service.md, "The distortion-free scheme").
-    watermark_scheme: Literal["xmark", "loso", "mpac", "gumbel"] = "xmark"
+    watermark_scheme: Scheme = "xmark"
     # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
     # token's probability, nats) is below this are not biased; 0 biases every position.
     watermark_min_entropy: float = 0.0

@@ -29,7 +29,7 @@ class WatermarkParams:
     block_bits (d): bits per message block: 1..4 for the biasing schemes (each key partitions the
         vocabulary into 2**d shards), 1..8 for ``gumbel`` (the block value enters the keyed hash). Two
         users' IDs can be told apart only by the blocks where they differ: with larger blocks, IDs
-        drawn far apart differ in more of the text's tokens (docs/results/FORENSIC-GUMBEL.md).
+        drawn far apart differ in more of the text's tokens (docs/results/FORENSIC-GUMBEL8.md).
     num_keys (k): number of hash keys (1..8). ``loso``, ``mpac`` and ``gumbel`` use exactly one key.
     delta: logit bias added to the boosted tokens (> 0); ``gumbel`` adds none and requires the
         default (2.0), so that one setting has one fingerprint.
