@@ -258,7 +258,8 @@ def _attribute_gumbel(
     cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best). The best is
     named when, besides the rule of :func:`attribute`, its identity test against every other
     candidate (:func:`gumbel_identity_p`) is at most ``identity_level`` (``alpha``, or the caller's
-    stricter level)."""
+    stricter level). With salts, the matrix is the read salt's and every p-value counts all S salts
+    (Bonferroni: some salt's best candidate scoring this well on unwatermarked text)."""
     count, tokens = len(candidates), result.scored_tokens
     totals = candidates.hits(result.matrix)  # float64 [C]
     k = min(top, count)
@@ -271,7 +272,8 @@ def _attribute_gumbel(
     shifted = scores_all - scores_all.max()
     posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = gumbel.gamma_log_sf(totals[order], tokens)
-    p_values = np.minimum(1.0, candidates.multiplicity(order) * tries * np.exp(log_tail))
+    factors = candidates.multiplicity(order) * tries * result.params.salts
+    p_values = np.minimum(1.0, factors * np.exp(log_tail))
     out = []
     for rank, idx in enumerate(order):
         cand_blocks = candidates.blocks[idx].astype(np.int64)

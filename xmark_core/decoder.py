@@ -38,6 +38,8 @@ class DecodeResult:
     confidence: float64 [r] posterior probability of the decoded value of each block;
     token_blocks / token_shards: per input token (concatenated texts) its block index (-1 = not
     scored) and its k shards, only when decoding with per_token=True.
+    salt: scheme ``gumbel`` with ``salts`` > 1: the salt read (``gumbel.pick_salt``); ``matrix`` and
+    everything read from it are that salt's, and the p-values drawn from it count all S salts.
     """
 
     params: WatermarkParams
@@ -51,6 +53,7 @@ class DecodeResult:
     scored_tokens: int
     token_blocks: np.ndarray | None = field(default=None, repr=False)
     token_shards: np.ndarray | None = field(default=None, repr=False)
+    salt: int = 0
 
     @property
     def trials(self) -> int:
@@ -205,10 +208,14 @@ def _decode_gumbel(
     (float64; see ``xmark_core.gumbel``). ``token_shards`` holds each token's best value."""
     params = key.params
     r, values = params.num_blocks, params.num_shards
-    scores = gumbel.token_scores(key.words, p2, p1, tok, values)  # [n, D]
-    matrix = np.zeros((r, values), dtype=np.float64)
+    scores = gumbel.token_scores(key.words, p2, p1, tok, params.num_values)  # [n, D * S]
+    matrix = np.zeros((r, params.num_values), dtype=np.float64)
     np.add.at(matrix, rows, scores)
     row_counts = np.bincount(rows, minlength=r)
+    salt = gumbel.pick_salt(matrix, row_counts, params.salts)
+    if params.salts > 1:
+        matrix = np.ascontiguousarray(matrix[:, salt * values : (salt + 1) * values])  # [r, D]
+        scores = scores[:, salt * values : (salt + 1) * values]
     blocks, erased, margin, confidence = _read_gumbel_blocks(matrix, row_counts, min_observations)
     token_blocks = token_shards = None
     if per_token:
@@ -229,6 +236,7 @@ def _decode_gumbel(
         scored_tokens=int(rows.size),
         token_blocks=token_blocks,
         token_shards=token_shards,
+        salt=salt,
     )
 
 

@@ -93,7 +93,7 @@ def _detect_gumbel(result: DecodeResult, alpha: float) -> Detection:
     cell, against its null (sum of maxima of independent Gamma(n_i, 1), ``gumbel.detection_log_sf``).
     The statistic reported is that score minus the n scored tokens (its excess over one message's
     null mean); ``sigma`` is the mean row standard deviation, as for the counting schemes, without
-    a p-value."""
+    a p-value. With salts, the p-value is S times the read salt's (union bound over salts)."""
     matrix = result.matrix
     sigma = float(matrix.std(axis=1).mean())
     occupied = result.row_counts > 0
@@ -101,7 +101,7 @@ def _detect_gumbel(result: DecodeResult, alpha: float) -> Detection:
         return Detection(False, 1.0, 0.0, "best_message_score", sigma, None, alpha)
     observed = float(matrix.max(axis=1)[occupied].sum())
     log_tail = gumbel.detection_log_sf(result.row_counts, observed, result.params.num_shards)
-    p_value = min(1.0, float(np.exp(log_tail)))
+    p_value = min(1.0, result.params.salts * float(np.exp(log_tail)))
     statistic = observed - float(result.row_counts.sum())
     return Detection(p_value < alpha, p_value, statistic, "best_message_score", sigma, None, alpha)
 

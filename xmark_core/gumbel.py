@@ -28,6 +28,13 @@ each step. Detection (is the text watermarked at all) uses the best message, sum
 null law is the sum over rows of the maximum of D independent Gamma(n_i, 1): computed on a grid with
 every row's maximum rounded up, so the p-value is conservative by at most the grid's step.
 
+Salts. With ``salts`` S > 1 an answer is written under one salt s in [0, S): block value v enters the
+hash as v + s * D, so answers under different salts are sampled independently (the same user's answers
+to one prompt then differ as unwatermarked answers do). The decoders score every token under all D * S
+values, keep the salt whose best message scores highest (:func:`pick_salt`) and multiply every p-value by
+S: by the union bound over salts, the p-value of the kept salt stays valid whichever salt the text
+picked.
+
 The uniforms come from the shard hash's keyed context multiplier and token code (``hashing``): their
 product modulo 2**32, XORed with a keyed code of v and finalised by ``mix32``, identical in numpy and in
 torch on any device.
@@ -40,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import ParamsError
 from .hashing import MASK32, mix32
 
 if TYPE_CHECKING:
@@ -47,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
     from .hashing import Array
+    from .params import WatermarkParams
 
 _GOLDEN = 0x9E3779B1  # the value code's multiplier: (v + 1) * _GOLDEN < 2**37, no overflow in int64
 _SCALE = 1.0 / (1 << 32)
@@ -57,8 +66,29 @@ DETECTION_FLOOR = 1e-12
 
 
 def value_codes(words: Array, values: Array) -> Array:
-    """Keyed codes of block values. words: int64 [1, 5]; values: int64 [...] in [0, 2**d)."""
+    """Keyed codes of block values. words: int64 [1, 5]; values: int64 [...] in [0, 2**d * S)
+    (salted values, see :func:`salted`)."""
     return mix32((((values + 1) * _GOLDEN) & MASK32) ^ words[0, 2])
+
+
+def salted(blocks: npt.NDArray[np.int64], salt: int, params: WatermarkParams) -> npt.NDArray[np.int64]:
+    """The values an answer written under ``salt`` carries: v + salt * 2**d per block (salt 0: the
+    blocks themselves). blocks: int64 [..., r] in [0, 2**d)."""
+    if isinstance(salt, bool) or not isinstance(salt, (int, np.integer)) or not 0 <= salt < params.salts:
+        raise ParamsError(f"salt must be an integer in [0, {params.salts}) for this key (got {salt!r})")
+    out: npt.NDArray[np.int64] = np.asarray(blocks, dtype=np.int64) + int(salt) * params.num_shards
+    return out
+
+
+def pick_salt(matrix: npt.NDArray[np.float64], row_counts: npt.NDArray[np.int64], salts: int) -> int:
+    """The salt whose best message scores highest: argmax over s of sum over occupied rows of
+    max_v matrix[i, s * D + v]. matrix: [r, D * S] scores (larger: more evidence)."""
+    if salts == 1:
+        return 0
+    r = matrix.shape[0]
+    per_salt = matrix.reshape(r, salts, -1).max(axis=2)  # [r, S]
+    occupied = row_counts > 0
+    return int(per_salt[occupied].sum(axis=0).argmax())
 
 
 def hashed(multipliers: Array, codes: Array, value_code: Array) -> Array:

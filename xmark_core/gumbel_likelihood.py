@@ -36,6 +36,10 @@ the two differ: if c wrote the text, the best's values there are not c's, their 
 independent of the text, and the sum's null is the convolution of those blocks' laws (a Chernoff
 bound screens the whole registry first, as in :func:`xmark_core.likelihood.identity_test`).
 
+Salts (``params.salts`` S > 1): every token is scored under all D * S salted values, the salt whose best
+message has the largest summed LLR is kept (``gumbel.pick_salt``) and every p-value is multiplied by S
+(union bound over salts).
+
 Which positions are scored. The encoder samples a context that already occurred in the answer
 normally (``gumbel.repeated_context``): such a token carries no watermark. So only the first position
 of every context (x[t-2], x[t-1]) is scored; the first two tokens are context only.
@@ -53,7 +57,7 @@ import numpy.typing as npt
 from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks, largest_exact_p
 from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
-from .gumbel import hashed, value_codes
+from .gumbel import hashed, pick_salt, value_codes
 from .hashing import block_index, context_multipliers, token_codes
 from .keys import WatermarkKey
 from .likelihood import (
@@ -95,7 +99,8 @@ class GumbelLikelihoodResult(BlockScores):
     scores: float64 [r, D] S[i, v], the sum of g_t(v) over block i; units: int64 [r, D] the same on
     the grid (sum of k_t(v)); row_counts: int64 [r] scored tokens per block; positions: int64 [m]
     the text positions scored; rows: int64 [m] their blocks; llr: float64 [m, D] g_t(v);
-    step: the grid's step (nats); block_laws: per block, (offset, pmf) of its units' null law.
+    step: the grid's step (nats); block_laws: per block, (offset, pmf) of its units' null law;
+    salt: the salt read (with ``params.salts`` > 1; the arrays are that salt's).
     """
 
     params: WatermarkParams
@@ -110,6 +115,7 @@ class GumbelLikelihoodResult(BlockScores):
     step: float = 1.0 / STEPS_PER_NAT
     block_laws: tuple[tuple[int, FloatArray], ...] = field(default=(), repr=False)
     edit_rate: float = 0.0
+    salt: int = 0
 
     def token_llr(self, blocks: Sequence[int] | IntArray) -> FloatArray:
         """float64 [text_length]: each position's g_t (nats) for a message with these block values;
@@ -263,10 +269,16 @@ def score_gumbel_text(
     words = key.words
     multipliers = context_multipliers(words, p2, p1)[:, :1]  # [m, 1]
     codes = token_codes(words, tok)[:, :1]  # [m, 1]
-    value_code = value_codes(words, np.arange(values_n, dtype=np.int64))[None, :]  # [1, D]
-    draws = hashed(multipliers, codes, value_code)  # [m, D]
+    value_code = value_codes(words, np.arange(params.num_values, dtype=np.int64))[None, :]  # [1, D * S]
+    draws = hashed(multipliers, codes, value_code)  # [m, D * S]
     log_u = np.log((draws.astype(np.float64) + 0.5) / _DRAWS)
-    llr = _llr(log_u, excess[:, None], log_norm[:, None], edit_rate, vocab)  # [m, D]
+    llr = _llr(log_u, excess[:, None], log_norm[:, None], edit_rate, vocab)  # [m, D * S]
+    salt = 0
+    if params.salts > 1:
+        salted_scores = np.zeros((r, params.num_values))
+        np.add.at(salted_scores, rows, llr)
+        salt = pick_salt(salted_scores, np.bincount(rows, minlength=r), params.salts)
+        llr = np.ascontiguousarray(llr[:, salt * values_n : (salt + 1) * values_n])  # [m, D]
 
     # the grid: STEPS_PER_NAT steps per nat unless the text's null law would exceed MAX_CELLS
     step = 1.0 / STEPS_PER_NAT
@@ -298,6 +310,7 @@ def score_gumbel_text(
         step=step,
         block_laws=block_laws,
         edit_rate=float(edit_rate),
+        salt=salt,
     )
 
 
@@ -353,7 +366,8 @@ def attribute_gumbel_likelihood(
     """Score every registered message; name the best only if its p-value, corrected for the
     registry size and ``tries``, is below ``alpha``, its posterior (softmax of the LLRs) at least
     ``min_confidence``, and its identity test against every other registered message at most
-    ``alpha`` (or ``identity_level`` where that is stricter), as the counting ``gumbel`` decoder."""
+    ``alpha`` (or ``identity_level`` where that is stricter), as the counting ``gumbel`` decoder.
+    With salts, every p-value also counts the S salts the reading chose among."""
     if identity_level is not None and not 0.0 < identity_level < 1.0:
         raise ValueError(f"identity_level must be in (0, 1) (got {identity_level})")
     if not 0.0 <= min_confidence <= 1.0:
@@ -372,7 +386,7 @@ def attribute_gumbel_likelihood(
     observed_all = result.units[np.arange(picked.shape[1])[None, :], picked].sum(axis=1)  # [k]
     raw = np.maximum(_tails(result.block_laws, observed_all), P_FLOOR)
     decoded = result.blocks
-    factors = candidates.multiplicity(order)
+    factors = candidates.multiplicity(order) * params.salts
     out = []
     p_best, statistic = 1.0, 0
     for rank, idx in enumerate(order):

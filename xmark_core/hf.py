@@ -11,7 +11,7 @@ from transformers import LogitsProcessor
 
 from .encoder import TorchWatermarker
 from .errors import ParamsError
-from .gumbel import repeated_context
+from .gumbel import repeated_context, salted
 from .keys import WatermarkKey
 from .message import Message
 
@@ -30,7 +30,10 @@ class XMarkLogitsProcessor(LogitsProcessor):
     Scheme ``gumbel`` chooses the next token itself (``xmark_core.gumbel``): pass the generation's
     ``temperature`` (0: greedy, left alone); only the chosen token's score stays finite, so
     transformers' temperature and top-k/top-p warpers after it return that token. Like
-    ``xmark_core.gumbel`` it samples from the full distribution at that temperature.
+    ``xmark_core.gumbel`` it samples from the full distribution at that temperature. With a salted
+    key (``params.salts`` > 1), ``salts[i]`` is the salt of row i's first answer; when generate
+    expands row i into n answers, answer j is written under salt (salts[i] + j) mod S, so the n
+    answers of one request are sampled independently of each other.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
         *,
         watermarker: TorchWatermarker | None = None,
         temperature: float | None = None,
+        salts: Sequence[int] | None = None,
     ) -> None:
         if not messages:
             raise ValueError("messages must name one message (or None) per batch row")
@@ -55,6 +59,13 @@ class XMarkLogitsProcessor(LogitsProcessor):
             if message.params.bits != params.bits or message.params.block_bits != params.block_bits:
                 raise ParamsError("message length does not match the key's parameters")
             blocks[row] = message.blocks
+        if salts is not None and len(salts) != len(messages):
+            raise ValueError(f"got {len(salts)} salts for {len(messages)} batch rows")
+        first = [0] * len(messages) if salts is None else list(salts)
+        for salt in first:
+            salted(np.zeros(0, dtype=np.int64), salt, params)  # validates it
+        self._params = params
+        self._salts = torch.tensor(first, dtype=torch.int64)  # [rows]
         self._blocks = torch.from_numpy(blocks)  # [rows, r]
         self._active = torch.tensor([m is not None for m in messages], dtype=torch.bool)  # [rows]
         if watermarker is not None and watermarker.key.fingerprint != key.fingerprint:
@@ -70,9 +81,14 @@ class XMarkLogitsProcessor(LogitsProcessor):
             self._blocks = self._blocks.to(scores.device)
             self._active = self._active.to(scores.device)
         blocks, active = self._blocks, self._active
+        copies = batch // rows
+        salts = self._salts.to(blocks.device)
         if batch != rows:
-            blocks = blocks.repeat_interleave(batch // rows, dim=0)
-            active = active.repeat_interleave(batch // rows, dim=0)
+            blocks = blocks.repeat_interleave(copies, dim=0)
+            active = active.repeat_interleave(copies, dim=0)
+            salts = salts.repeat_interleave(copies) + torch.arange(copies, device=blocks.device).repeat(rows)
+        if self._params.salts > 1:  # answer j of row i: salt (salts[i] + j) mod S
+            blocks = blocks + ((salts % self._params.salts) * self._params.num_shards)[:, None]
         context = input_ids[:, -2:]  # [B, 2]: (x[t-2], x[t-1])
         if context.shape[1] < 2:
             context = torch.nn.functional.pad(context, (2 - context.shape[1], 0))

@@ -17,6 +17,8 @@ MAX_BLOCK_BITS = 4
 # d for ``gumbel``: a block value only enters the keyed hash, so a block can carry more bits; the
 # decoders hold a [tokens, 2**d] score table per text, which bounds it
 MAX_GUMBEL_BLOCK_BITS = 8
+# S for ``gumbel``: per-answer salts a key version draws from (the decoders try each, Bonferroni x S)
+MAX_SALTS = 256
 # the largest min-entropy threshold (nats): the min-entropy of a 49,152-token vocabulary is at most 10.8
 MAX_MIN_ENTROPY = 16.0
 
@@ -42,6 +44,13 @@ class WatermarkParams:
         alone (never on the key), so the counting decoder stays calibrated with it on, and the
         likelihood decoder, which has the distribution, leaves the positions the rule skips out.
         Part of the key version (its fingerprint covers it when it is not 0).
+    salts: ``gumbel`` only, S: the number of salts an answer's keyed sampling draws from (1..256;
+        1, the default, is no salt). Under one key, a user's answer is a fixed function of the
+        prompt, the user and the contexts it passes through; a salt s enters the keyed hash with
+        every block value (value v + s * 2**d), so answers written under different salts are
+        sampled independently. The gateway gives a user's consecutive answers consecutive salts
+        (mod S); the decoders try every salt and pay for it in their p-values (Bonferroni x S). Part
+        of the key version (its fingerprint covers it when it is not 1).
     """
 
     bits: int = 16
@@ -50,6 +59,7 @@ class WatermarkParams:
     delta: float = 2.0
     scheme: Scheme = "xmark"
     min_entropy: float = 0.0
+    salts: int = 1
 
     def __post_init__(self) -> None:
         _check_int("block_bits", self.block_bits, 1, MAX_GUMBEL_BLOCK_BITS)
@@ -77,6 +87,9 @@ class WatermarkParams:
                 f"block_bits must be in [1, {MAX_BLOCK_BITS}] for scheme {self.scheme!r} (got {self.block_bits}); "
                 f"scheme 'gumbel' allows up to {MAX_GUMBEL_BLOCK_BITS}"
             )
+        _check_int("salts", self.salts, 1, MAX_SALTS)
+        if self.salts != 1 and self.scheme != "gumbel":
+            raise ParamsError(f"salts applies to scheme 'gumbel' only (got salts={self.salts} for {self.scheme!r})")
         if self.scheme in ("loso", "mpac", "gumbel") and self.num_keys != 1:
             raise ParamsError(f"num_keys must be 1 for scheme {self.scheme!r} (got {self.num_keys})")
         if self.scheme == "gumbel":
@@ -103,16 +116,25 @@ class WatermarkParams:
         return self.scheme == "gumbel"
 
     @property
+    def num_values(self) -> int:
+        """D * S: the values the keyed hash of a ``gumbel`` key sees (block value v under salt s is
+        v + s * D); D for every other scheme."""
+        return self.num_shards * self.salts
+
+    @property
     def gated(self) -> bool:
         """Whether the entropy rule is on (some positions may go unbiased)."""
         return self.min_entropy > 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """The parameters as JSON-able values. ``min_entropy`` appears only when the rule is on, so
-        the fingerprint of every key version made before the rule existed is unchanged."""
+        """The parameters as JSON-able values. ``min_entropy`` appears only when the rule is on and
+        ``salts`` only when above 1, so the fingerprint of every key version made before they
+        existed is unchanged."""
         out = asdict(self)
         if not self.gated:
             del out["min_entropy"]
+        if self.salts == 1:
+            del out["salts"]
         return out
 
     @classmethod
@@ -124,6 +146,7 @@ class WatermarkParams:
             delta=float(data["delta"]),
             scheme=data.get("scheme", "xmark"),
             min_entropy=float(data.get("min_entropy", 0.0)),
+            salts=int(data.get("salts", 1)),
         )
 
 

@@ -4,18 +4,30 @@ Importing this module imports neither vLLM nor torch: the gateway imports it for
 names (``build_watermarkers`` imports the torch encoder when a worker starts), and ``vllm_v1`` and
 ``vllm_v2`` are the only modules that import vLLM.
 
-Per-request arguments travel in ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``)
-and are exactly two: ``xmark_message`` (the b-bit message as a string of '0'/'1') and
-``xmark_key_version`` (the name of a configured key version). A request without them is not
-watermarked; a request with only one of them, a malformed value, an unknown key version or any
-other ``xmark_*`` key is rejected when vLLM admits it (HTTP 400), never inside the sampler.
+Per-request arguments travel in ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``):
+``xmark_message`` (the b-bit message as a string of '0'/'1') and ``xmark_key_version`` (the name of a
+configured key version), both required; ``xmark_salt`` (a salted ``gumbel`` worker: the salt the
+answer is written under, an integer in [0, S); 0 when absent) and ``xmark_fingerprint`` (the key
+version's fingerprint as the gateway knows it: a worker whose key for that name differs, another
+secret or other parameters, refuses the request rather than write a watermark /trace cannot read)
+are optional. A request without the two required ones is not watermarked; a request with only one
+of them, a malformed value, an unknown key version or any other ``xmark_*`` key is rejected when
+vLLM admits it (HTTP 400), never inside the sampler.
+
+Scheme ``gumbel`` (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each token itself, by keyed sampling
+from the model's distribution at the request's temperature (``xmark_core.gumbel``), after which any
+sampler returns that token. A sampling field applied after the processors would then be silently
+ignored, so a watermarked request with ``temperature`` 0, ``top_p`` < 1, ``top_k``, ``min_p``,
+penalties, ``logit_bias`` or ``n`` > 1 (vLLM's child requests would share one salt, so their answers
+would be alike) is refused at admission, naming the field.
 
 The watermark secrets are read once per process, at start-up, from ``XMARK_WATERMARK_SECRETS``
 (``name:secret[,name:secret...]``) or from the file named by ``XMARK_SECRETS_FILE`` (the same
 entries, one per line, ``#`` starts a comment). The watermark parameters come from
 ``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS``,
-``XMARK_WATERMARK_DELTA`` and ``XMARK_WATERMARK_MIN_ENTROPY`` (defaults 32, 2, 4, 2.0, 0): the same
-variables the gateway reads, so one env file configures both. Error messages name the variable and
+``XMARK_WATERMARK_DELTA``, ``XMARK_WATERMARK_MIN_ENTROPY``, ``XMARK_WATERMARK_SCHEME`` and
+``XMARK_WATERMARK_SALTS`` (defaults 32, 2, 4, 2.0, 0, ``xmark``, and 16 salts for ``gumbel``, 1 for
+the others): the same variables the gateway reads, so one env file configures both. Error messages name the variable and
 the rule, never a secret.
 """
 
@@ -36,6 +48,7 @@ import numpy as np
 
 from .errors import RequestArgumentError
 from .errors import WorkerConfigError as WorkerConfigError  # re-exported: its historic home
+from .gumbel import salted
 from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - MIN_SECRET_BYTES is re-exported
 from .message import bits_to_blocks
 from .params import WatermarkParams
@@ -49,8 +62,11 @@ if TYPE_CHECKING:
 
 XARG_MESSAGE = "xmark_message"
 XARG_KEY_VERSION = "xmark_key_version"
+XARG_SALT = "xmark_salt"
+XARG_FINGERPRINT = "xmark_fingerprint"
 XARG_PREFIX = "xmark_"
-KNOWN_XARGS = frozenset({XARG_MESSAGE, XARG_KEY_VERSION})
+REQUIRED_XARGS = frozenset({XARG_MESSAGE, XARG_KEY_VERSION})
+KNOWN_XARGS = REQUIRED_XARGS | {XARG_SALT, XARG_FINGERPRINT}
 
 ENV_SECRETS = "XMARK_WATERMARK_SECRETS"
 ENV_SECRETS_FILE = "XMARK_SECRETS_FILE"
@@ -59,6 +75,10 @@ ENV_BLOCK_BITS = "XMARK_WATERMARK_BLOCK_BITS"
 ENV_NUM_KEYS = "XMARK_WATERMARK_NUM_KEYS"
 ENV_DELTA = "XMARK_WATERMARK_DELTA"
 ENV_MIN_ENTROPY = "XMARK_WATERMARK_MIN_ENTROPY"
+ENV_SCHEME = "XMARK_WATERMARK_SCHEME"
+ENV_SALTS = "XMARK_WATERMARK_SALTS"
+# the salts of a gumbel worker unless XMARK_WATERMARK_SALTS says otherwise (the gateway's default)
+DEFAULT_GUMBEL_SALTS = 16
 
 ENV_PROFILE = "XMARK_PROCESSOR_PROFILE"  # benchmarks: a file the processor's time goes to
 
@@ -133,6 +153,7 @@ class WorkerKeyring:
                 f"the XMark logits processor needs the watermark secrets: set {ENV_SECRETS} "
                 f"or {ENV_SECRETS_FILE} in the worker's environment"
             )
+        scheme = (variables.get(ENV_SCHEME) or "").strip() or "xmark"
         try:
             params = WatermarkParams(
                 bits=_int_setting(variables, ENV_BITS, 32),
@@ -140,6 +161,8 @@ class WorkerKeyring:
                 num_keys=_int_setting(variables, ENV_NUM_KEYS, 4),
                 delta=_float_setting(variables, ENV_DELTA, 2.0),
                 min_entropy=_float_setting(variables, ENV_MIN_ENTROPY, 0.0),
+                scheme=scheme,  # type: ignore[arg-type]  # WatermarkParams checks it is one of the schemes
+                salts=_int_setting(variables, ENV_SALTS, DEFAULT_GUMBEL_SALTS if scheme == "gumbel" else 1),
             )
         except (TypeError, ValueError) as exc:
             raise WorkerConfigError(f"invalid watermark parameters: {exc}") from None
@@ -187,10 +210,12 @@ def build_watermarkers(keyring: WorkerKeyring, vllm_config: Any, device: Any, *,
 
 @dataclass(frozen=True)
 class RequestWatermark:
-    """What one request asks the sampler to do: the key slot and the message blocks."""
+    """What one request asks the sampler to do: the key slot and the message blocks (scheme
+    ``gumbel``: the values under the request's salt, ``gumbel.salted``)."""
 
     key_index: int
     blocks: np.ndarray  # int64 [r]
+    salt: int = 0
 
 
 def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) -> RequestWatermark | None:
@@ -209,9 +234,10 @@ def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) 
     unknown = sorted(ours - KNOWN_XARGS)
     if unknown:
         raise RequestArgumentError(
-            f"unknown XMark argument(s) {', '.join(unknown)}; expected exactly {XARG_MESSAGE} and {XARG_KEY_VERSION}"
+            f"unknown XMark argument(s) {', '.join(unknown)}; expected {XARG_MESSAGE} and {XARG_KEY_VERSION}, "
+            f"optionally {XARG_SALT} and {XARG_FINGERPRINT}"
         )
-    missing = sorted(KNOWN_XARGS - ours)
+    missing = sorted(REQUIRED_XARGS - ours)
     if missing:
         raise RequestArgumentError(
             f"XMark argument {missing[0]} is missing (both {XARG_MESSAGE} and {XARG_KEY_VERSION} are required)"
@@ -226,7 +252,59 @@ def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) 
     index = keyring.index(name)
     if index is None:
         raise RequestArgumentError(f"{XARG_KEY_VERSION} names a key version this worker is not configured with")
-    return RequestWatermark(index, bits_to_blocks([message], params)[0])
+    fingerprint = extra_args.get(XARG_FINGERPRINT)
+    if fingerprint is not None and fingerprint != keyring.keys[index].fingerprint:
+        raise RequestArgumentError(
+            f"{XARG_FINGERPRINT} differs from this worker's key version {name}: the worker holds another secret "
+            f"or other watermark parameters ({params.scheme}, b={params.bits}, d={params.block_bits}, "
+            f"k={params.num_keys}); configure it as the gateway"
+        )
+    salt = extra_args.get(XARG_SALT, 0)
+    if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < params.salts:
+        raise RequestArgumentError(f"{XARG_SALT} must be an integer in [0, {params.salts}) for this worker's key")
+    blocks = bits_to_blocks([message], params)[0]
+    if params.salts > 1:
+        blocks = salted(blocks, salt, params)
+    return RequestWatermark(index, blocks, salt)
+
+
+# sampling fields applied after the logits processors: a ``gumbel`` worker's choice would ignore them
+_AFTER_THE_CHOICE = (
+    ("top_p", 1.0),
+    ("top_k", None),
+    ("min_p", 0.0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+)
+
+
+def check_keyed_sampling(sampling_params: Any, params: WatermarkParams) -> None:
+    """A watermarked request a ``gumbel`` worker can honour: it samples from the model's full
+    distribution at the request's temperature, so greedy decoding and the fields vLLM applies after
+    the processors are refused by name (:class:`RequestArgumentError`); ``n`` > 1 too (vLLM's child
+    requests share the request's salt: send n requests)."""
+    if not params.distortion_free:
+        return
+    temperature = getattr(sampling_params, "temperature", 1.0)
+    if temperature is None or not temperature > 0.0:
+        raise RequestArgumentError(
+            "temperature must be above 0 under the distortion-free watermark (greedy decoding would carry none)"
+        )
+    for name, neutral in _AFTER_THE_CHOICE:
+        value = getattr(sampling_params, name, neutral)
+        if name == "top_k" and value is not None and value in (0, -1):
+            continue
+        if value is not None and value != neutral:
+            raise RequestArgumentError(
+                f"{name} is not supported under the distortion-free watermark: it samples every token itself"
+            )
+    if getattr(sampling_params, "logit_bias", None):
+        raise RequestArgumentError("logit_bias is not supported under the distortion-free watermark")
+    if int(getattr(sampling_params, "n", 1) or 1) > 1:
+        raise RequestArgumentError(
+            "n above 1 is not supported under the distortion-free watermark on vLLM workers: send n requests"
+        )
 
 
 def last_two(prompt: Sequence[int] | None, output: Sequence[int]) -> tuple[int, int]:
@@ -371,5 +449,8 @@ class ValidatesXMarkArguments:
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Reject malformed XMark arguments (:class:`RequestArgumentError`); accept the rest."""
-        parse_request(sampling_params.extra_args, worker_keyring())
+        """Reject malformed XMark arguments, and a watermarked request a ``gumbel`` worker could not
+        honour (:class:`RequestArgumentError`); accept the rest."""
+        keyring = worker_keyring()
+        if parse_request(sampling_params.extra_args, keyring) is not None:
+            check_keyed_sampling(sampling_params, keyring.params)

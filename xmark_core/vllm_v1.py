@@ -18,6 +18,11 @@ What vLLM 0.32 does that matters here:
 * prefix caching changes what is computed, not the prompt and output ids we read;
 * speculative decoding is refused (vLLM itself refuses custom processors with it, and so does
   this class when it is loaded another way).
+
+A worker of the distortion-free scheme (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each watermarked
+row's token by keyed sampling at the row's own temperature (``SamplingParams.temperature``), leaving
+only that token finite; a context the answer already used is sampled normally (each row keeps the
+contexts its answer used, rebuilt from the output list when a preempted request is added again).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._output: list[list[int] | None] = [None] * rows
         self._context = np.zeros((rows, 2), dtype=np.int64)  # [rows, 2] (x[t-2], x[t-1]) of the step
         self._usable = np.zeros(rows, dtype=bool)  # [rows] active and no placeholder in the context
+        # scheme gumbel: each row's sampling temperature and the contexts its answer has used
+        self._distortion_free = keyring.params.distortion_free
+        self._temperature = np.ones(rows, dtype=np.float32)  # [rows]
+        self._seen: list[set[tuple[int, int]] | None] = [None] * rows
         self._bind_views()
         # CPU workers: the C++ op bound to each key version's operands (xmark_core.cpu_op), set on
         # the first step for that logits width (None where it does not build: the generic path)
@@ -93,6 +102,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._output.extend([None] * (grow - rows))
         self._context = np.concatenate([self._context, np.zeros((grow - rows, 2), np.int64)])
         self._usable = np.concatenate([self._usable, np.zeros(grow - rows, bool)])
+        self._temperature = np.concatenate([self._temperature, np.ones(grow - rows, np.float32)])
+        self._seen.extend([None] * (grow - rows))
         self._bind_views()
 
     def _bind_views(self) -> None:
@@ -101,13 +112,22 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks_t = torch.from_numpy(self._blocks)
         self._active_t = torch.from_numpy(self._active)
         self._usable_t = torch.from_numpy(self._usable)
+        self._temperature_t = torch.from_numpy(self._temperature)
 
     def _clear(self, index: int) -> None:
         self._active[index] = False
         self._prompt[index] = None
         self._output[index] = None
+        self._seen[index] = None
 
-    def _set(self, index: int, mark: RequestWatermark | None, prompt: list[int] | None, output: list[int]) -> None:
+    def _set(
+        self,
+        index: int,
+        mark: RequestWatermark | None,
+        prompt: list[int] | None,
+        output: list[int],
+        temperature: float = 1.0,
+    ) -> None:
         self._ensure_rows(index)
         if mark is None:
             self._clear(index)
@@ -117,6 +137,9 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks[index] = mark.blocks
         self._prompt[index] = prompt
         self._output[index] = output
+        if self._distortion_free:
+            self._temperature[index] = temperature
+            self._seen[index] = used_contexts(prompt, output)
 
     def _move(self, src: int, dst: int) -> None:
         self._ensure_rows(max(src, dst))
@@ -125,6 +148,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks[dst] = self._blocks[src]
         self._prompt[dst] = self._prompt[src]
         self._output[dst] = self._output[src]
+        self._temperature[dst] = self._temperature[src]
+        self._seen[dst] = self._seen[src]
         self._clear(src)
 
     def _swap(self, a: int, b: int) -> None:
@@ -132,8 +157,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._active[[a, b]] = self._active[[b, a]]
         self._key[[a, b]] = self._key[[b, a]]
         self._blocks[[a, b]] = self._blocks[[b, a]]
+        self._temperature[[a, b]] = self._temperature[[b, a]]
         self._prompt[a], self._prompt[b] = self._prompt[b], self._prompt[a]
         self._output[a], self._output[b] = self._output[b], self._output[a]
+        self._seen[a], self._seen[b] = self._seen[b], self._seen[a]
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
@@ -150,7 +177,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
             if index < self._active.shape[0]:
                 self._clear(index)
         for index, params, prompt, output in batch_update.added:
-            self._set(index, parse_request(params.extra_args, self._keyring), prompt, output)
+            mark = parse_request(params.extra_args, self._keyring)
+            self._set(index, mark, prompt, output, float(params.temperature))
         for a, b, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
                 self._swap(a, b)
@@ -207,6 +235,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
             usable[:batch] = active
             usable[rows[(pairs < 0).any(axis=1)]] = False
             mask, mask_t = usable[:batch], self._usable_t
+        if self._distortion_free:
+            return self._sample(logits, rows, pairs, mask)
         steps = self._cpu_steps(logits)
         if steps is not None:  # the CPU worker: one call per key version, on buffers of >= B rows
             keys = self._key[rows]
@@ -232,3 +262,48 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
                 logits, context_t, blocks_t, self._to_device(rows_of_key, device), inplace=True
             )
         return logits
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, pairs: np.ndarray, mask: np.ndarray) -> torch.Tensor:
+        """Scheme ``gumbel``: each usable row's token chosen with its key at its temperature; a row
+        whose context its answer already used is sampled normally this step."""
+        batch = logits.shape[0]
+        keyed = mask.copy()  # [B]
+        for row, pair in zip(rows.tolist(), pairs.tolist(), strict=True):
+            if not keyed[row]:
+                continue  # a placeholder in its context: sits this step out
+            seen = self._seen[row]
+            context = (int(pair[0]), int(pair[1]))
+            if seen is None:
+                continue
+            if context in seen:
+                keyed[row] = False
+            else:
+                seen.add(context)
+        device = logits.device
+        context_t = self._to_device(self._context[:batch], device)
+        blocks_t = self._to_device(self._blocks[:batch], device)
+        temperature_t = self._to_device(self._temperature[:batch], device)
+        keys = self._key[:batch]
+        for key_index in np.unique(keys[keyed]):
+            rows_of_key = keyed & (keys == key_index)
+            self._watermarkers[int(key_index)].apply(
+                logits,
+                context_t,
+                blocks_t,
+                self._to_device(rows_of_key, device),
+                inplace=True,
+                temperature=temperature_t,
+            )
+        return logits
+
+
+def used_contexts(prompt: list[int] | None, output: list[int]) -> set[tuple[int, int]]:
+    """The contexts (x[t-2], x[t-1]) of the answer's tokens so far (a request added again after
+    preemption brings its output), the prompt's last tokens standing before the first."""
+    history = [*(prompt or ()), *output]
+    start = len(history) - len(output)
+    return {
+        (history[t - 2] if t >= 2 else 0, history[t - 1] if t >= 1 else 0)
+        for t in range(start, len(history))
+        if history[t] >= 0
+    }

@@ -21,6 +21,11 @@ non-blocking copy and scatters them on the device. ``apply`` then works on the d
 
 No Python loop over rows and no device-to-host synchronisation: the only host work per step is
 a numpy lookup of which key versions the scheduled slots use (``ctx.idx_mapping_np``).
+
+A worker of the distortion-free scheme (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each watermarked
+row's token by keyed sampling at the slot's temperature (staged with the blocks); a context the
+answer already used is sampled normally, found on the device by comparing the current context with
+the contexts of the slot's generated tokens in ``all_token_ids`` (from ``prompt_len`` on).
 Speculative decoding (one row per draft token, drafts not in the committed history) is refused.
 """
 
@@ -68,6 +73,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks = torch.zeros((slots, r), dtype=torch.int64, device=device)  # [slots, r]
         self._key = torch.zeros(slots, dtype=torch.int64, device=device)  # [slots]
         self._active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots]
+        # scheme gumbel: each slot's sampling temperature
+        self._distortion_free = keyring.params.distortion_free
+        self._temperature = torch.ones(slots, dtype=torch.float32, device=device)  # [slots]
+        self._staged_temperature: dict[int, float] = {}
         # Host mirrors of the on/off flag and key slot, for skipping work without a device sync.
         self._active_np = np.zeros(slots, dtype=bool)
         self._key_np = np.zeros(slots, dtype=np.int64)
@@ -78,6 +87,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         """Stage slot ``req_idx``'s state (every field is overwritten: slots are recycled)."""
         mark = parse_request(sampling_params.extra_args, self._keyring)
         self._staged[req_idx] = mark
+        self._staged_temperature[req_idx] = float(sampling_params.temperature)
         self._active_np[req_idx] = mark is not None
         self._key_np[req_idx] = 0 if mark is None else mark.key_index
         return mark is not None
@@ -86,6 +96,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         if not self._staged:
             return
         staged, self._staged = self._staged, {}
+        temperatures, self._staged_temperature = self._staged_temperature, {}
         slots = np.fromiter(staged, dtype=np.int64, count=len(staged))  # [n]
         r = self._blocks.shape[1]
         table = np.zeros((len(staged), r + 2), dtype=np.int64)  # [n, r + 2]: blocks | key | on
@@ -103,6 +114,9 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks.index_copy_(0, index, packed[:, 1 : r + 1])
         self._key.index_copy_(0, index, packed[:, r + 1])
         self._active.index_copy_(0, index, packed[:, r + 2].bool())
+        if self._distortion_free:
+            staged_t = torch.tensor([temperatures.get(int(s), 1.0) for s in slots], dtype=torch.float32)
+            self._temperature.index_copy_(0, index, staged_t.to(device, non_blocking=True))
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: float32 [rows, V]; modified in place and returned."""
@@ -123,12 +137,34 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         context = torch.stack((prev2, prev1), dim=1)  # [rows, 2] (x[t-2], x[t-1])
         blocks = self._blocks.index_select(0, slot)  # [rows, r]
         active = self._active.index_select(0, slot) & valid  # [rows]
+        temperature = None
+        if self._distortion_free:
+            start = states.prompt_len.gpu.index_select(0, slot).to(torch.int64)  # [rows]
+            active = active & ~_repeated_context(history, slot, start, total, context)
+            temperature = self._temperature.index_select(0, slot)  # [rows]
         if len(key_slots) == 1:
-            self._watermarkers[int(key_slots[0])].apply(logits, context, blocks, active, inplace=True)
+            self._watermarkers[int(key_slots[0])].apply(
+                logits, context, blocks, active, inplace=True, temperature=temperature
+            )
             return logits
         keys = self._key.index_select(0, slot)  # [rows]
         for key_index in key_slots:
             self._watermarkers[int(key_index)].apply(
-                logits, context, blocks, active & (keys == int(key_index)), inplace=True
+                logits, context, blocks, active & (keys == int(key_index)), inplace=True, temperature=temperature
             )
         return logits
+
+
+def _repeated_context(
+    history: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, total: torch.Tensor, context: torch.Tensor
+) -> torch.Tensor:
+    """bool [rows]: rows whose current context (x[t-2], x[t-1]) was already the context of one of the
+    answer's tokens, at positions start .. total - 1 (start: the prompt's length; positions below 2
+    have no full context). history: [slots, L] committed ids; slot, start, total: int64 [rows]."""
+    width = history.shape[1]
+    positions = torch.arange(2, width, device=history.device)  # [L - 2] token positions j
+    rows = history.index_select(0, slot).to(torch.int64)  # [rows, L]
+    prev2, prev1 = rows[:, :-2], rows[:, 1:-1]  # [rows, L - 2]: the context of the token at j
+    window = (positions[None, :] >= start[:, None]) & (positions[None, :] < total[:, None])  # [rows, L - 2]
+    same = (prev2 == context[:, :1]) & (prev1 == context[:, 1:])
+    return (same & window).any(dim=1)

@@ -45,11 +45,13 @@ def generate(
     seed: int = 0,
     temperature: float = 1.0,
     top_k: int = 0,
+    salts: Sequence[int] | None = None,
 ) -> Generation:
     """Sample ``steps`` tokens per row from the synthetic LM, watermarking row i with messages[i].
 
     Sampling divides the watermarked logits by ``temperature``; ``top_k`` > 0 also records the
-    unwatermarked distribution (temperature 1) that the likelihood decoder scores with."""
+    unwatermarked distribution (temperature 1) that the likelihood decoder scores with. ``salts``:
+    each row's salt under a salted ``gumbel`` key (0 by default)."""
     import torch
 
     from xmark_core import TorchWatermarker
@@ -61,6 +63,8 @@ def generate(
     blocks = torch.from_numpy(
         np.stack([m.blocks if m is not None else np.zeros(params.num_blocks, np.int64) for m in messages])
     )  # [B, r]
+    if salts is not None:
+        blocks = blocks + torch.tensor(list(salts), dtype=torch.int64)[:, None] * params.num_shards
     active = torch.tensor([m is not None for m in messages], dtype=torch.bool)  # [B]
     out = torch.empty((batch, steps + 2), dtype=torch.int64)
     out[:, :2] = torch.randint(0, vocab, (batch, 2), generator=gen)  # [B, 2]

@@ -48,7 +48,16 @@ from xmark_core import (
     vllm_common,
 )
 from xmark_core.hf import XMarkLogitsProcessor as HFProcessor
-from xmark_core.vllm_common import ENV_MIN_ENTROPY, ENV_SECRETS, WorkerConfigError, WorkerKeyring, worker_keyring
+from xmark_core.vllm_common import (
+    ENV_BLOCK_BITS,
+    ENV_MIN_ENTROPY,
+    ENV_NUM_KEYS,
+    ENV_SCHEME,
+    ENV_SECRETS,
+    WorkerConfigError,
+    WorkerKeyring,
+    worker_keyring,
+)
 from xmark_core.vllm_v1 import XMarkLogitsProcessor as V1Processor
 from xmark_core.vllm_v2 import XMarkLogitsProcessor as V2Processor
 
@@ -257,6 +266,147 @@ def test_both_adapters_follow_the_entropy_rule_of_the_workers_key_versions(monke
         assert any(MESSAGES[row] is not None for row in sure)
     finally:
         worker_keyring.cache_clear()
+
+
+@pytest.fixture
+def gumbel_keyring(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A worker of the distortion-free scheme: 8-bit blocks, one key, 16 salts (its default)."""
+    monkeypatch.setenv(ENV_SECRETS, ",".join(f"{k}:{v}" for k, v in WORKER_SECRETS.items()))
+    monkeypatch.setenv(ENV_SCHEME, "gumbel")
+    monkeypatch.setenv(ENV_BLOCK_BITS, "8")
+    monkeypatch.setenv(ENV_NUM_KEYS, "1")
+    worker_keyring.cache_clear()
+    try:
+        yield worker_keyring()
+    finally:
+        worker_keyring.cache_clear()
+
+
+GUMBEL_TEMPERATURES = [0.7, 1.0, 0.5, 0.7, 1.3, 0.9]
+GUMBEL_SALTS = [3, 0, 15, 0, 7, 3]
+
+
+def gumbel_params(keyring: WorkerKeyring, row: int, **fields: Any) -> SamplingParams:
+    bits = MESSAGES[row]
+    extra = None
+    if bits is not None:
+        extra = {
+            "xmark_message": bits,
+            "xmark_key_version": "v1",
+            "xmark_salt": GUMBEL_SALTS[row],
+            "xmark_fingerprint": keyring.keys[0].fingerprint,
+        }
+    return SamplingParams(max_tokens=8, temperature=GUMBEL_TEMPERATURES[row], extra_args=extra, **fields)
+
+
+def gumbel_reference(keyring: WorkerKeyring, base: torch.Tensor, contexts: list[tuple[int, int]], keyed: list[bool]):
+    """What xmark_core's sampler chooses for these rows (each at its temperature, under its salt)."""
+    from xmark_core import TorchWatermarker
+    from xmark_core.gumbel import salted
+
+    params = keyring.params
+    blocks = np.stack(
+        [
+            salted(Message.from_bits(m, params).blocks, GUMBEL_SALTS[row], params)
+            if m is not None
+            else np.zeros(params.num_blocks, np.int64)
+            for row, m in enumerate(MESSAGES)
+        ]
+    )
+    return TorchWatermarker(keyring.keys[0]).apply(
+        base.clone(),
+        torch.tensor(contexts, dtype=torch.int64),
+        torch.from_numpy(blocks),
+        torch.tensor(keyed),
+        temperature=torch.tensor(GUMBEL_TEMPERATURES),
+    )
+
+
+def test_both_adapters_sample_with_a_gumbel_workers_key(gumbel_keyring: WorkerKeyring) -> None:
+    """XMARK_WATERMARK_SCHEME=gumbel: V1 and V2 choose each watermarked row's token as xmark_core's
+    sampler does (the row's temperature, its salt), leave it the only finite logit and the other rows
+    alone; a step whose context the answer already used is sampled normally (V1: the row's used
+    contexts, V2: the slot's history on the device)."""
+    keyring = gumbel_keyring
+    assert keyring.params.distortion_free and keyring.params.block_bits == 8 and keyring.params.salts == 16
+    batch = len(HISTORIES)
+    base = logits_for(batch, seed=17)
+    params = [gumbel_params(keyring, row) for row in range(batch)]
+    outputs = [list(o) for _, o in HISTORIES]  # the live output lists V1 reads
+    processor = v1_processor()
+    added = [(row, params[row], list(p), outputs[row]) for row, (p, _) in enumerate(HISTORIES)]
+    processor.update_state(BatchUpdate(batch_size=batch, removed=[], added=added, moved=[]))
+    out_v1 = v1_step(processor, base.clone())
+    runner = V2Runner(keyring)
+    slots = [5, 2, 7, 0, 3, 6]
+    for row, slot in enumerate(slots):
+        runner.admit(slot, params[row], *HISTORIES[row])
+    out_v2 = runner.step(base.clone(), slots)
+    contexts = [vllm_common.last_two(p, o) for p, o in HISTORIES]
+    keyed = [m is not None for m in MESSAGES]
+    expected = gumbel_reference(keyring, base, contexts, keyed)
+    assert torch.equal(out_v1, expected) and torch.equal(out_v2, expected)
+    for row, message in enumerate(MESSAGES):
+        finite = int(torch.isfinite(out_v1[row]).sum())
+        assert finite == (1 if message is not None else VOCAB), row
+    # every row writes its token; row 1's answer then goes on with (77, 5012), a context it used for
+    # its first token: sampled normally there, the others keyed as before
+    for row, slot in enumerate(slots):
+        tokens = [77, 5012] if row == 1 else [int(out_v1[row].argmax())]
+        outputs[row].extend(tokens)
+        for token in tokens:
+            runner.commit(slot, token)
+        contexts[row] = vllm_common.last_two(HISTORIES[row][0], outputs[row])
+    again_v1 = v1_step(processor, base.clone())
+    again_v2 = runner.step(base.clone(), slots)
+    assert torch.equal(again_v1[1], base[1]) and torch.equal(again_v2[1], base[1])
+    keyed[1] = False
+    expected = gumbel_reference(keyring, base, contexts, keyed)
+    assert torch.equal(again_v1, expected) and torch.equal(again_v2, expected)
+    assert sum(int(torch.isfinite(again_v1[row]).sum()) == 1 for row in range(batch)) == 4
+
+
+def test_a_resumed_gumbel_request_keeps_the_contexts_its_answer_used(gumbel_keyring: WorkerKeyring) -> None:
+    """A request preempted and added again with its output: the contexts that output used count as
+    used. Its answer has come back to (3021, 44), its first token's context: sampled normally, where
+    the same request added fresh is keyed."""
+    params = gumbel_params(gumbel_keyring, 0)
+    base = logits_for(2, seed=19)
+    processor = v1_processor()
+    added = [(0, params, [1, 9, 3021, 44], [50, 60, 3021, 44]), (1, params, [1, 9, 3021, 44], [])]
+    processor.update_state(BatchUpdate(batch_size=2, removed=[], added=added, moved=[]))
+    out = v1_step(processor, base.clone())
+    assert torch.equal(out[0], base[0])
+    assert int(torch.isfinite(out[1]).sum()) == 1
+
+
+def test_a_gumbel_worker_refuses_requests_it_cannot_honour(gumbel_keyring: WorkerKeyring) -> None:
+    """At admission: greedy decoding, the fields vLLM applies after the processors, n > 1, a salt out
+    of range and a fingerprint of another key are refused by name; an honourable request passes."""
+    validate_v2 = build_custom_logits_processors_params_validator([V2_FQCN])
+    good = gumbel_params(gumbel_keyring, 0)
+    validate_logits_processors_parameters([V1_FQCN], good)
+    validate_v2(good)
+    extra = dict(good.extra_args or {})
+    for fields, match in (
+        ({"temperature": 0.0}, "temperature must be above 0"),
+        ({"top_p": 0.9}, "top_p is not supported"),
+        ({"top_k": 40}, "top_k is not supported"),
+        ({"min_p": 0.1}, "min_p is not supported"),
+        ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
+        ({"n": 2}, "n above 1 is not supported"),
+        ({"extra_args": {**extra, "xmark_salt": 16}}, "xmark_salt must be an integer in \\[0, 16\\)"),
+        ({"extra_args": {**extra, "xmark_salt": True}}, "xmark_salt must be an integer"),
+        ({"extra_args": {**extra, "xmark_fingerprint": "0" * 64}}, "xmark_fingerprint differs"),
+    ):
+        bad = SamplingParams(**{"max_tokens": 8, "temperature": 0.7, "extra_args": extra, **fields})
+        with pytest.raises(VLLMValidationError, match=match):
+            validate_logits_processors_parameters([V1_FQCN], bad)
+        with pytest.raises(VLLMValidationError, match=match):
+            validate_v2(bad)
+    # an unwatermarked request is the caller's own: any sampling passes
+    validate_logits_processors_parameters([V1_FQCN], SamplingParams(temperature=0.0, top_p=0.5))
 
 
 # -- V1: the persistent batch ----------------------------------------------------------------

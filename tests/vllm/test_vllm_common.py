@@ -11,14 +11,21 @@ import numpy as np
 import pytest
 
 from xmark_core import Message, WatermarkKey, WatermarkParams, vllm_common
+from xmark_core.errors import RequestArgumentError
 from xmark_core.vllm_common import (
     ENV_BITS,
+    ENV_BLOCK_BITS,
     ENV_DELTA,
     ENV_MIN_ENTROPY,
+    ENV_NUM_KEYS,
+    ENV_SALTS,
+    ENV_SCHEME,
     ENV_SECRETS,
     ENV_SECRETS_FILE,
+    XARG_FINGERPRINT,
     XARG_KEY_VERSION,
     XARG_MESSAGE,
+    XARG_SALT,
     WorkerConfigError,
     WorkerKeyring,
     count_loads,
@@ -122,6 +129,42 @@ def test_a_well_formed_request_names_its_key_slot_and_message_blocks(two_keys: W
     assert mark.key_index == 1
     np.testing.assert_array_equal(mark.blocks, Message.from_bits(bits, two_keys.params).blocks)
     assert mark.blocks.dtype == np.int64
+
+
+def test_a_gumbel_worker_reads_its_scheme_salts_and_each_requests_salt() -> None:
+    """XMARK_WATERMARK_SCHEME / _SALTS configure the worker as the gateway (16 salts for gumbel unless
+    set); a request's salt selects its values (v + salt * 2**d), its fingerprint must be the worker's."""
+    variables = {ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "gumbel", ENV_BLOCK_BITS: "8", ENV_NUM_KEYS: "1"}
+    keyring = WorkerKeyring.from_variables(variables)
+    assert keyring.params == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    assert WorkerKeyring.from_variables({**variables, ENV_SALTS: "1"}).params.salts == 1
+    with pytest.raises(WorkerConfigError, match="salts applies to scheme 'gumbel' only"):
+        WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SALTS: "4"})
+    with pytest.raises(WorkerConfigError, match="scheme must be one of"):
+        WorkerKeyring.from_variables({**variables, ENV_SCHEME: "bogus"})
+    bits = "01101100000110111001001101100100"
+    blocks = Message.from_bits(bits, keyring.params).blocks
+    fingerprint = keyring.keys[0].fingerprint
+    mark = parse_request(
+        {XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1", XARG_SALT: 5, XARG_FINGERPRINT: fingerprint}, keyring
+    )
+    assert mark is not None and mark.salt == 5
+    np.testing.assert_array_equal(mark.blocks, blocks + 5 * 256)
+    unsalted = parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1"}, keyring)
+    assert unsalted is not None and unsalted.salt == 0
+    np.testing.assert_array_equal(unsalted.blocks, blocks)
+    for salt in (16, -1, "3", True, 2.0):
+        with pytest.raises(RequestArgumentError, match=r"xmark_salt must be an integer in \[0, 16\)"):
+            parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1", XARG_SALT: salt}, keyring)
+    # a gateway whose key version differs (another secret, other parameters) is refused, naming the rule
+    other = WatermarkKey.from_secret(SECRET_A, WatermarkParams(bits=32, num_keys=4)).fingerprint
+    with pytest.raises(RequestArgumentError, match="xmark_fingerprint differs") as refused:
+        parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1", XARG_FINGERPRINT: other}, keyring)
+    assert SECRET_A not in str(refused.value) and fingerprint not in str(refused.value)
+    # an unsalted worker takes salt 0 only
+    biasing = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}"})
+    with pytest.raises(RequestArgumentError, match=r"in \[0, 1\)"):
+        parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1", XARG_SALT: 1}, biasing)
 
 
 @pytest.mark.parametrize(
