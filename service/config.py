@@ -43,6 +43,10 @@ def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
     return _parse_secret_entries(text, source=source, error=ConfigurationError)
 
 
+# the salts of a new gumbel key version unless XMARK_WATERMARK_SALTS says otherwise
+DEFAULT_GUMBEL_SALTS = 16
+
+
 class Settings(BaseSettings):
     """Every setting of the gateway; environment variables use the ``XMARK_`` prefix."""
 
@@ -67,6 +71,10 @@ class Settings(BaseSettings):
     # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
     # token's probability, nats) is below this are not biased; 0 biases every position.
     watermark_min_entropy: float = 0.0
+    # Scheme gumbel: the salts its answers draw from (WatermarkParams.salts). A user's consecutive
+    # answers take consecutive salts, so up to S answers to one prompt are sampled independently; the
+    # decoders try all S (p-values x S). Unset: 16 for gumbel, 1 (none) for the biasing schemes.
+    watermark_salts: int | None = None
     api_key_pepper: SecretStr | None = None
     # Trace reports are signed with an Ed25519 key derived from this secret (unset: from the
     # API-key pepper, under a label of its own); see docs/api.md, "Trace reports".
@@ -251,6 +259,12 @@ class Settings(BaseSettings):
     # Generation records that cannot be written wait in a local spool (SQLite under var_dir) and
     # are drained into the database when it answers again, also after a restart.
     record_spool_drain_interval_s: float = 2.0
+
+    @field_validator("watermark_salts", mode="before")
+    @classmethod
+    def _salts_unset_when_empty(cls, value: object) -> object:
+        """An empty XMARK_WATERMARK_SALTS (a compose or ConfigMap default) means unset."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("models_file", "models_dir", mode="before")
     @classmethod
@@ -453,6 +467,13 @@ class Settings(BaseSettings):
         if self.watermark_block_bits <= 0 or self.watermark_bits % self.watermark_block_bits:
             raise ValueError("watermark_bits must be a positive multiple of watermark_block_bits")
         return self
+
+    def watermark_salts_for(self, scheme: str) -> int:
+        """The salts of new key versions of ``scheme``: XMARK_WATERMARK_SALTS, else 16 for ``gumbel``
+        and 1 (no salt) for the biasing schemes (which refuse any other value)."""
+        if self.watermark_salts is not None:
+            return self.watermark_salts
+        return DEFAULT_GUMBEL_SALTS if scheme == "gumbel" else 1
 
     @property
     def embedded(self) -> bool:

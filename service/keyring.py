@@ -73,6 +73,7 @@ def params_from_settings(settings: Settings) -> WatermarkParams:
         delta=settings.watermark_delta,
         scheme=settings.watermark_scheme,
         min_entropy=settings.watermark_min_entropy,
+        salts=settings.watermark_salts_for(settings.watermark_scheme),
     )
 
 
@@ -84,6 +85,7 @@ def row_params(row: KeyVersion) -> WatermarkParams:
         delta=row.delta,
         scheme=cast("Scheme", row.scheme),  # WatermarkParams checks it is one of the schemes
         min_entropy=row.min_entropy,
+        salts=row.salts,
     )
 
 
@@ -187,6 +189,7 @@ class Keyring:
             delta=self._params.delta,
             scheme=self._params.scheme,
             min_entropy=self._params.min_entropy,
+            salts=self._params.salts,
             fingerprint=key.fingerprint,
             status=status,
             created_at=now,

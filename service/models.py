@@ -175,6 +175,8 @@ class KeyVersion(Base):
     scheme: Mapped[str] = mapped_column(String(32))
     # the entropy rule's threshold in nats (0: every position biased); see WatermarkParams.min_entropy
     min_entropy: Mapped[float] = mapped_column(Float, server_default="0")
+    # scheme gumbel: the salts its answers draw from (1: none); see WatermarkParams.salts
+    salts: Mapped[int] = mapped_column(Integer, server_default="1")
     fingerprint: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

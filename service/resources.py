@@ -30,6 +30,7 @@ from service.metrics import Metrics
 from service.models import Generation, Trace
 from service.provenance.sketch import Sketcher, derive_sketch_key
 from service.repositories.provenance import PlannerStatistics
+from service.salts import SaltRotation
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.admission import Admission, open_admission
 from service.services.auth import Authenticator
@@ -81,6 +82,8 @@ class Resources:
     sketcher: Sketcher | None = None
     # PostgreSQL: the planner's statistics of the sketches' terms, cached for the process
     planner_statistics: PlannerStatistics = field(default_factory=PlannerStatistics)
+    # each user's next salt under a salted distortion-free key version (service.salts)
+    salt_rotation: SaltRotation = field(default_factory=SaltRotation)
 
     @property
     def backend(self) -> Backend:

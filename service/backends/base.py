@@ -104,6 +104,8 @@ class WatermarkStamp:
     key: WatermarkKey
     message: Message
     key_version: str = ""  # the key version's name; remote workers look the secret up by it
+    # a salted gumbel key version: the salt of the request's first answer (answer j: salt + j, mod S)
+    salt: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,11 +204,14 @@ class Backend(Protocol):
     ``honoured_fields``: the chat request fields it honours; any other field that would change the
     output is refused by name (:mod:`service.services.request_fields`). ``schemes``: the watermark
     schemes it can encode with (a key version of another scheme is not served through it).
+    ``salts_per_answer``: whether the n answers of one request are written under consecutive salts
+    of a salted ``gumbel`` key version (false: they would share one, and n > 1 is refused there).
     """
 
     model_id: str
     honoured_fields: frozenset[str]
     schemes: frozenset[str]
+    salts_per_answer: bool
 
     @property
     def ready(self) -> bool: ...

@@ -148,6 +148,7 @@ class LocalBackend:
     honoured_fields = DEFAULT_HONOURED | {"logprobs", "top_logprobs"}
     # every scheme: the biasing ones through the op, ``gumbel`` by keyed sampling at the request's temperature
     schemes = frozenset(SCHEMES)
+    salts_per_answer = True
 
     def __init__(
         self,
@@ -567,7 +568,12 @@ class LocalBackend:
         # ``gumbel`` samples itself at the batch's temperature (0 leaves a greedy row alone; the gateway
         # refuses greedy requests under such a key version before they get here)
         temperature = (0.0 if first.greedy else first.temperature) if key.params.distortion_free else None
-        processor = XMarkLogitsProcessor(key, messages, watermarker=self._watermarker(key), temperature=temperature)
+        salts = None
+        if key.params.salts > 1:  # answer j of a job: its stamp's salt + j (service.salts)
+            salts = [(job.stamp.salt + j) % key.params.salts for job in jobs for j in range(job.rows)]
+        processor = XMarkLogitsProcessor(
+            key, messages, watermarker=self._watermarker(key), temperature=temperature, salts=salts
+        )
         seed = first.seed if len(jobs) == 1 else None
         between_steps = BetweenSteps(len(prompts), self._between_steps)
         with torch.inference_mode():

@@ -59,8 +59,13 @@ from service.errors import (
 )
 from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
-from xmark_core.params import BIASING_SCHEMES
-from xmark_core.vllm_common import XARG_KEY_VERSION, XARG_MESSAGE  # the names the workers read
+from xmark_core.params import SCHEMES
+from xmark_core.vllm_common import (  # the names the workers read
+    XARG_FINGERPRINT,
+    XARG_KEY_VERSION,
+    XARG_MESSAGE,
+    XARG_SALT,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -206,6 +211,20 @@ def _json_bytes(body: dict[str, Any]) -> bytes:
 _TOOL_FIELDS = frozenset({"tools", "tool_choice"})
 
 
+def watermark_xargs(stamp: WatermarkStamp) -> dict[str, Any]:
+    """The worker's arguments: the caller's message, the key version, its fingerprint (a worker
+    configured with another secret or other parameters refuses the request rather than write a
+    watermark /trace cannot read) and, under a salted key version, the answer's salt."""
+    xargs: dict[str, Any] = {
+        XARG_MESSAGE: stamp.message.bits,
+        XARG_KEY_VERSION: stamp.key_version,
+        XARG_FINGERPRINT: stamp.key.fingerprint,
+    }
+    if stamp.key.params.salts > 1:
+        xargs[XARG_SALT] = stamp.salt
+    return xargs
+
+
 def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str) -> dict[str, Any]:
     """The OpenAI request sent to a worker: the validated fields plus the gateway's watermark args."""
     body: dict[str, Any] = {
@@ -216,7 +235,7 @@ def upstream_body(request: GenerationRequest, stamp: WatermarkStamp, model: str)
         "n": request.n,
         "stream": request.streamed,
         "return_token_ids": True,
-        "vllm_xargs": {XARG_MESSAGE: stamp.message.bits, XARG_KEY_VERSION: stamp.key_version},
+        "vllm_xargs": watermark_xargs(stamp),
     }
     if request.streamed:
         body["stream_options"] = {"include_usage": True}
@@ -500,7 +519,10 @@ class VllmBackend:
 
     honoured_fields = DEFAULT_HONOURED | PASS_THROUGH_FIELDS
     # the workers' processors bias logits (xmark_core.vllm_v1 / vllm_v2); they do not sample
-    schemes = frozenset(BIASING_SCHEMES)
+    # every scheme (the workers' processors sample with a ``gumbel`` key: xmark_core.vllm_v1 / v2)
+    schemes = frozenset(SCHEMES)
+    # the n answers of one request reach a worker as child requests with one salt
+    salts_per_answer = False
 
     def __init__(
         self,

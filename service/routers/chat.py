@@ -116,6 +116,7 @@ async def _generation(resources: ResourcesDep) -> GenerationService:
         admission=resources.admission,
         telemetry=resources.telemetry,
         sketcher=resources.sketcher,
+        salt_rotation=resources.salt_rotation,
     )
 
 

@@ -161,6 +161,9 @@ class KeyVersionOut(BaseModel):
     min_entropy: float = Field(
         default=0.0, description="Entropy rule: positions whose min-entropy (nats) is below this are not biased."
     )
+    salts: int = Field(
+        default=1, description="Scheme gumbel: the salts its answers draw from (1: none; the decoders try each)."
+    )
     fingerprint: str = Field(description="Non-secret fingerprint of the watermark key.")
     configured: bool = Field(description="Whether this process holds the secret of this version.")
     created_at: datetime

@@ -138,11 +138,13 @@ class ReportParams(BaseModel):
     min_entropy: float | None = Field(
         default=None, description="entropy rule: positions below this min-entropy (nats) were not biased"
     )
+    # scheme gumbel's salts; present only for salted key versions (as min_entropy)
+    salts: int | None = Field(default=None, description="salts the answers drew from (p-values count each)")
 
     # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
     @model_serializer(mode="wrap")
     def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
-        return _drop_absent(handler(self), self, ("min_entropy",))
+        return _drop_absent(handler(self), self, ("min_entropy", "salts"))
 
 
 class DecoderSettings(BaseModel):

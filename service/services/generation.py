@@ -30,7 +30,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +57,7 @@ from service.errors import (
 )
 from service.fleet import Fleet, ServedModel
 from service.models import utcnow
+from service.salts import SaltRotation
 from service.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -99,11 +100,31 @@ OWNED_BY = "xmark-gateway"
 logger = logging.getLogger("xmark.generation")
 
 
-def _check_keyed_sampling(version: str, scheme: str, served: ServedModel, body: SamplingRequest) -> None:
+# sampling fields at their neutral values under a distortion-free key version (it samples every token
+# itself: a backend that applies them after its processors would silently ignore them)
+_KEYED_SAMPLING_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "logit_bias": ({},),
+}
+
+
+def _check_keyed_sampling(
+    version: str,
+    scheme: str,
+    served: ServedModel,
+    body: SamplingRequest,
+    options: Mapping[str, object] | None = None,
+) -> None:
     """A distortion-free key version (``gumbel``) chooses every token itself, from the model's full
     distribution at the request's temperature: a backend that cannot sample with it does not serve
-    it, and a greedy request or a nucleus (``top_p`` < 1) it could not honour is refused by name
-    rather than answered without the watermark or from another distribution."""
+    it, and a greedy request, a nucleus (``top_p`` < 1) or another sampling field it could not honour
+    is refused by name rather than answered without the watermark or from another distribution. On a
+    backend whose n answers of one request would share one salt (``Backend.salts_per_answer`` false:
+    vLLM's child requests), ``n`` > 1 is refused too (they would be alike)."""
     if scheme not in served.backend.schemes:
         raise ServiceUnavailableError(
             f"The active watermark key version '{version}' uses the '{scheme}' scheme, which the backend of "
@@ -122,6 +143,22 @@ def _check_keyed_sampling(version: str, scheme: str, served: ServedModel, body: 
             f"top_p {body.top_p:g} is not supported with the distortion-free watermark of key version "
             f"'{version}': it samples from the model's full distribution; leave top_p at 1",
             param="top_p",
+            code="unsupported_value",
+        )
+    for name, neutral in _KEYED_SAMPLING_NEUTRAL.items():
+        value = (options or {}).get(name)
+        if value is not None and value not in neutral:
+            raise InvalidRequestError(
+                f"{name} is not supported with the distortion-free watermark of key version '{version}': it "
+                "samples every token itself from the model's distribution at the request's temperature",
+                param=name,
+                code="unsupported_value",
+            )
+    if (body.n or 1) > 1 and not served.backend.salts_per_answer:
+        raise InvalidRequestError(
+            f"n above 1 is not supported with the distortion-free watermark of key version '{version}' on model "
+            f"'{served.name}': its workers would write the n answers under one salt, alike; send n requests",
+            param="n",
             code="unsupported_value",
         )
 
@@ -267,6 +304,7 @@ class GenerationService:
         admission: Admission | None = None,
         telemetry: Telemetry | None = None,
         sketcher: Sketcher | None = None,
+        salt_rotation: SaltRotation | None = None,
     ) -> None:
         self._telemetry = telemetry if telemetry is not None else Telemetry()
         # the content sketch logged with each record (service.provenance); None: none is stored
@@ -279,6 +317,8 @@ class GenerationService:
         self._metrics = metrics
         # None: an admission point of this service's own (tests that build the service directly)
         self._admission = admission if admission is not None else Admission(settings, metrics)
+        # None: a rotation of this service's own (tests that build the service directly)
+        self._salt_rotation = salt_rotation if salt_rotation is not None else SaltRotation()
 
     # -- models ------------------------------------------------------------------------------
 
@@ -372,7 +412,7 @@ class GenerationService:
             )
         message = Message.from_bits(bits, params)
         if params.distortion_free:
-            _check_keyed_sampling(handle.name, params.scheme, served, body)
+            _check_keyed_sampling(handle.name, params.scheme, served, body, options)
         request = GenerationRequest(
             messages=messages,
             max_tokens=max_tokens,
@@ -390,7 +430,9 @@ class GenerationService:
             created=int(time.time()),
             model=served.name,
             request=request,
-            stamp=WatermarkStamp(handle.key, message, handle.name),
+            stamp=WatermarkStamp(
+                handle.key, message, handle.name, self._salt_rotation.take(principal.user_id, request.n, params.salts)
+            ),
             key_version_id=handle.id,
             principal=principal,
             served=served,

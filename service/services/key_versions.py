@@ -58,6 +58,7 @@ class KeyVersionService:
             delta=row.delta,
             scheme=row.scheme,
             min_entropy=row.min_entropy,
+            salts=row.salts,
             fingerprint=row.fingerprint,
             configured=self._keyring.is_configured(row.name),
             created_at=row.created_at,

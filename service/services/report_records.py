@@ -78,6 +78,8 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
         }
         if p.gated:  # only for key versions with the entropy rule: other reports never held it
             params["min_entropy"] = float(p.min_entropy)
+        if p.salts > 1:  # only for salted key versions: other reports never held it
+            params["salts"] = int(p.salts)
     settings = {
         "decoder": str(given.requested_decoder),
         "temperature": None if report.temperature is None else float(report.temperature),

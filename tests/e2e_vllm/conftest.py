@@ -137,13 +137,16 @@ def e2e_config(settings: Settings, migrated_database: str) -> E2EConfig:
     )
 
 
-def _worker(e2e_config: E2EConfig, model_path: Path, served_name: str, log_dir: Path) -> Iterator[ManagedProcess]:
+def _worker(
+    e2e_config: E2EConfig, model_path: Path, served_name: str, log_dir: Path, extra_env: dict[str, str] | None = None
+) -> Iterator[ManagedProcess]:
     port = free_port()
     env = _base_environment()
     env.update(
         {
             "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **(extra_env or {}),
         }
     )
     command = vllm_serve_command(model_path, port, max_num_seqs=8, served_model_name=served_name)
@@ -247,3 +250,36 @@ def gateway(
         "XMARK_MODEL_NAME": MODEL_NAME,
     }
     yield from _gateway(settings, tmp_path_factory.mktemp("gateway-var"))
+
+
+# the distortion-free scheme in 8-bit blocks (16 salts by default), for a worker and its gateway alike
+GUMBEL_ENV = {"XMARK_WATERMARK_SCHEME": "gumbel", "XMARK_WATERMARK_BLOCK_BITS": "8", "XMARK_WATERMARK_NUM_KEYS": "1"}
+
+
+@pytest.fixture(scope="session")
+def gumbel_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    """A worker whose processor samples with distortion-free keys."""
+    log_dir = tmp_path_factory.mktemp("vllm-gumbel")
+    yield from _worker(e2e_config, e2e_config.model_path, MODEL_NAME, log_dir, GUMBEL_ENV)
+
+
+@pytest.fixture(scope="session")
+def gumbel_gateway(
+    e2e_config: E2EConfig, gumbel_worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
+    """A gateway whose key versions are distortion-free, in front of the gumbel worker; a database of
+    its own (SQLite: the shared one holds the biasing versions of the same names)."""
+    from service.db import upgrade_database
+
+    var_dir = tmp_path_factory.mktemp("gumbel-gateway-var")
+    database_url = f"sqlite+aiosqlite:///{var_dir / 'gateway.db'}"
+    upgrade_database(database_url)
+    settings = {
+        **_gateway_settings(e2e_config),
+        **GUMBEL_ENV,
+        "XMARK_DATABASE_URL": database_url,
+        "XMARK_VLLM_URLS": gumbel_worker.health_url.removesuffix("/health"),
+        "XMARK_MODEL_PATH": str(e2e_config.model_path),
+        "XMARK_MODEL_NAME": MODEL_NAME,
+    }
+    yield from _gateway(settings, var_dir)

@@ -1,7 +1,8 @@
 """The gateway serving a distortion-free key version (``XMARK_WATERMARK_SCHEME=gumbel``): the local
-backend samples every token with the key (blocks of 8 bits), ``/trace`` names the author of the
-answer, requests it could not honour are refused by name, and a backend that cannot sample with the
-key (the vLLM workers' processors only bias) is refused at start-up and per request."""
+backend samples every token with the key (blocks of 8 bits, 16 salts), ``/trace`` names the author of
+the answer, one user's answers to one prompt differ (consecutive salts), requests it could not honour
+are refused by name (on vLLM workers also the fields they apply after the choice, and n > 1), and a
+backend that cannot sample with the key is refused at start-up and per request."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.backends import build_backend
 from service.config import ConfigurationError
-from service.errors import ServiceUnavailableError
+from service.errors import InvalidRequestError, ServiceUnavailableError
 from service.fleet import ServedModel
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
@@ -26,9 +27,10 @@ from service.schemas.admin import CreatedUser
 from service.services.generation import _check_keyed_sampling
 from service.services.users import UserService
 from tests.conftest import TEST_WATERMARK_SECRETS, make_test_settings
-from xmark_core import WatermarkKey, WatermarkParams
+from tests.fakes import FakeBackend
+from xmark_core import ParamsError, WatermarkKey, WatermarkParams
 
-GUMBEL = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel")
+GUMBEL = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
 MODEL = "smollm2-135m-instruct"
 S2 = TEST_WATERMARK_SECRETS["v2"].encode()
 
@@ -41,7 +43,7 @@ def _auth(key: str) -> dict[str, str]:
 async def gumbel_users(
     app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None
 ) -> tuple[CreatedUser, CreatedUser, CreatedUser]:
-    """v2 as the only usable, active, ``gumbel`` version (b = 32, d = 8), and an author, another user and an
+    """v2 as the only usable, active, ``gumbel`` version (b = 32, d = 8, S = 16), and an author, another user and an
     auditor with IDs of its length; rolled back with the test (the keyring is reloaded then). After
     ``ready``: the app's start-up tasks (the registry cache's warm-up) share the test's connection,
     and one still reading there would roll its savepoint, and these writes in it, back."""
@@ -60,7 +62,7 @@ async def gumbel_users(
         row = KeyVersion(name="v2", created_at=now)
         db_session.add(row)
     row.bits, row.block_bits, row.num_keys, row.delta, row.scheme = 32, 8, 1, 2.0, "gumbel"
-    row.min_entropy = 0.0
+    row.min_entropy, row.salts = 0.0, 16
     row.fingerprint = WatermarkKey.from_secret(S2, GUMBEL).fingerprint
     row.status, row.activated_at, row.retired_at = "active", now, None
     await db_session.flush()
@@ -114,6 +116,37 @@ async def test_an_answer_sampled_with_the_key_is_traced_to_its_author(
     assert attribution is None or attribution["user_id"] == other.id
 
 
+@pytest.mark.model
+async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
+    app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
+) -> None:
+    """The same user, prompt and seed twice, then n = 2 in one request: consecutive salts, so four
+    different answers (without salts the key fixes the answer); each is traced to the user, and the
+    signed report names the salts its p-values counted."""
+    author, _, auditor = gumbel_users
+    assert await app.state.resources.backend.wait_ready(180)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Describe a walk through a forest in autumn."}],
+        "max_tokens": 120,
+        "temperature": 0.7,
+        "seed": 11,
+    }
+    texts = []
+    for extra in ({}, {}, {"n": 2}):
+        response = await client.post("/v1/chat/completions", json={**body, **extra}, headers=_auth(author.api_key))
+        assert response.status_code == 200, response.text
+        texts.extend(choice["message"]["content"] for choice in response.json()["choices"])
+    assert len(texts) == 4 and len(set(texts)) == 4
+    for text in texts:
+        traced = await client.post("/trace", json={"text": text, "model": MODEL}, headers=_auth(auditor.api_key))
+        assert traced.status_code == 200, traced.text
+        report = traced.json()
+        assert report["attribution"] is not None and report["attribution"]["user_id"] == author.id
+    document = (await client.get(f"/trace/{report['report_id']}", headers=_auth(auditor.api_key))).json()
+    assert document["report"]["params"]["salts"] == 16
+
+
 async def test_requests_it_cannot_honour_are_refused_by_name(
     app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
 ) -> None:
@@ -140,7 +173,11 @@ async def test_requests_it_cannot_honour_are_refused_by_name(
     assert fine.status_code == 200, fine.text
 
 
-async def test_a_backend_that_cannot_sample_with_the_key_is_refused(tmp_path: Any) -> None:
+async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp_path: Any) -> None:
+    """The vLLM backend serves ``gumbel`` versions (its workers' processors sample with the key): it
+    passes the start-up check; the sampling fields a worker applies after its processors, and n > 1
+    (vLLM's child requests would share one salt), are refused by name. A backend without the scheme
+    (a biasing-only one) is refused at start-up and per request (503 ``scheme_not_served``)."""
     settings = make_test_settings(
         tmp_path,
         backend="vllm",
@@ -151,21 +188,48 @@ async def test_a_backend_that_cannot_sample_with_the_key_is_refused(tmp_path: An
         watermark_num_keys=1,
     )
     params = params_from_settings(settings)
-    assert params == GUMBEL
+    assert params == GUMBEL  # 16 salts unless XMARK_WATERMARK_SALTS says otherwise
+    assert params_from_settings(settings.model_copy(update={"watermark_salts": 1})).salts == 1
+    with pytest.raises(ParamsError, match="salts applies to scheme 'gumbel' only"):
+        params_from_settings(make_test_settings(tmp_path, watermark_salts=4))
+    from service.schemas.chat import ChatCompletionRequest
+
+    def body(**fields: Any) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
+        )
+
     backend = build_backend(settings, Metrics())
     try:
-        assert "gumbel" not in backend.schemes
-        with pytest.raises(ConfigurationError, match="does not serve the watermark scheme 'gumbel'"):
-            _check_scheme_served(Keyring(params, {}), settings.model_name, backend)
-        # the biasing schemes pass
-        _check_scheme_served(Keyring(replace(GUMBEL, scheme="xmark", block_bits=2, num_keys=4), {}), "m", backend)
-        # a gumbel version activated later: refused per request, 503 with its own code
+        assert "gumbel" in backend.schemes and not backend.salts_per_answer
+        _check_scheme_served(Keyring(params, {}), settings.model_name, backend)
         served = ServedModel(settings.model_name, backend, None, ())
-        from service.schemas.chat import ChatCompletionRequest
-
-        body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
-        with pytest.raises(ServiceUnavailableError) as caught:
-            _check_keyed_sampling("v9", "gumbel", served, body)
-        assert caught.value.code == "scheme_not_served" and "v9" in caught.value.message
+        _check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7), {"presence_penalty": 0, "top_k": -1})
+        for options, param in (
+            ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"repetition_penalty": 1.1}, "repetition_penalty"),
+            ({"top_k": 40}, "top_k"),
+            ({"min_p": 0.05}, "min_p"),
+            ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ):
+            with pytest.raises(InvalidRequestError) as refused:
+                _check_keyed_sampling("v9", "gumbel", served, body(), options)
+            assert refused.value.param == param and refused.value.code == "unsupported_value"
+        with pytest.raises(InvalidRequestError) as refused:
+            _check_keyed_sampling("v9", "gumbel", served, body(n=2))
+        assert refused.value.param == "n" and "send n requests" in refused.value.message
+        # the local backend writes a request's n answers under consecutive salts: n > 1 passes there
+        local = ServedModel("local", FakeBackend("local"), None, ())
+        _check_keyed_sampling("v9", "gumbel", local, body(n=2))
     finally:
         await backend.close()
+    biasing_only = FakeBackend("old")
+    biasing_only.schemes = frozenset({"xmark", "loso", "mpac"})
+    with pytest.raises(ConfigurationError, match="does not serve the watermark scheme 'gumbel'"):
+        _check_scheme_served(Keyring(params, {}), "old", biasing_only)
+    _check_scheme_served(
+        Keyring(replace(GUMBEL, scheme="xmark", block_bits=2, num_keys=4, salts=1), {}), "old", biasing_only
+    )
+    with pytest.raises(ServiceUnavailableError) as caught:
+        _check_keyed_sampling("v9", "gumbel", ServedModel("old", biasing_only, None, ()), body())
+    assert caught.value.code == "scheme_not_served" and "v9" in caught.value.message

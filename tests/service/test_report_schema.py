@@ -86,6 +86,11 @@ def test_the_entropy_rule_is_served_only_in_reports_of_key_versions_with_it() ->
     served = _served(ruled, signer)
     assert served["report"]["params"]["min_entropy"] == 0.69
     assert verify_report(served, signer.public_key) == ruled
+    assert "salts" not in _served(plain, signer)["report"]["params"]
+    salted = {**plain, "params": {**plain["params"], "scheme": "gumbel", "salts": 16}}
+    served = _served(salted, signer)
+    assert served["report"]["params"]["salts"] == 16
+    assert verify_report(served, signer.public_key) == salted
 
 
 def test_the_report_schema_lists_its_fields() -> None:

@@ -279,7 +279,9 @@ def test_real_engine_gumbel_answers_are_fixed_by_user_and_prompt() -> None:
     """What the distortion-free scheme costs, on a real engine: one user's answer to one prompt is
     the same whatever the sampling seed, and the n = 2 completions of one request are the same,
     until a context recurs in the answer (sampled with the request's own randomness from there);
-    another user gets another answer, and the decoder reads the author's message."""
+    another user gets another answer, and the decoder reads the author's message. With salts
+    (WatermarkParams.salts) one user's answers under two salts differ from the first token the model
+    had a choice at, the same salt and seed give the same answer, and the decoder reads the salt."""
     from benchmarks.evaluation.generation import load_model
     from benchmarks.evaluation.vllm_engine import VllmGenerator
     from xmark_core import CandidateSet, attribute, decode
@@ -323,3 +325,15 @@ def test_real_engine_gumbel_answers_are_fixed_by_user_and_prompt() -> None:
         read = attribute(decode(prompt_ids[-2:] + result.token_ids, key), candidates)
         assert read.candidates[0].id == user
     assert unmarked[0].token_ids != first[0].token_ids
+    salted_spec = GenSpec("gumbel", 32, 1, 2.0, temperature=1.0, salts=16)
+    salted_key = evaluation_key(salted_spec.params(), SEED)
+    salted_jobs = [
+        RowJob(salted_spec.name, 0, salt, "a", prompt, 1.0, salted_key, messages[0], salt) for salt in (3, 4, 3)
+    ]
+    three, four, again = generator.generate(salted_jobs, max_new, SEED, seed_of=lambda j: 1)
+    assert three.token_ids == again.token_ids and three.token_ids != four.token_ids
+    salted_candidates = CandidateSet([m.bits for m in messages], [0, 1], salted_spec.params())
+    for salt, result in ((3, three), (4, four)):
+        read_salted = decode(prompt_ids[-2:] + result.token_ids, salted_key)
+        assert read_salted.salt == salt
+        assert attribute(read_salted, salted_candidates).candidates[0].id == 0

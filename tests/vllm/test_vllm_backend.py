@@ -36,6 +36,7 @@ pytestmark = pytest.mark.model
 PARAMS = WatermarkParams()
 KEY = WatermarkKey.from_secret("gateway-test-secret-4c1d9e8a7b", PARAMS)
 STAMP = WatermarkStamp(KEY, Message.from_bits("0110110000011011", PARAMS), "v1")
+FP = KEY.fingerprint  # the workers check it against their key version's
 REQUEST = GenerationRequest(messages=(ChatTurn("user", "Tell me about cats."),), max_tokens=3, seed=5)
 MODEL = "smollm2-135m-instruct"
 PROMPT_IDS = [1, 9690, 198, 2683, 359]
@@ -295,7 +296,7 @@ def test_upstream_body_carries_only_the_validated_request_and_the_gateways_xargs
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
-        "vllm_xargs": {"xmark_message": "0110110000011011", "xmark_key_version": "v1"},
+        "vllm_xargs": {"xmark_message": "0110110000011011", "xmark_key_version": "v1", "xmark_fingerprint": FP},
     }
 
 
@@ -312,8 +313,26 @@ def test_upstream_body_passes_the_honoured_options_through_and_never_the_waterma
         messages=REQUEST.messages, max_tokens=4, options={"vllm_xargs": {"xmark_message": "0" * 16}, "echo": True}
     )
     body = upstream_body(smuggled, STAMP, MODEL)
-    assert body["vllm_xargs"] == {"xmark_message": STAMP.message.bits, "xmark_key_version": "v1"}
+    assert body["vllm_xargs"] == {
+        "xmark_message": STAMP.message.bits,
+        "xmark_key_version": "v1",
+        "xmark_fingerprint": FP,
+    }
     assert "echo" not in body
+
+
+def test_a_salted_key_versions_requests_carry_their_salt() -> None:
+    """A salted distortion-free version: the worker is told the answer's salt (the rotation's)."""
+    params = WatermarkParams(bits=16, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    key = WatermarkKey.from_secret("gateway-test-secret-4c1d9e8a7b", params)
+    stamp = WatermarkStamp(key, Message.from_bits("0110110000011011", params), "v3", 11)
+    body = upstream_body(REQUEST, stamp, MODEL)
+    assert body["vllm_xargs"] == {
+        "xmark_message": "0110110000011011",
+        "xmark_key_version": "v3",
+        "xmark_fingerprint": key.fingerprint,
+        "xmark_salt": 11,
+    }
 
 
 def tool_call_events() -> list[bytes]:
@@ -385,6 +404,7 @@ async def test_stream_passes_deltas_through_with_token_counts() -> None:
         assert len(sent) == 1 and sent[0]["vllm_xargs"] == {
             "xmark_message": STAMP.message.bits,
             "xmark_key_version": "v1",
+            "xmark_fingerprint": FP,
         }
         assert backend.pool.workers[0].in_flight == 0
     finally:
@@ -471,7 +491,11 @@ async def test_a_client_that_does_not_stream_gets_a_non_streamed_upstream_reques
         ]
         (sent,) = upstreams.workers["w1"].requests
         assert sent["stream"] is False and "stream_options" not in sent
-        assert sent["vllm_xargs"] == {"xmark_message": STAMP.message.bits, "xmark_key_version": "v1"}
+        assert sent["vllm_xargs"] == {
+            "xmark_message": STAMP.message.bits,
+            "xmark_key_version": "v1",
+            "xmark_fingerprint": FP,
+        }
         assert backend.pool.workers[0].in_flight == 0
     finally:
         await backend.close()
