@@ -152,7 +152,9 @@ eval-entropy: venv-vllm model
 eval-gumbel: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset gumbel --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset gumbel8 --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset gumbel8s16 --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --preset gumbel --max-num-seqs 128
+	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --preset gumbel8s16 --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --frontier-only
 
 # The provenance evaluation (docs/results/PROVENANCE.md): answers and the model's own rewrites on the

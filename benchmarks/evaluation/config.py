@@ -26,6 +26,7 @@ class GenSpec:
     tier: int = 0
     min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy); 0: every position biased
     block_bits: int = 2  # d (``gumbel`` allows up to 8)
+    salts: int = 1  # S (``gumbel``: WatermarkParams.salts)
 
     @property
     def name(self) -> str:
@@ -33,7 +34,8 @@ class GenSpec:
             return f"none-t{self.temperature:g}"
         rule = f"-h{self.min_entropy:g}" if self.min_entropy else ""
         blocks = f"-bb{self.block_bits}" if self.block_bits != 2 else ""
-        return f"{self.scheme}-b{self.bits}{blocks}-k{self.num_keys}-d{self.delta:g}{rule}-t{self.temperature:g}"
+        salts = f"-s{self.salts}" if self.salts != 1 else ""
+        return f"{self.scheme}-b{self.bits}{blocks}-k{self.num_keys}-d{self.delta:g}{rule}{salts}-t{self.temperature:g}"
 
     @property
     def watermarked(self) -> bool:
@@ -49,6 +51,7 @@ class GenSpec:
             delta=float(self.delta),
             scheme=self.scheme,
             min_entropy=self.min_entropy,
+            salts=self.salts,
         )
 
 

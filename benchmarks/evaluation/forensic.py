@@ -79,6 +79,7 @@ class Setting:
     min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy)
     scheme: str = "xmark"
     block_bits: int = 2
+    salts: int = 1  # WatermarkParams.salts (``gumbel``): each author's answer under a salt drawn at random
 
     @property
     def spec(self) -> GenSpec:
@@ -92,6 +93,7 @@ class Setting:
             self.temperature,
             min_entropy=self.min_entropy,
             block_bits=self.block_bits,
+            salts=self.salts,
         )
 
     @property
@@ -212,6 +214,17 @@ GUMBEL8 = ForensicConfig(
     scaling_sizes={32: (100_000,)},
 )
 
+# The same with 16 salts (WatermarkParams.salts): each author's answer under a salt drawn at random,
+# the decoders trying all 16 (p-values x 16); what the salts cost in naming.
+GUMBEL8_SALTED = replace(
+    GUMBEL8,
+    settings=(
+        Setting(32, 1, 0.7, 300, headline=True, scheme="gumbel", block_bits=8, salts=16),
+        Setting(32, 1, 1.0, 300, headline=True, scheme="gumbel", block_bits=8, salts=16),
+        *GUMBEL8.settings[2:],
+    ),
+)
+
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -228,6 +241,7 @@ PRESETS = {
     "entropy": ENTROPY,
     "gumbel": GUMBEL,
     "gumbel8": GUMBEL8,
+    "gumbel8s16": GUMBEL8_SALTED,
     "small": SMALL,
 }
 
@@ -299,7 +313,8 @@ def jobs(config: ForensicConfig, population: Population, prompts: Sequence[Promp
                 message = registry[authors[author]]
                 if setting.block_bits != message.params.block_bits:  # the same ID read in the setting's blocks
                     message = Message(message.bits, spec.params())
-            out.append(RowJob(spec.name, author, 0, prompt.id, prompt.text, setting.temperature, key, message))
+            salt = random.Random(f"salt/{config.seed}/{spec.name}/{author}").randrange(setting.salts)
+            out.append(RowJob(spec.name, author, 0, prompt.id, prompt.text, setting.temperature, key, message, salt))
     return out
 
 
@@ -524,6 +539,7 @@ class Evaluation:
                         "min_entropy": setting.min_entropy,
                         "scheme": setting.scheme,
                         "block_bits": setting.block_bits,
+                        "salts": setting.salts,
                         "temperature": setting.temperature,
                         "registry": size,
                         "T": t,
@@ -595,6 +611,7 @@ class Evaluation:
                             "min_entropy": setting.min_entropy,
                             "scheme": setting.scheme,
                             "block_bits": setting.block_bits,
+                            "salts": setting.salts,
                             "temperature": setting.temperature,
                             "T": t,
                             "decoder": decoder,
@@ -651,6 +668,7 @@ class Evaluation:
                             "delta": params.delta,
                             "scheme": params.scheme,
                             "block_bits": params.block_bits,
+                            "salts": params.salts,
                             "T": t,
                             "decoder": decoder,
                             "pairs": pairs,
@@ -688,6 +706,7 @@ class Evaluation:
                             "min_entropy": setting.min_entropy,
                             "scheme": setting.scheme,
                             "block_bits": setting.block_bits,
+                            "salts": setting.salts,
                             "temperature": setting.temperature,
                             "T": t,
                             "attack": attack,
@@ -720,6 +739,7 @@ class Evaluation:
                     "min_entropy": setting.min_entropy if setting.bits else None,
                     "scheme": setting.scheme if setting.bits else None,
                     "block_bits": setting.block_bits if setting.bits else None,
+                    "salts": setting.salts if setting.bits else None,
                     "temperature": setting.temperature,
                     "texts": len(values),
                     "ppl_mean": round(statistics.fmean(values), 3),

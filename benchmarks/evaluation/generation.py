@@ -42,6 +42,7 @@ class RowJob:
     temperature: float
     key: WatermarkKey | None
     message: Message | None
+    salt: int = 0  # a salted ``gumbel`` key: the salt the answer is written under
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,11 @@ SMALL = QualityConfig(
 # same seeds as QUALITY: its unwatermarked rows are QUALITY's). Each prompt's answers carry one user's
 # message, so the repeats are that user asking the same prompt again.
 GUMBEL = QualityConfig(specs=(GenSpec("none"), GenSpec("gumbel", 32, 1, 2.0)))
-PRESETS = {"quality": QUALITY, "gumbel": GUMBEL, "small": SMALL}
+# The scheme in blocks of 8 bits with 16 salts (WatermarkParams.salts): a user's consecutive answers
+# under consecutive salts from a random first one (as the gateway's rotation, service.salts), so the
+# repeats of one prompt are sampled independently; the same prompts and seeds as QUALITY.
+GUMBEL8_SALTED = QualityConfig(specs=(GenSpec("none"), GenSpec("gumbel", 32, 1, 2.0, block_bits=8, salts=16)))
+PRESETS = {"quality": QUALITY, "gumbel": GUMBEL, "gumbel8s16": GUMBEL8_SALTED, "small": SMALL}
 
 
 def _log(message: str) -> None:
@@ -111,7 +115,7 @@ def quality_prompts() -> list[Prompt]:
 
 
 def with_temperature(spec: GenSpec, temperature: float) -> GenSpec:
-    return GenSpec(spec.scheme, spec.bits, spec.num_keys, spec.delta, temperature, min_entropy=spec.min_entropy)
+    return replace(spec, temperature=temperature)
 
 
 def answer_seed(run_seed: int, prompt_index: int, answer: int, temperature: float) -> int:
@@ -134,9 +138,14 @@ def jobs(config: QualityConfig, prompts: Sequence[Prompt]) -> list[RowJob]:
                 message_of = [allocator.allocate() for _ in prompts]
             for index, prompt in enumerate(prompts):
                 answers = config.repeats if index < config.repeat_prompts else 1
+                # a salted key: the user's answers take consecutive salts from a random first one
+                first = random.Random(f"quality-salt/{config.seed}/{spec.name}/{index}").randrange(spec.salts)
                 for answer in range(answers):
                     message = message_of[index] if message_of is not None else None
-                    out.append(RowJob(spec.name, index, answer, prompt.id, prompt.text, temperature, key, message))
+                    salt = (first + answer) % spec.salts
+                    out.append(
+                        RowJob(spec.name, index, answer, prompt.id, prompt.text, temperature, key, message, salt)
+                    )
     return out
 
 
@@ -237,6 +246,8 @@ def measure(config: QualityConfig, prompts: Sequence[Prompt], store: GenerationS
                     "delta": spec.delta if spec.watermarked else None,
                     "min_entropy": spec.min_entropy if spec.watermarked else None,
                     "scheme": spec.scheme if spec.watermarked else None,
+                    "block_bits": spec.block_bits if spec.watermarked else None,
+                    "salts": spec.salts if spec.watermarked else None,
                     "temperature": temperature,
                     "answers": len(answers),
                     "ppl_median": round(statistics.median(math.exp(v) for v in nll), 3),
@@ -289,7 +300,9 @@ def _label(row: dict[str, Any]) -> str:
     if not row["watermarked"]:
         return "unwatermarked"
     if row.get("scheme") == "gumbel":
-        return f"gumbel b={row['bits']} (distortion-free)"
+        blocks = f" d={row['block_bits']}" if (row.get("block_bits") or 2) != 2 else ""
+        salts = f" S={row['salts']}" if (row.get("salts") or 1) != 1 else ""
+        return f"gumbel b={row['bits']}{blocks}{salts} (distortion-free)"
     rule = f" h={row['min_entropy']:g}" if row["min_entropy"] else ""
     return f"b={row['bits']} k={row['num_keys']} δ={row['delta']:g}{rule}"
 
@@ -351,9 +364,10 @@ FORENSIC_FILES = (
     "forensic-entropy.json",
     "forensic-gumbel.json",
     "forensic-gumbel8.json",
+    "forensic-gumbel8s16.json",
 )
 # the quality runs whose paired perplexity ratios the frontier uses (besides the run being written)
-QUALITY_FILES = ("quality.json", "quality-gumbel.json")
+QUALITY_FILES = ("quality.json", "quality-gumbel.json", "quality-gumbel8s16.json")
 
 
 def _setting_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -364,6 +378,7 @@ def _setting_key(row: dict[str, Any]) -> tuple[Any, ...]:
         row.get("num_keys"),
         float(row.get("delta") or 2.0),
         float(row.get("min_entropy") or 0.0),
+        int(row.get("salts") or 1),
         float(row["temperature"]),
     )
 
@@ -423,7 +438,8 @@ def frontier(rows: list[dict[str, Any]], results_dir: Path, t: int = 150) -> lis
                     "num_keys": key[3],
                     "delta": key[4],
                     "min_entropy": key[5],
-                    "temperature": key[6],
+                    "salts": key[6],
+                    "temperature": key[7],
                     "T": t,
                     "named": row["named"],
                     "wrong": row["wrong"],
@@ -477,7 +493,8 @@ def plot_frontier(points: list[dict[str, Any]], path: Path) -> bool:
 def _frontier_label(p: dict[str, Any]) -> str:
     if p.get("scheme") == "gumbel":
         blocks = f" d={p['block_bits']}" if p.get("block_bits", 2) != 2 else ""
-        return f"gumbel{blocks} (distortion-free)"
+        salts = f" S={p['salts']}" if (p.get("salts") or 1) != 1 else ""
+        return f"gumbel{blocks}{salts} (distortion-free)"
     rule = f" h={p['min_entropy']:g}" if p["min_entropy"] else ""
     return f"k={p['num_keys']} δ={p['delta']:g}{rule}"
 

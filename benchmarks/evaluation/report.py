@@ -428,7 +428,8 @@ def _key_label(row: Row) -> str:
     rule = f" h={row['min_entropy']:g}" if row.get("min_entropy") else ""  # the entropy rule, where on
     if row.get("scheme") == "gumbel":  # distortion-free: no bias, one key
         blocks = f" d={row['block_bits']}" if row.get("block_bits", 2) != 2 else ""
-        return f"gumbel b={row['bits']}{blocks}"
+        salts = f" S={row['salts']}" if (row.get("salts") or 1) != 1 else ""
+        return f"gumbel b={row['bits']}{blocks}{salts}"
     return f"b={row['bits']} k={row['num_keys']}{strength}{rule}"
 
 

@@ -36,6 +36,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from xmark_core import WatermarkParams
 from xmark_core.encoder import TorchWatermarker
+from xmark_core.gumbel import salted
 from xmark_core.message import bits_to_blocks
 from xmark_core.vllm_common import last_two, refuse_speculative_decoding
 
@@ -65,6 +66,8 @@ def request_args(job: RowJob, seed: int, suppress: Sequence[int]) -> dict[str, A
             min_entropy=float(p.min_entropy),
             seed=seed,
             message=job.message.bits,
+            salts=p.salts,
+            salt=job.salt,
         )
     return {XARG: args}
 
@@ -80,11 +83,13 @@ def _setting(args: dict[str, Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
         delta=float(args["delta"]),
         scheme=str(args["scheme"]),
         min_entropy=float(args.get("min_entropy", 0.0)),
+        salts=int(args.get("salts", 1)),
     )
     message = str(args["message"])
     if len(message) != params.bits or message.strip("01"):
         raise ValueError(f"{XARG}.message must be {params.bits} characters '0' or '1'")
-    return (params, int(args["seed"])), bits_to_blocks([message], params)[0]
+    blocks = salted(bits_to_blocks([message], params)[0], int(args.get("salt", 0)), params)
+    return (params, int(args["seed"])), blocks
 
 
 class EvalLogitsProcessor(LogitsProcessor):

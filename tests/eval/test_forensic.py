@@ -11,6 +11,7 @@ from benchmarks.evaluation.forensic import (
     FORENSIC,
     GUMBEL,
     GUMBEL8,
+    GUMBEL8_SALTED,
     STRENGTH,
     ForensicConfig,
     Population,
@@ -74,7 +75,9 @@ def test_jobs_give_each_author_one_prompt_shared_with_the_null_text() -> None:
 
 
 @pytest.mark.parametrize(
-    "config", [FORENSIC, STRENGTH, GUMBEL, GUMBEL8], ids=["forensic", "strength", "gumbel", "gumbel8"]
+    "config",
+    [FORENSIC, STRENGTH, GUMBEL, GUMBEL8, GUMBEL8_SALTED],
+    ids=["forensic", "strength", "gumbel", "gumbel8", "gumbel8s16"],
 )
 def test_the_committed_protocol_has_the_counts_its_claims_need(config: ForensicConfig) -> None:
     headline = [s for s in config.settings if s.headline]
@@ -95,6 +98,21 @@ def test_the_strength_preset_generates_its_settings_with_their_own_bias() -> Non
     # the same authors and prompts as the gateway's settings: the answers differ only by the watermark
     default = {(row.user, row.prompt, row.message) for row in jobs(forensic, Population(forensic), load_prompts())}
     assert {(row.user, row.prompt, row.message) for row in rows} <= default
+
+
+def test_the_salted_preset_writes_each_author_under_a_salt_of_its_own() -> None:
+    """The same authors, prompts and IDs as the unsalted 8-bit preset; each answer under a seeded
+    random salt of 16 (the decoders do not know it)."""
+    salted, plain = (replace(config, registry_size=400) for config in (GUMBEL8_SALTED, GUMBEL8))
+    rows = [r for r in jobs(salted, Population(salted), load_prompts()) if r.key is not None]
+    unsalted = [r for r in jobs(plain, Population(plain), load_prompts()) if r.key is not None]
+    assert [(r.user, r.prompt, r.message.bits) for r in rows if r.message is not None] == [
+        (r.user, r.prompt, r.message.bits) for r in unsalted if r.message is not None
+    ]
+    assert {r.key.params.salts for r in rows if r.key is not None} == {16}
+    salts = [r.salt for r in rows]
+    assert all(0 <= s < 16 for s in salts) and len(set(salts)) == 16
+    assert [r.salt for r in jobs(salted, Population(salted), load_prompts()) if r.key is not None] == salts
 
 
 def test_the_forensic_preset_has_the_gateway_settings() -> None:

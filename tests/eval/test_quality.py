@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.evaluation.quality import (
     GUMBEL,
+    GUMBEL8_SALTED,
     QUALITY,
     answer_seed,
     distinct,
@@ -90,6 +91,29 @@ def test_the_gumbel_preset_pairs_with_the_quality_runs_unwatermarked_answers() -
         assert j.message is not None
         by_prompt.setdefault(j.prompt_id, set()).add(j.message.bits)
     assert all(len(messages) == 1 for messages in by_prompt.values())
+
+
+def test_the_salted_preset_gives_a_users_answers_consecutive_salts() -> None:
+    """As the gateway's rotation: one prompt's repeats (one user asking again) take consecutive salts
+    from a first one drawn per user; the unwatermarked answers are the quality run's."""
+    prompts = quality_prompts()[:25]
+    rows = jobs(GUMBEL8_SALTED, prompts)
+    plain = {(j.prompt_id, j.slot, j.temperature) for j in jobs(QUALITY, prompts) if j.key is None}
+    assert {(j.prompt_id, j.slot, j.temperature) for j in rows if j.key is None} == plain
+    marked = [j for j in rows if j.key is not None]
+    assert {(j.key.params.block_bits, j.key.params.salts) for j in marked if j.key is not None} == {(8, 16)}
+    firsts = set()
+    for temperature in GUMBEL8_SALTED.temperatures:
+        for prompt in prompts[: GUMBEL8_SALTED.repeat_prompts]:
+            answers = sorted(
+                (j.slot, j.salt) for j in marked if j.prompt_id == prompt.id and j.temperature == temperature
+            )
+            assert len(answers) == GUMBEL8_SALTED.repeats
+            first = answers[0][1]
+            assert [salt for _, salt in answers] == [(first + slot) % 16 for slot, _ in answers]
+            firsts.add(first)
+    assert len(firsts) > 5  # the first salt is drawn per user, not fixed
+    assert all(j.salt == 0 for j in rows if j.key is None)
 
 
 def _cell(count: int, of: int) -> dict[str, object]:
