@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.client_address import parse_networks
 from service.security import ApiKeyFormatError, parse_api_key
-from xmark_core.params import Scheme
+from xmark_core.params import Scheme, default_salts
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
     placeholder_reason,
@@ -41,10 +41,6 @@ def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
     problems raise :class:`ConfigurationError`.
     """
     return _parse_secret_entries(text, source=source, error=ConfigurationError)
-
-
-# the salts of a new gumbel key version unless XMARK_WATERMARK_SALTS says otherwise
-DEFAULT_GUMBEL_SALTS = 16
 
 
 class Settings(BaseSettings):
@@ -473,7 +469,7 @@ class Settings(BaseSettings):
         and 1 (no salt) for the biasing schemes (which refuse any other value)."""
         if self.watermark_salts is not None:
             return self.watermark_salts
-        return DEFAULT_GUMBEL_SALTS if scheme == "gumbel" else 1
+        return default_salts(scheme)
 
     @property
     def embedded(self) -> bool:

@@ -19,6 +19,14 @@ MAX_BLOCK_BITS = 4
 MAX_GUMBEL_BLOCK_BITS = 8
 # S for ``gumbel``: per-answer salts a key version draws from (the decoders try each, Bonferroni x S)
 MAX_SALTS = 256
+
+
+def default_salts(scheme: str) -> int:
+    """The salts of a new key version of ``scheme`` when none are configured (the gateway's and the
+    vLLM workers' default alike): 16 for ``gumbel``, 1 (none) for the biasing schemes."""
+    return 16 if scheme == "gumbel" else 1
+
+
 # the largest min-entropy threshold (nats): the min-entropy of a 49,152-token vocabulary is at most 10.8
 MAX_MIN_ENTROPY = 16.0
 

@@ -51,7 +51,7 @@ from .errors import WorkerConfigError as WorkerConfigError  # re-exported: its h
 from .gumbel import salted
 from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - MIN_SECRET_BYTES is re-exported
 from .message import bits_to_blocks
-from .params import WatermarkParams
+from .params import WatermarkParams, default_salts
 from .secrets import KEY_VERSION_NAME
 from .secrets import parse_secret_entries as _parse_secret_entries
 
@@ -77,8 +77,6 @@ ENV_DELTA = "XMARK_WATERMARK_DELTA"
 ENV_MIN_ENTROPY = "XMARK_WATERMARK_MIN_ENTROPY"
 ENV_SCHEME = "XMARK_WATERMARK_SCHEME"
 ENV_SALTS = "XMARK_WATERMARK_SALTS"
-# the salts of a gumbel worker unless XMARK_WATERMARK_SALTS says otherwise (the gateway's default)
-DEFAULT_GUMBEL_SALTS = 16
 
 ENV_PROFILE = "XMARK_PROCESSOR_PROFILE"  # benchmarks: a file the processor's time goes to
 
@@ -162,7 +160,7 @@ class WorkerKeyring:
                 delta=_float_setting(variables, ENV_DELTA, 2.0),
                 min_entropy=_float_setting(variables, ENV_MIN_ENTROPY, 0.0),
                 scheme=scheme,  # type: ignore[arg-type]  # WatermarkParams checks it is one of the schemes
-                salts=_int_setting(variables, ENV_SALTS, DEFAULT_GUMBEL_SALTS if scheme == "gumbel" else 1),
+                salts=_int_setting(variables, ENV_SALTS, default_salts(scheme)),
             )
         except (TypeError, ValueError) as exc:
             raise WorkerConfigError(f"invalid watermark parameters: {exc}") from None
