@@ -112,7 +112,6 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks_t = torch.from_numpy(self._blocks)
         self._active_t = torch.from_numpy(self._active)
         self._usable_t = torch.from_numpy(self._usable)
-        self._temperature_t = torch.from_numpy(self._temperature)
 
     def _clear(self, index: int) -> None:
         self._active[index] = False
