@@ -77,8 +77,10 @@ from service.services.admission import Admission, Ticket, UserLimits
 from service.services.provenance import sketch_columns
 from service.services.request_fields import (
     DEFAULT_HONOURED,
+    NEUTRAL_VALUES,
     TEXT_COMPLETION_FIELDS,
     check_logprobs,
+    equals_neutral,
     refuse_message_extras,
     refuse_tool_turns,
     refuse_unhonoured,
@@ -100,16 +102,9 @@ OWNED_BY = "xmark-gateway"
 logger = logging.getLogger("xmark.generation")
 
 
-# sampling fields at their neutral values under a distortion-free key version (it samples every token
-# itself: a backend that applies them after its processors would silently ignore them)
-_KEYED_SAMPLING_NEUTRAL: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "top_k": (0, -1),
-    "min_p": (0,),
-    "logit_bias": ({},),
-}
+# sampling fields accepted only at their neutral values under a distortion-free key version (it
+# samples every token itself: a backend that applies them after its processors would ignore them)
+_KEYED_SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias")
 
 
 def _check_keyed_sampling(
@@ -145,9 +140,8 @@ def _check_keyed_sampling(
             param="top_p",
             code="unsupported_value",
         )
-    for name, neutral in _KEYED_SAMPLING_NEUTRAL.items():
-        value = (options or {}).get(name)
-        if value is not None and value not in neutral:
+    for name in _KEYED_SAMPLING_FIELDS:
+        if not equals_neutral((options or {}).get(name), NEUTRAL_VALUES[name]):
             raise InvalidRequestError(
                 f"{name} is not supported with the distortion-free watermark of key version '{version}': it "
                 "samples every token itself from the model's distribution at the request's temperature",
