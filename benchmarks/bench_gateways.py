@@ -192,6 +192,9 @@ class Xmark:
             "XMARK_MODEL_PATH": str(CHECKPOINT),
             "XMARK_MODEL_NAME": MODEL_NAME,
             "XMARK_VLLM_TIMEOUT_S": "600",
+            # the requests are greedy (temperature 0), which the distortion-free default refuses; the
+            # fake upstream does not sample, so the scheme changes nothing else here
+            "XMARK_WATERMARK_SCHEME": "xmark",
             # one user sends every request: far above the default limits (the checks still run)
             "XMARK_USER_MAX_PARALLEL_REQUESTS": "100000",
             "XMARK_USER_REQUESTS_PER_MINUTE": "100000000",

@@ -157,6 +157,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             api_key_pepper=SecretStr(pepper),
             model_path=args.model_path.resolve(),
             keyring_refresh_seconds=0,
+            # greedy answers (temperature 0: the same answer with the sketch on and off) need the
+            # biasing scheme: the distortion-free default refuses them
+            watermark_scheme="xmark",
         )
         await _fresh_database(settings.database_url)
         try:

@@ -174,6 +174,7 @@ def _gateway_settings(settings: Settings, secret_env: str, pepper: str) -> dict[
         "XMARK_DATABASE_URL": settings.database_url,
         "XMARK_VAR_DIR": str(settings.var_dir),
         "XMARK_WATERMARK_SECRETS": secret_env,
+        "XMARK_WATERMARK_SCHEME": settings.watermark_scheme,
         "XMARK_API_KEY_PEPPER": pepper,
         "XMARK_MODEL_PATH": str(settings.resolved_model_path()),
         "XMARK_MODEL_NAME": settings.model_name,
@@ -549,6 +550,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     secret_env = f"bench1:{secret}"
     with tempfile.TemporaryDirectory(prefix="xmark-bench-") as var_dir:
         settings = Settings(
+            # greedy answers (temperature 0, the same in every arm) need the biasing scheme: the
+            # distortion-free default refuses them
+            watermark_scheme="xmark",
             database_url=args.database_url,
             var_dir=Path(var_dir),
             watermark_secrets=SecretStr(secret_env),

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.client_address import parse_networks
 from service.security import ApiKeyFormatError, parse_api_key
-from xmark_core.params import Scheme, default_salts
+from xmark_core.params import DEFAULT_SCHEME, Scheme, default_block_bits, default_num_keys, default_salts
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
     placeholder_reason,
@@ -53,17 +53,19 @@ class Settings(BaseSettings):
 
     watermark_secrets: SecretStr | None = None
     secrets_file: Path | None = None
-    # Parameters of new key versions. 32-bit IDs keep 10,000s of registered users far apart; k = 4
-    # keys name the author of a short text more often than k = 2 at a small quality cost
-    # (docs/results/FORENSIC.md, the forensic evaluation).
+    # Parameters of new key versions. 32-bit IDs keep 10,000s of registered users far apart. The
+    # scheme: ``gumbel`` (the default) is distortion-free keyed sampling, the answers' distribution
+    # unchanged (served at temperature > 0: docs/service.md, "The distortion-free scheme"); ``xmark``
+    # biases logits (the paper's scheme; it also marks greedy answers, at a quality cost); ``loso`` and
+    # ``mpac`` are the baselines. docs/results/QUALITY.md compares them.
     watermark_bits: int = 32
-    watermark_block_bits: int = 2
-    watermark_num_keys: int = 4
+    watermark_scheme: Scheme = DEFAULT_SCHEME
+    # Unset: the scheme's own (xmark_core.params): 8-bit blocks and 1 key for gumbel; 2-bit blocks and
+    # k = 4 keys for the biasing schemes (k = 4 names the author of a short text more often than k = 2
+    # at a small quality cost, docs/results/FORENSIC.md).
+    watermark_block_bits: int | None = None
+    watermark_num_keys: int | None = None
     watermark_delta: float = 2.0
-    # The scheme of new key versions: ``xmark`` biases logits; ``gumbel`` is distortion-free (keyed
-    # sampling, k = 1, blocks of up to 8 bits; served by the local backend only, at temperature > 0
-    # and top_p = 1: docs/service.md, "The distortion-free scheme").
-    watermark_scheme: Scheme = "xmark"
     # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
     # token's probability, nats) is below this are not biased; 0 biases every position.
     watermark_min_entropy: float = 0.0
@@ -256,10 +258,11 @@ class Settings(BaseSettings):
     # are drained into the database when it answers again, also after a restart.
     record_spool_drain_interval_s: float = 2.0
 
-    @field_validator("watermark_salts", mode="before")
+    @field_validator("watermark_salts", "watermark_block_bits", "watermark_num_keys", mode="before")
     @classmethod
-    def _salts_unset_when_empty(cls, value: object) -> object:
-        """An empty XMARK_WATERMARK_SALTS (a compose or ConfigMap default) means unset."""
+    def _scheme_default_when_empty(cls, value: object) -> object:
+        """An empty XMARK_WATERMARK_SALTS, _BLOCK_BITS or _NUM_KEYS (a compose or ConfigMap default)
+        means unset: the scheme's own value."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("models_file", "models_dir", mode="before")
@@ -460,9 +463,24 @@ class Settings(BaseSettings):
                     f"XMARK_MODELS_FILE describes every served model: unset {' and '.join(clashing)} "
                     "(give each model's checkpoint or workers in the file)"
                 )
-        if self.watermark_block_bits <= 0 or self.watermark_bits % self.watermark_block_bits:
+        block_bits = self.watermark_block_bits_for(self.watermark_scheme)
+        if block_bits <= 0 or self.watermark_bits % block_bits:
             raise ValueError("watermark_bits must be a positive multiple of watermark_block_bits")
         return self
+
+    def watermark_block_bits_for(self, scheme: str) -> int:
+        """Bits per block of new key versions of ``scheme``: XMARK_WATERMARK_BLOCK_BITS, else the
+        scheme's own (8 for ``gumbel``, 2 for the biasing schemes)."""
+        if self.watermark_block_bits is not None:
+            return self.watermark_block_bits
+        return default_block_bits(scheme)
+
+    def watermark_num_keys_for(self, scheme: str) -> int:
+        """Keys of new key versions of ``scheme``: XMARK_WATERMARK_NUM_KEYS, else the scheme's own
+        (1 for ``gumbel``, 4 for the biasing schemes)."""
+        if self.watermark_num_keys is not None:
+            return self.watermark_num_keys
+        return default_num_keys(scheme)
 
     def watermark_salts_for(self, scheme: str) -> int:
         """The salts of new key versions of ``scheme``: XMARK_WATERMARK_SALTS, else 16 for ``gumbel``

@@ -68,8 +68,8 @@ def params_from_settings(settings: Settings) -> WatermarkParams:
     """Watermark parameters of new key versions, as configured."""
     return WatermarkParams(
         bits=settings.watermark_bits,
-        block_bits=settings.watermark_block_bits,
-        num_keys=settings.watermark_num_keys,
+        block_bits=settings.watermark_block_bits_for(settings.watermark_scheme),
+        num_keys=settings.watermark_num_keys_for(settings.watermark_scheme),
         delta=settings.watermark_delta,
         scheme=settings.watermark_scheme,
         min_entropy=settings.watermark_min_entropy,

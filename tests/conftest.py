@@ -79,11 +79,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_environment() -> Iterator[None]:
-    """Developer XMARK_* variables must not leak into test settings."""
+    """Developer XMARK_* variables must not leak into test settings. The suite describes the biasing
+    scheme (``xmark``) unless a test says otherwise: it is set here, for test settings and the
+    processes tests start. The product's default (``gumbel``, distortion-free) is tested where named:
+    tests/service/test_distortion_free.py, tests/e2e_vllm/test_vllm_gumbel.py (gateway and worker on
+    the defaults), tests/service/test_config.py."""
     mp = pytest.MonkeyPatch()
     for name in list(os.environ):
         if name.startswith("XMARK_") and name not in _KEEP_ENV:
             mp.delenv(name)
+    mp.setenv("XMARK_WATERMARK_SCHEME", "xmark")
     yield
     mp.undo()
 

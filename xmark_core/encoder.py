@@ -343,16 +343,20 @@ class TorchWatermarker:
         *,
         inplace: bool = False,
         temperature: torch.Tensor | None = None,
+        truncation: gumbel.Truncation | None = None,
     ) -> torch.Tensor:
         """One decoding step: ``apply_watermark`` (biasing schemes) or, for scheme ``gumbel``, the
         keyed sampling of ``xmark_core.gumbel.sample_``, which needs each row's sampling
-        ``temperature`` (float [B]; ignored by the biasing schemes, which act before it)."""
+        ``temperature`` (float [B]; ignored by the biasing schemes, which act before it) and takes the
+        rows' nucleus settings (``truncation``: top-k, top-p, min-p, applied before the choice)."""
         device = logits.device
         if self.params.distortion_free:
             if temperature is None or temperature.shape != logits.shape[:1]:
                 raise ParamsError("scheme 'gumbel' needs each row's sampling temperature (a float [B] tensor)")
             _check(logits, context, blocks, active, self.codes(device, logits.shape[1]), self.params)
             out = logits if inplace else logits.clone()
+            if truncation is not None:
+                gumbel.truncate_(out, temperature, active, truncation)
             step = (out, temperature.to(device), context, blocks, active)
             keys = {"words": self.words(device), "codes": self.codes(device, logits.shape[1])}
             if self._compiled_sampler is not None and device.type in ("cpu", "cuda"):

@@ -6,8 +6,9 @@ u(w) = U(key, x[t-2], x[t-1], w, v) in (0, 1), and the next token is
 
     x[t] = argmax_w u(w) ** (1 / p(w))  =  argmax_w (logits(w) / tau + g(w)),  g(w) = -log(-log u(w)),
 
-p being the model's distribution at the request's temperature tau (exponential sampling; the Gumbel-max
-form on the right is what the op computes). Over the key, that choice has exactly the distribution p:
+p being the model's distribution at the request's temperature tau, truncated by the request's top-k,
+top-p and min-p where it sets them (:func:`truncate_`; exponential sampling; the Gumbel-max form on the
+right is what the op computes). Over the key, that choice has exactly the distribution p:
 the watermark changes no answer's distribution (distortion-free, unlike the biasing schemes), which is
 what the multi-bit form of "Three Bricks" does with a message-dependent shift of the random vector; here
 the block value enters the hash instead of shifting it. What it costs instead: given the key, the user and
@@ -42,6 +43,7 @@ torch on any device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -193,6 +195,75 @@ def repeated_context(ids: torch.Tensor, start: int) -> torch.Tensor:
     earlier1 = ids[:, start - 1 : length - 1]
     hit = (earlier2 == ids[:, -2:-1]) & (earlier1 == ids[:, -1:])
     return hit.any(dim=1)
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Each row's nucleus settings, as the serving engine reads them: ``top_k`` int [B] (0 or >= V:
+    off), ``top_p`` float [B] (1: off), ``min_p`` float [B] (0: off); None: off for every row.
+
+    The keyed sampler applies them itself, to the model's distribution at the row's temperature,
+    before its choice (:func:`truncate_`): the choice then has exactly the truncated distribution a
+    sampler without the watermark would draw from. The engine's own top-k / top-p / min-p, run after
+    the sampler left one token finite, return that token.
+    """
+
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+
+    def rows(self, batch: int, device: torch.device) -> torch.Tensor:
+        """bool [B]: the rows some setting truncates."""
+        import torch
+
+        hit = torch.zeros(batch, dtype=torch.bool, device=device)
+        if self.top_k is not None:
+            hit |= self.top_k.to(device) > 0
+        if self.top_p is not None:
+            hit |= self.top_p.to(device) < 1.0
+        if self.min_p is not None:
+            hit |= self.min_p.to(device) > 0.0
+        return hit
+
+
+def truncate_(logits: torch.Tensor, temperature: torch.Tensor, active: torch.Tensor, truncation: Truncation) -> None:
+    """Set to -inf, in place, the tokens each active row's nucleus settings remove from its
+    distribution at its temperature (logits [B, V], temperature float [B], active bool [B]); other
+    rows, rows with temperature <= 0 and rows without a setting are left alone (the engine truncates
+    those itself: truncating twice would not be the same distribution). Works on the whole batch
+    without a device-to-host synchronisation: pass None instead of a Truncation no row uses.
+
+    vLLM's order and rules (``Sampler``: min-p, then top-k and top-p together; ``apply_top_k_top_p``),
+    in float32 as there: min-p drops tokens below min_p times the top probability; top-k keeps the
+    tokens whose logit is at least the k-th largest; top-p drops, in ascending order of probability,
+    the tokens whose cumulative mass is at most 1 - p, never the last. transformers'
+    ``TopPLogitsWarper`` applies the same top-p rule.
+    """
+    import torch
+
+    vocab = logits.shape[1]
+    device = logits.device
+    live = active.to(device) & (temperature.to(device) > 0)
+    hit = truncation.rows(logits.shape[0], device) & live  # [B]
+    tau = torch.where(live, temperature.to(device), torch.ones_like(temperature, device=device))
+    scaled = logits.to(torch.float32) / tau.to(torch.float32)[:, None]  # [B, V], a copy
+    if truncation.min_p is not None:
+        min_p = torch.where(hit, truncation.min_p.to(device=device, dtype=torch.float32), 0.0)[:, None]
+        probs = scaled.softmax(dim=1)
+        scaled.masked_fill_(probs < min_p * probs.amax(dim=1, keepdim=True), float("-inf"))
+    ordered, order = scaled.sort(dim=1)  # ascending
+    if truncation.top_k is not None:
+        k = truncation.top_k.to(device=device, dtype=torch.int64)
+        k = torch.where(hit & (k > 0) & (k <= vocab), k, vocab)
+        kth = ordered.gather(1, (vocab - k)[:, None])  # [B, 1] the k-th largest logit
+        ordered.masked_fill_(ordered < kth, float("-inf"))
+    if truncation.top_p is not None:
+        top_p = torch.where(hit, truncation.top_p.to(device=device, dtype=torch.float32), 1.0)[:, None]
+        dropped = ordered.softmax(dim=1).cumsum(dim=1) <= 1.0 - top_p
+        dropped[:, -1] = False
+        ordered.masked_fill_(dropped, float("-inf"))
+    removed = torch.zeros_like(ordered, dtype=torch.bool).scatter_(1, order, torch.isneginf(ordered))
+    logits.masked_fill_(removed & hit[:, None], float("-inf"))
 
 
 def sample_(

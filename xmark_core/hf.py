@@ -11,7 +11,7 @@ from transformers import LogitsProcessor
 
 from .encoder import TorchWatermarker
 from .errors import ParamsError
-from .gumbel import repeated_context, salted
+from .gumbel import Truncation, repeated_context, salted
 from .keys import WatermarkKey
 from .message import Message
 
@@ -28,9 +28,10 @@ class XMarkLogitsProcessor(LogitsProcessor):
     one, compiled once at start-up) to share it; without it the eager op is built for this batch.
 
     Scheme ``gumbel`` chooses the next token itself (``xmark_core.gumbel``): pass the generation's
-    ``temperature`` (0: greedy, left alone); only the chosen token's score stays finite, so
-    transformers' temperature and top-k/top-p warpers after it return that token. Like
-    ``xmark_core.gumbel`` it samples from the full distribution at that temperature. With a salted
+    ``temperature`` (0: greedy, left alone) and ``top_p`` (None or 1: off); it samples from the
+    model's distribution at that temperature, within that nucleus. Only the chosen token's score
+    stays finite, so transformers' temperature and top-k/top-p warpers, which run after the
+    processors given to ``generate``, return that token. With a salted
     key (``params.salts`` > 1), ``salts[i]`` is the salt of row i's first answer; when generate
     expands row i into n answers, answer j is written under salt (salts[i] + j) mod S, so the n
     answers of one request are sampled independently of each other.
@@ -43,6 +44,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
         *,
         watermarker: TorchWatermarker | None = None,
         temperature: float | None = None,
+        top_p: float | None = None,
         salts: Sequence[int] | None = None,
     ) -> None:
         if not messages:
@@ -50,7 +52,10 @@ class XMarkLogitsProcessor(LogitsProcessor):
         params = key.params
         if params.distortion_free and (temperature is None or not temperature >= 0.0):
             raise ParamsError("scheme 'gumbel' samples itself: pass the generation's temperature (>= 0)")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ParamsError(f"top_p must be in (0, 1] (got {top_p!r})")
         self._temperature = temperature
+        self._top_p = top_p if params.distortion_free and top_p is not None and top_p < 1.0 else None
         self._start: int | None = None  # the first generated position, seen on the first call
         blocks = np.zeros((len(messages), params.num_blocks), dtype=np.int64)
         for row, message in enumerate(messages):
@@ -99,6 +104,11 @@ class XMarkLogitsProcessor(LogitsProcessor):
             # distortion-free sampling: a context already used in this answer is sampled normally
             active = active & ~repeated_context(input_ids, self._start)
             temperature = torch.full((batch,), self._temperature, dtype=torch.float32, device=scores.device)
-        marked = self._watermarker.apply(scores, context.to(torch.int64), blocks, active, temperature=temperature)
+        truncation = None
+        if self._top_p is not None:
+            truncation = Truncation(top_p=torch.full((batch,), self._top_p, dtype=torch.float32, device=scores.device))
+        marked = self._watermarker.apply(
+            scores, context.to(torch.int64), blocks, active, temperature=temperature, truncation=truncation
+        )
         # apply returns a tensor of the scores' dtype, which transformers' signature calls FloatTensor
         return cast(torch.FloatTensor, marked)

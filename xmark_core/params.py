@@ -21,10 +21,28 @@ MAX_GUMBEL_BLOCK_BITS = 8
 MAX_SALTS = 256
 
 
+# The scheme of new key versions when none is configured (the gateway's and the vLLM workers' default
+# alike): distortion-free keyed sampling in 8-bit blocks with 16 salts, chosen from the frontier of
+# naming against answer quality (docs/results/QUALITY.md); ``xmark`` is the biasing scheme of the paper.
+DEFAULT_SCHEME: Scheme = "gumbel"
+
+
 def default_salts(scheme: str) -> int:
     """The salts of a new key version of ``scheme`` when none are configured (the gateway's and the
     vLLM workers' default alike): 16 for ``gumbel``, 1 (none) for the biasing schemes."""
     return 16 if scheme == "gumbel" else 1
+
+
+def default_block_bits(scheme: str) -> int:
+    """Bits per block of a new key version of ``scheme`` when none are configured: 8 for ``gumbel``
+    (an author's nearest registered ID then differs in most of the text), 2 for the biasing schemes."""
+    return 8 if scheme == "gumbel" else 2
+
+
+def default_num_keys(scheme: str) -> int:
+    """Keys of a new key version of ``scheme`` when none are configured: 1 for ``gumbel`` (the only
+    value it takes), 4 for the biasing schemes (docs/results/FORENSIC.md)."""
+    return 1 if scheme == "gumbel" else 4
 
 
 # the largest min-entropy threshold (nats): the min-entropy of a 49,152-token vocabulary is at most 10.8

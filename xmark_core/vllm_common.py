@@ -14,21 +14,22 @@ are optional. A request without the two required ones is not watermarked; a requ
 of them, a malformed value, an unknown key version or any other ``xmark_*`` key is rejected when
 vLLM admits it (HTTP 400), never inside the sampler.
 
-Scheme ``gumbel`` (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each token itself, by keyed sampling
-from the model's distribution at the request's temperature (``xmark_core.gumbel``), after which any
-sampler returns that token. A sampling field applied after the processors would then be silently
-ignored, so a watermarked request with ``temperature`` 0, ``top_p`` < 1, ``top_k``, ``min_p``,
-penalties, ``logit_bias`` or ``n`` > 1 (vLLM's child requests would share one salt, so their answers
-would be alike) is refused at admission, naming the field.
+Scheme ``gumbel`` (the default; ``XMARK_WATERMARK_SCHEME``) chooses each token itself, by keyed
+sampling from the model's distribution at the request's temperature, within its ``top_k`` / ``top_p``
+/ ``min_p`` (``xmark_core.gumbel``, applied before the choice as vLLM's sampler would), after which any
+sampler returns that token. A sampling field vLLM applies after the processors would then be silently
+ignored, so a watermarked request with ``temperature`` 0, penalties or ``n`` > 1 (vLLM's child requests
+would share one salt, so their answers would be alike) is refused at admission, naming the field.
 
 The watermark secrets are read once per process, at start-up, from ``XMARK_WATERMARK_SECRETS``
 (``name:secret[,name:secret...]``) or from the file named by ``XMARK_SECRETS_FILE`` (the same
 entries, one per line, ``#`` starts a comment). The watermark parameters come from
 ``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS``,
 ``XMARK_WATERMARK_DELTA``, ``XMARK_WATERMARK_MIN_ENTROPY``, ``XMARK_WATERMARK_SCHEME`` and
-``XMARK_WATERMARK_SALTS`` (defaults 32, 2, 4, 2.0, 0, ``xmark``, and 16 salts for ``gumbel``, 1 for
-the others): the same variables the gateway reads, so one env file configures both. Error messages name the variable and
-the rule, never a secret.
+``XMARK_WATERMARK_SALTS`` (defaults: 32 bits, scheme ``gumbel`` with 8-bit blocks, 1 key and 16
+salts; for the biasing schemes 2-bit blocks, 4 keys, delta 2.0, entropy threshold 0, no salts; see
+``xmark_core.params``): the same variables the gateway reads, so one env file configures both.
+Error messages name the variable and the rule, never a secret.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from .errors import WorkerConfigError as WorkerConfigError  # re-exported: its h
 from .gumbel import salted
 from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - MIN_SECRET_BYTES is re-exported
 from .message import bits_to_blocks
-from .params import WatermarkParams, default_salts
+from .params import DEFAULT_SCHEME, WatermarkParams, default_block_bits, default_num_keys, default_salts
 from .secrets import KEY_VERSION_NAME
 from .secrets import parse_secret_entries as _parse_secret_entries
 
@@ -151,12 +152,12 @@ class WorkerKeyring:
                 f"the XMark logits processor needs the watermark secrets: set {ENV_SECRETS} "
                 f"or {ENV_SECRETS_FILE} in the worker's environment"
             )
-        scheme = (variables.get(ENV_SCHEME) or "").strip() or "xmark"
+        scheme = (variables.get(ENV_SCHEME) or "").strip() or DEFAULT_SCHEME
         try:
             params = WatermarkParams(
                 bits=_int_setting(variables, ENV_BITS, 32),
-                block_bits=_int_setting(variables, ENV_BLOCK_BITS, 2),
-                num_keys=_int_setting(variables, ENV_NUM_KEYS, 4),
+                block_bits=_int_setting(variables, ENV_BLOCK_BITS, default_block_bits(scheme)),
+                num_keys=_int_setting(variables, ENV_NUM_KEYS, default_num_keys(scheme)),
                 delta=_float_setting(variables, ENV_DELTA, 2.0),
                 min_entropy=_float_setting(variables, ENV_MIN_ENTROPY, 0.0),
                 scheme=scheme,  # type: ignore[arg-type]  # WatermarkParams checks it is one of the schemes
@@ -266,22 +267,35 @@ def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) 
     return RequestWatermark(index, blocks, salt)
 
 
-# sampling fields applied after the logits processors: a ``gumbel`` worker's choice would ignore them
+# sampling fields vLLM applies after the logits processors that a ``gumbel`` worker's choice would
+# ignore: refused (top-k, top-p and min-p the worker applies itself before its choice: nucleus_of)
 _AFTER_THE_CHOICE = (
-    ("top_p", 1.0),
-    ("top_k", None),
-    ("min_p", 0.0),
     ("presence_penalty", 0.0),
     ("frequency_penalty", 0.0),
     ("repetition_penalty", 1.0),
 )
 
 
+def nucleus_of(sampling_params: Any) -> tuple[float, float, float]:
+    """(top_k, top_p, min_p) of a request as a ``gumbel`` worker truncates with them
+    (:class:`xmark_core.gumbel.Truncation`): top_k 0 (off) for vLLM's 0, -1 or None; top_p 1 and
+    min_p 0 when unset."""
+    top_k = getattr(sampling_params, "top_k", None)
+    top_p = getattr(sampling_params, "top_p", None)
+    min_p = getattr(sampling_params, "min_p", None)
+    return (
+        float(top_k) if top_k is not None and top_k > 0 else 0.0,
+        1.0 if top_p is None else float(top_p),
+        0.0 if min_p is None else float(min_p),
+    )
+
+
 def check_keyed_sampling(sampling_params: Any, params: WatermarkParams) -> None:
-    """A watermarked request a ``gumbel`` worker can honour: it samples from the model's full
-    distribution at the request's temperature, so greedy decoding and the fields vLLM applies after
-    the processors are refused by name (:class:`RequestArgumentError`); ``n`` > 1 too (vLLM's child
-    requests share the request's salt: send n requests)."""
+    """A watermarked request a ``gumbel`` worker can honour: it samples from the model's distribution
+    at the request's temperature, within its top-k / top-p / min-p (applied by the worker before its
+    choice), so greedy decoding, the penalties vLLM applies after the processors and ``logit_bias``
+    (not offered under this scheme) are refused by name (:class:`RequestArgumentError`); ``n`` > 1
+    too (vLLM's child requests share the request's salt: send n requests)."""
     if not params.distortion_free:
         return
     temperature = getattr(sampling_params, "temperature", 1.0)
@@ -291,8 +305,6 @@ def check_keyed_sampling(sampling_params: Any, params: WatermarkParams) -> None:
         )
     for name, neutral in _AFTER_THE_CHOICE:
         value = getattr(sampling_params, name, neutral)
-        if name == "top_k" and value is not None and value in (0, -1):
-            continue
         if value is not None and value != neutral:
             raise RequestArgumentError(
                 f"{name} is not supported under the distortion-free watermark: it samples every token itself"

@@ -20,7 +20,8 @@ What vLLM 0.32 does that matters here:
   this class when it is loaded another way).
 
 A worker of the distortion-free scheme (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each watermarked
-row's token by keyed sampling at the row's own temperature (``SamplingParams.temperature``), leaving
+row's token by keyed sampling at the row's own temperature (``SamplingParams.temperature``), within
+its own top-k / top-p / min-p (applied before the choice, :func:`xmark_core.gumbel.truncate_`), leaving
 only that token finite; a context the answer already used is sampled normally (each row keeps the
 contexts its answer used, rebuilt from the output list when a preempted request is added again).
 """
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from .gumbel import Truncation
 from .vllm_common import (
     ProcessorProfile,
     RequestWatermark,
@@ -40,6 +42,7 @@ from .vllm_common import (
     build_watermarkers,
     last_two,
     logger,
+    nucleus_of,
     parse_request,
     start_worker,
 )
@@ -76,6 +79,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         # scheme gumbel: each row's sampling temperature and the contexts its answer has used
         self._distortion_free = keyring.params.distortion_free
         self._temperature = np.ones(rows, dtype=np.float32)  # [rows]
+        self._nucleus = np.zeros((rows, 3), dtype=np.float32)  # [rows, 3]: top_k (0: off), top_p, min_p
+        self._nucleus[:, 1] = 1.0
         self._seen: list[set[tuple[int, int]] | None] = [None] * rows
         self._bind_views()
         # CPU workers: the C++ op bound to each key version's operands (xmark_core.cpu_op), set on
@@ -103,6 +108,9 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._context = np.concatenate([self._context, np.zeros((grow - rows, 2), np.int64)])
         self._usable = np.concatenate([self._usable, np.zeros(grow - rows, bool)])
         self._temperature = np.concatenate([self._temperature, np.ones(grow - rows, np.float32)])
+        self._nucleus = np.concatenate(
+            [self._nucleus, np.tile(np.array([0.0, 1.0, 0.0], dtype=np.float32), (grow - rows, 1))]
+        )
         self._seen.extend([None] * (grow - rows))
         self._bind_views()
 
@@ -126,6 +134,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         prompt: list[int] | None,
         output: list[int],
         temperature: float = 1.0,
+        nucleus: tuple[float, float, float] = (0.0, 1.0, 0.0),
     ) -> None:
         self._ensure_rows(index)
         if mark is None:
@@ -138,6 +147,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._output[index] = output
         if self._distortion_free:
             self._temperature[index] = temperature
+            self._nucleus[index] = nucleus
             self._seen[index] = used_contexts(prompt, output)
 
     def _move(self, src: int, dst: int) -> None:
@@ -148,6 +158,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._prompt[dst] = self._prompt[src]
         self._output[dst] = self._output[src]
         self._temperature[dst] = self._temperature[src]
+        self._nucleus[dst] = self._nucleus[src]
         self._seen[dst] = self._seen[src]
         self._clear(src)
 
@@ -157,6 +168,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._key[[a, b]] = self._key[[b, a]]
         self._blocks[[a, b]] = self._blocks[[b, a]]
         self._temperature[[a, b]] = self._temperature[[b, a]]
+        self._nucleus[[a, b]] = self._nucleus[[b, a]]
         self._prompt[a], self._prompt[b] = self._prompt[b], self._prompt[a]
         self._output[a], self._output[b] = self._output[b], self._output[a]
         self._seen[a], self._seen[b] = self._seen[b], self._seen[a]
@@ -177,7 +189,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
                 self._clear(index)
         for index, params, prompt, output in batch_update.added:
             mark = parse_request(params.extra_args, self._keyring)
-            self._set(index, mark, prompt, output, float(params.temperature))
+            self._set(index, mark, prompt, output, float(params.temperature), nucleus_of(params))
         for a, b, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
                 self._swap(a, b)
@@ -282,6 +294,11 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         context_t = self._to_device(self._context[:batch], device)
         blocks_t = self._to_device(self._blocks[:batch], device)
         temperature_t = self._to_device(self._temperature[:batch], device)
+        truncation = None
+        nucleus = self._nucleus[:batch]
+        if ((nucleus[:, 0] > 0) | (nucleus[:, 1] < 1) | (nucleus[:, 2] > 0))[keyed].any():
+            table = self._to_device(nucleus, device)
+            truncation = Truncation(top_k=table[:, 0].to(torch.int64), top_p=table[:, 1], min_p=table[:, 2])
         keys = self._key[:batch]
         for key_index in np.unique(keys[keyed]):
             rows_of_key = keyed & (keys == key_index)
@@ -292,6 +309,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
                 self._to_device(rows_of_key, device),
                 inplace=True,
                 temperature=temperature_t,
+                truncation=truncation,
             )
         return logits
 

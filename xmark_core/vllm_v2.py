@@ -23,7 +23,8 @@ No Python loop over rows and no device-to-host synchronisation: the only host wo
 a numpy lookup of which key versions the scheduled slots use (``ctx.idx_mapping_np``).
 
 A worker of the distortion-free scheme (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each watermarked
-row's token by keyed sampling at the slot's temperature (staged with the blocks); a context the
+row's token by keyed sampling at the slot's temperature, within its top-k / top-p / min-p (staged
+with the blocks, applied before the choice); a context the
 answer already used is sampled normally, found on the device by comparing the current context with
 the contexts of the slot's generated tokens in ``all_token_ids`` (from ``prompt_len`` on).
 Speculative decoding (one row per draft token, drafts not in the committed history) is refused.
@@ -41,11 +42,13 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcRequestState,
 )
 
+from .gumbel import Truncation
 from .vllm_common import (
     RequestWatermark,
     ValidatesXMarkArguments,
     build_watermarkers,
     logger,
+    nucleus_of,
     parse_request,
     start_worker,
 )
@@ -77,6 +80,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._distortion_free = keyring.params.distortion_free
         self._temperature = torch.ones(slots, dtype=torch.float32, device=device)  # [slots]
         self._staged_temperature: dict[int, float] = {}
+        # and its top-k (0: off), top-p and min-p, applied before the choice (host flag: any set)
+        self._nucleus = torch.zeros((slots, 3), dtype=torch.float32, device=device)  # [slots, 3]
+        self._staged_nucleus: dict[int, tuple[float, float, float]] = {}
+        self._truncates_np = np.zeros(slots, dtype=bool)
         # Host mirrors of the on/off flag and key slot, for skipping work without a device sync.
         self._active_np = np.zeros(slots, dtype=bool)
         self._key_np = np.zeros(slots, dtype=np.int64)
@@ -88,6 +95,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         mark = parse_request(sampling_params.extra_args, self._keyring)
         self._staged[req_idx] = mark
         self._staged_temperature[req_idx] = float(sampling_params.temperature)
+        nucleus = self._staged_nucleus[req_idx] = nucleus_of(sampling_params)
+        self._truncates_np[req_idx] = nucleus != (0.0, 1.0, 0.0)
         self._active_np[req_idx] = mark is not None
         self._key_np[req_idx] = 0 if mark is None else mark.key_index
         return mark is not None
@@ -97,6 +106,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
             return
         staged, self._staged = self._staged, {}
         temperatures, self._staged_temperature = self._staged_temperature, {}
+        nuclei, self._staged_nucleus = self._staged_nucleus, {}
         slots = np.fromiter(staged, dtype=np.int64, count=len(staged))  # [n]
         r = self._blocks.shape[1]
         table = np.zeros((len(staged), r + 2), dtype=np.int64)  # [n, r + 2]: blocks | key | on
@@ -117,6 +127,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         if self._distortion_free:
             staged_t = torch.tensor([temperatures.get(int(s), 1.0) for s in slots], dtype=torch.float32)
             self._temperature.index_copy_(0, index, staged_t.to(device, non_blocking=True))
+            staged_n = torch.tensor([nuclei.get(int(s), (0.0, 1.0, 0.0)) for s in slots], dtype=torch.float32)
+            self._nucleus.index_copy_(0, index, staged_n.to(device, non_blocking=True))
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: float32 [rows, V]; modified in place and returned."""
@@ -137,20 +149,29 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         context = torch.stack((prev2, prev1), dim=1)  # [rows, 2] (x[t-2], x[t-1])
         blocks = self._blocks.index_select(0, slot)  # [rows, r]
         active = self._active.index_select(0, slot) & valid  # [rows]
-        temperature = None
+        temperature = truncation = None
         if self._distortion_free:
             start = states.prompt_len.gpu.index_select(0, slot).to(torch.int64)  # [rows]
             active = active & ~_repeated_context(history, slot, start, total, context)
             temperature = self._temperature.index_select(0, slot)  # [rows]
+            if self._truncates_np[scheduled[on]].any():  # some row's top-k / top-p / min-p
+                nucleus = self._nucleus.index_select(0, slot)  # [rows, 3]
+                truncation = Truncation(top_k=nucleus[:, 0].to(torch.int64), top_p=nucleus[:, 1], min_p=nucleus[:, 2])
         if len(key_slots) == 1:
             self._watermarkers[int(key_slots[0])].apply(
-                logits, context, blocks, active, inplace=True, temperature=temperature
+                logits, context, blocks, active, inplace=True, temperature=temperature, truncation=truncation
             )
             return logits
         keys = self._key.index_select(0, slot)  # [rows]
         for key_index in key_slots:
             self._watermarkers[int(key_index)].apply(
-                logits, context, blocks, active & (keys == int(key_index)), inplace=True, temperature=temperature
+                logits,
+                context,
+                blocks,
+                active & (keys == int(key_index)),
+                inplace=True,
+                temperature=temperature,
+                truncation=truncation,
             )
         return logits
 

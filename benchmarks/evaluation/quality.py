@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from xmark_core import MessageAllocator
+from xmark_core.params import DEFAULT_SCHEME, default_block_bits, default_salts
 
 from .config import GenSpec
 from .generation import RowJob
@@ -514,6 +515,15 @@ def render_frontier(points: list[dict[str, Any]]) -> list[str]:
         "",
         "*False*: unwatermarked texts at T named under the setting's keys (the forensic run's null section; "
         "α = 0.001, so up to 1 in 1,000 is the level the test allows).",
+        "",
+        f"**The default of new key versions follows this table** (`xmark_core.params.DEFAULT_SCHEME` = "
+        f"`{DEFAULT_SCHEME}`, {default_block_bits(DEFAULT_SCHEME)}-bit blocks, {default_salts(DEFAULT_SCHEME)} "
+        "salts): the one setting that names ≥ 97 % / ≥ 99 % at τ = 0.7 / 1.0 with none wrong at a perplexity ratio "
+        "≤ 1.15 and keeps one user's answers to one prompt as diverse as unwatermarked ones (without salts the "
+        "scheme meets the first two but not the last: 4-gram self-similarity 0.50, QUALITY-GUMBEL.md). What it "
+        "costs instead of perplexity: greedy requests, penalties and `logit_bias` are refused by "
+        "name (no draw to carry the watermark, or applied after the keyed choice), and unwatermarked texts are "
+        'named at the level α allows rather than below it (docs/service.md, "The distortion-free scheme").',
         "",
         "| setting | τ | named at T (95 % CI) | wrong | false (unwatermarked) | PPL ratio | ratio from | naming from |",
         "|---|---|---|---|---|---|---|---|",

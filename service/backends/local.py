@@ -565,14 +565,19 @@ class LocalBackend:
             eos_token_id=sorted(self._eos_ids),
         )
         key = jobs[0].stamp.key
-        # ``gumbel`` samples itself at the batch's temperature (0 leaves a greedy row alone; the gateway
-        # refuses greedy requests under such a key version before they get here)
+        # ``gumbel`` samples itself at the batch's temperature and top_p (0 leaves a greedy row alone;
+        # the gateway refuses greedy requests under such a key version before they get here)
         temperature = (0.0 if first.greedy else first.temperature) if key.params.distortion_free else None
         salts = None
         if key.params.salts > 1:  # answer j of a job: its stamp's salt + j (service.salts)
             salts = [(job.stamp.salt + j) % key.params.salts for job in jobs for j in range(job.rows)]
         processor = XMarkLogitsProcessor(
-            key, messages, watermarker=self._watermarker(key), temperature=temperature, salts=salts
+            key,
+            messages,
+            watermarker=self._watermarker(key),
+            temperature=temperature,
+            top_p=None if first.greedy else first.top_p,
+            salts=salts,
         )
         seed = first.seed if len(jobs) == 1 else None
         between_steps = BetweenSteps(len(prompts), self._between_steps)

@@ -102,9 +102,10 @@ OWNED_BY = "xmark-gateway"
 logger = logging.getLogger("xmark.generation")
 
 
-# sampling fields accepted only at their neutral values under a distortion-free key version (it
-# samples every token itself: a backend that applies them after its processors would ignore them)
-_KEYED_SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias")
+# sampling fields accepted only at their neutral values under a distortion-free key version: it samples
+# every token itself, and a backend applies these after its processors, where they would be ignored
+# (top_p, top_k and min_p the keyed sampler applies itself, before its choice)
+_KEYED_SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 def _check_keyed_sampling(
@@ -114,10 +115,11 @@ def _check_keyed_sampling(
     body: SamplingRequest,
     options: Mapping[str, object] | None = None,
 ) -> None:
-    """A distortion-free key version (``gumbel``) chooses every token itself, from the model's full
-    distribution at the request's temperature: a backend that cannot sample with it does not serve
-    it, and a greedy request, a nucleus (``top_p`` < 1) or another sampling field it could not honour
-    is refused by name rather than answered without the watermark or from another distribution. On a
+    """A distortion-free key version (``gumbel``) chooses every token itself, from the model's
+    distribution at the request's temperature within its nucleus (``top_p``; ``top_k`` and ``min_p``
+    on vLLM): a backend that cannot sample with it does not serve it, and a greedy request or a
+    sampling field it could not honour (penalties, ``logit_bias``) is refused by name rather than
+    answered without the watermark or from another distribution. On a
     backend whose n answers of one request would share one salt (``Backend.salts_per_answer`` false:
     vLLM's child requests), ``n`` > 1 is refused too (they would be alike)."""
     if scheme not in served.backend.schemes:
@@ -131,13 +133,6 @@ def _check_keyed_sampling(
             f"temperature {body.temperature:g} (greedy decoding) cannot carry the distortion-free watermark of "
             f"key version '{version}': it writes the watermark into the sampling draw; use a temperature above 0",
             param="temperature",
-            code="unsupported_value",
-        )
-    if body.top_p is not None and body.top_p < 1.0:
-        raise InvalidRequestError(
-            f"top_p {body.top_p:g} is not supported with the distortion-free watermark of key version "
-            f"'{version}': it samples from the model's full distribution; leave top_p at 1",
-            param="top_p",
             code="unsupported_value",
         )
     for name in _KEYED_SAMPLING_FIELDS:

@@ -111,6 +111,80 @@ def test_over_keyed_draws_the_choice_has_the_models_distribution(gkey: Watermark
     assert stats.chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("temperature", "nucleus"),
+    [
+        (0.7, {"top_p": 0.8}),
+        (1.0, {"top_k": 7}),
+        (1.0, {"min_p": 0.05, "top_p": 0.95}),
+        (1.3, {"top_k": 12, "top_p": 0.9}),
+    ],
+)
+def test_within_a_nucleus_the_choice_has_the_truncated_distribution(
+    gkey: WatermarkKey, temperature: float, nucleus: dict[str, float]
+) -> None:
+    """top-k / top-p / min-p: over 40,000 contexts the chosen tokens never leave the nucleus and
+    follow the model's distribution renormalised within it, the distribution an unwatermarked
+    sampler with those settings draws from (chi-square goodness of fit)."""
+    g = torch.Generator().manual_seed(21)
+    vocab, rows = 40, 40_000
+    logits = (torch.randn(vocab, generator=g) * 2.0).repeat(rows, 1)
+    context = torch.randint(0, 49_152, (rows, 2), generator=g)
+    blocks = torch.randint(0, 4, (rows, 16), generator=g)
+    truncation = gumbel.Truncation(**{name: torch.full((rows,), value) for name, value in nucleus.items()})
+    tau = torch.full((rows,), temperature)
+    out = TorchWatermarker(gkey).apply(
+        logits.clone(), context, blocks, torch.ones(rows, dtype=torch.bool), temperature=tau, truncation=truncation
+    )
+    assert bool((torch.isfinite(out).sum(dim=1) == 1).all())
+    # the nucleus, from the rules written out on one row: min-p, then top-k, then top-p
+    probs = torch.softmax(logits[0].double() / temperature, dim=0)
+    kept = probs >= nucleus.get("min_p", 0.0) * probs.max()
+    if "top_k" in nucleus:
+        kept &= probs >= probs.sort(descending=True).values[int(nucleus["top_k"]) - 1]
+    if "top_p" in nucleus:
+        inside = torch.where(kept, probs, 0.0)
+        order = inside.argsort(descending=True)
+        before = torch.cumsum(inside[order], dim=0) - inside[order]  # mass of the likelier tokens
+        top = torch.zeros_like(kept)
+        top[order] = before < nucleus["top_p"] * inside.sum()
+        kept &= top
+    assert 2 <= int(kept.sum()) < vocab  # a real truncation
+    counts = np.bincount(out.argmax(dim=1).numpy(), minlength=vocab)
+    assert counts[~kept.numpy()].sum() == 0
+    expected = torch.where(kept, probs, 0.0).numpy()
+    expected = expected / expected.sum() * rows
+    big = expected >= 5
+    small = kept.numpy() & ~big  # the nucleus's rare tokens, pooled
+    observed = np.append(counts[big], counts[small].sum()) if small.any() else counts[big]
+    wanted = np.append(expected[big], expected[small].sum()) if small.any() else expected[big]
+    assert stats.chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue > 1e-3
+
+
+def test_truncation_is_the_engines_own(gkey: WatermarkKey) -> None:
+    """truncate_ removes what transformers' top-k / top-p / min-p warpers remove at the same
+    temperature, on active rows only; inactive and greedy rows keep every logit."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(23)
+    logits = torch.randn(6, 3_000, generator=g) * 3
+    tau = torch.tensor([0.7, 1.0, 1.3, 0.7, 0.0, 1.0])
+    active = torch.tensor([True, True, True, True, True, False])
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    for warper, field in (
+        (TopPLogitsWarper(top_p=0.9), {"top_p": 0.9}),
+        (TopKLogitsWarper(top_k=40), {"top_k": 40}),
+        (MinPLogitsWarper(min_p=0.1), {"min_p": 0.1}),
+    ):
+        out = logits.clone()
+        gumbel.truncate_(out, tau, active, gumbel.Truncation(**{k: torch.full((6,), v) for k, v in field.items()}))
+        for row in range(4):
+            reference = warper(ids, (logits[row : row + 1] / tau[row]).float())[0]
+            assert torch.equal(torch.isneginf(out[row]), torch.isneginf(reference)), (field, row)
+            assert 0 < int(torch.isfinite(out[row]).sum()) < 3_000
+        assert torch.equal(out[4:], logits[4:])  # greedy and inactive rows
+
+
 def test_the_choice_is_fixed_by_key_context_and_value(gkey: WatermarkKey) -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 500, generator=g) * 3
@@ -240,6 +314,33 @@ def test_the_transformers_processor_samples_with_the_scheme(gkey: WatermarkKey) 
     ids = torch.cat([ids, torch.tensor([[ids[0, 4], ids[0, 5]], [1, 2]])], dim=1)
     again = proc(ids, scores.clone())
     assert torch.equal(again[0], scores[0])
+
+
+def test_the_transformers_processor_samples_within_top_p(gkey: WatermarkKey) -> None:
+    """With ``top_p`` the processor chooses inside the nucleus, as the sampler with that truncation
+    does; top_p = 1 is no truncation."""
+    message = random_messages(PARAMS, 1, seed=12)[0]
+    g = torch.Generator().manual_seed(29)
+    ids = torch.randint(0, 49_152, (1, 6), generator=g)
+    scores = torch.randn(1, 49_152, generator=g) * 3
+    blocks = torch.from_numpy(message.blocks)[None, :]
+    one = torch.ones(1, dtype=torch.bool)
+    tau = torch.full((1,), 0.7)
+    for top_p in (0.5, 0.9):
+        proc = XMarkLogitsProcessor(gkey, [message], temperature=0.7, top_p=top_p)
+        expected = TorchWatermarker(gkey).apply(
+            scores.clone(),
+            ids[:, -2:],
+            blocks,
+            one,
+            temperature=tau,
+            truncation=gumbel.Truncation(top_p=torch.full((1,), top_p)),
+        )
+        assert torch.equal(proc(ids, scores.clone()), expected)
+    whole = XMarkLogitsProcessor(gkey, [message], temperature=0.7, top_p=1.0)
+    assert torch.equal(whole(ids, scores.clone()), _step(gkey, scores.clone(), ids[:, -2:], blocks))
+    with pytest.raises(ParamsError, match="top_p must be in"):
+        XMarkLogitsProcessor(gkey, [message], temperature=0.7, top_p=0.0)
 
 
 def test_the_fused_sampler_chooses_what_the_eager_one_does(gkey: WatermarkKey) -> None:

@@ -33,9 +33,16 @@ WORKER_START_TIMEOUT_S = 900.0
 GATEWAY_START_TIMEOUT_S = 180.0
 
 
-def _base_environment() -> dict[str, str]:
+# The scheme the e2e tests describe unless they say otherwise: the biasing one. The gumbel fixtures
+# set no watermark parameter at all: they run the product's defaults.
+BIASING_ENV = {"XMARK_WATERMARK_SCHEME": "xmark"}
+
+
+def _base_environment(*, defaults: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XMARK_")}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    if not defaults:
+        env.update(BIASING_ENV)
     return env
 
 
@@ -138,15 +145,14 @@ def e2e_config(settings: Settings, migrated_database: str) -> E2EConfig:
 
 
 def _worker(
-    e2e_config: E2EConfig, model_path: Path, served_name: str, log_dir: Path, extra_env: dict[str, str] | None = None
+    e2e_config: E2EConfig, model_path: Path, served_name: str, log_dir: Path, *, defaults: bool = False
 ) -> Iterator[ManagedProcess]:
     port = free_port()
-    env = _base_environment()
+    env = _base_environment(defaults=defaults)
     env.update(
         {
             "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            **(extra_env or {}),
         }
     )
     command = vllm_serve_command(model_path, port, max_num_seqs=8, served_model_name=served_name)
@@ -175,9 +181,9 @@ def test_model_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFa
     yield from _worker(e2e_config, path, TEST_MODEL_NAME, tmp_path_factory.mktemp("vllm-test-model"))
 
 
-def _gateway(env_update: dict[str, str], var_dir: Path) -> Iterator[ManagedProcess]:
+def _gateway(env_update: dict[str, str], var_dir: Path, *, defaults: bool = False) -> Iterator[ManagedProcess]:
     port = free_port()
-    env = _base_environment()
+    env = _base_environment(defaults=defaults)
     env.update(env_update)
     env["XMARK_VAR_DIR"] = str(var_dir)
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -253,22 +259,20 @@ def gateway(
 
 
 # the distortion-free scheme in 8-bit blocks (16 salts by default), for a worker and its gateway alike
-GUMBEL_ENV = {"XMARK_WATERMARK_SCHEME": "gumbel", "XMARK_WATERMARK_BLOCK_BITS": "8", "XMARK_WATERMARK_NUM_KEYS": "1"}
-
-
 @pytest.fixture(scope="session")
 def gumbel_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    """A worker whose processor samples with distortion-free keys."""
+    """A worker on the default watermark parameters: its processor samples with distortion-free keys."""
     log_dir = tmp_path_factory.mktemp("vllm-gumbel")
-    yield from _worker(e2e_config, e2e_config.model_path, MODEL_NAME, log_dir, GUMBEL_ENV)
+    yield from _worker(e2e_config, e2e_config.model_path, MODEL_NAME, log_dir, defaults=True)
 
 
 @pytest.fixture(scope="session")
 def gumbel_gateway(
     e2e_config: E2EConfig, gumbel_worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ManagedProcess]:
-    """A gateway whose key versions are distortion-free, in front of the gumbel worker; a database of
-    its own (SQLite: the shared one holds the biasing versions of the same names)."""
+    """A gateway on the default watermark parameters (distortion-free key versions), in front of the
+    gumbel worker; a database of its own (SQLite: the shared one holds the biasing versions of the
+    same names)."""
     from service.db import upgrade_database
 
     var_dir = tmp_path_factory.mktemp("gumbel-gateway-var")
@@ -276,10 +280,9 @@ def gumbel_gateway(
     upgrade_database(database_url)
     settings = {
         **_gateway_settings(e2e_config),
-        **GUMBEL_ENV,
         "XMARK_DATABASE_URL": database_url,
         "XMARK_VLLM_URLS": gumbel_worker.health_url.removesuffix("/health"),
         "XMARK_MODEL_PATH": str(e2e_config.model_path),
         "XMARK_MODEL_NAME": MODEL_NAME,
     }
-    yield from _gateway(settings, var_dir)
+    yield from _gateway(settings, var_dir, defaults=True)

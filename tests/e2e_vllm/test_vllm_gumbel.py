@@ -1,7 +1,7 @@
 """End to end with a real vLLM worker serving the distortion-free scheme: the worker's processor
 samples every token with the user's key (8-bit blocks, 16 salts), the gateway gives a user's answers
-consecutive salts and traces each to its author, and what a worker could not honour is refused by
-name before it reaches one.
+consecutive salts and traces each to its author (also one sampled within a top-p / top-k / min-p
+nucleus), and what a worker could not honour is refused by name before it reaches one.
 
 The processes come from conftest.py: a CPU ``vllm serve`` with ``XMARK_WATERMARK_SCHEME=gumbel`` and
 an ``xmark serve`` gateway with the same settings on a SQLite database of its own.
@@ -45,8 +45,11 @@ async def test_answers_sampled_by_the_workers_key_are_traced_to_their_authors(
 
         body = {"model": MODEL, "messages": PROMPT, "max_tokens": 160, "temperature": 0.8, "seed": 3}
         texts = []
-        for person in (alice, alice, bob):
-            response = await client.post("/v1/chat/completions", json=body, headers=_auth(person["api_key"]))
+        # bob's request sets a nucleus: the worker samples with the key inside it
+        for person, nucleus in ((alice, {}), (alice, {}), (bob, {"top_p": 0.95, "top_k": 50, "min_p": 0.01})):
+            response = await client.post(
+                "/v1/chat/completions", json={**body, **nucleus}, headers=_auth(person["api_key"])
+            )
             assert response.status_code == 200, response.text
             texts.append((person, response.json()["choices"][0]["message"]["content"]))
         # alice asked twice with the same seed: consecutive salts, two different answers
@@ -61,7 +64,6 @@ async def test_answers_sampled_by_the_workers_key_are_traced_to_their_authors(
         # what the worker would apply after its choice, and n > 1 (one salt for vLLM's child requests)
         for extra, param in (
             ({"presence_penalty": 0.5}, "presence_penalty"),
-            ({"top_p": 0.9}, "top_p"),
             ({"temperature": 0}, "temperature"),
             ({"n": 2}, "n"),
         ):

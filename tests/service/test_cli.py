@@ -79,7 +79,9 @@ def test_create_admin_user_and_list(embedded: Settings, capsys: pytest.CaptureFi
     assert "api_key" not in out and admin["api_key"] not in out
     # no key version is registered yet: alice holds an ID of the configured length, shown as message_id
     bits = embedded.watermark_bits
-    assert [(m.bits, m.block_bits) for m in alice.message_ids] == [(bits, embedded.watermark_block_bits)]
+    assert [(m.bits, m.block_bits) for m in alice.message_ids] == [
+        (bits, embedded.watermark_block_bits_for(embedded.watermark_scheme))
+    ]
     assert listing["data"][1]["message_id"] == alice.message_ids[0].message_id
     assert listing["data"][1]["message_ids"] == [m.model_dump() for m in alice.message_ids]
 

@@ -94,6 +94,30 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.resolved_model_path() == Path("var/models/smollm2-135m-instruct")
 
 
+def test_new_key_versions_default_to_the_distortion_free_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, new key versions are ``gumbel`` in 8-bit blocks with 1 key and 16 salts (chosen from the
+    naming/quality frontier, docs/results/QUALITY.md); naming the biasing scheme alone gives its own
+    defaults (2-bit blocks, 4 keys, no salts); empty values (compose and ConfigMap defaults) are unset;
+    explicit values win."""
+    from service.keyring import params_from_settings
+    from xmark_core import WatermarkParams
+
+    monkeypatch.delenv("XMARK_WATERMARK_SCHEME", raising=False)  # the suite pins the biasing scheme
+    assert params_from_settings(Settings()) == WatermarkParams(
+        bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16
+    )
+    monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "xmark")
+    for name in ("XMARK_WATERMARK_BLOCK_BITS", "XMARK_WATERMARK_NUM_KEYS", "XMARK_WATERMARK_SALTS"):
+        monkeypatch.setenv(name, "")
+    assert params_from_settings(Settings()) == WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
+    monkeypatch.setenv("XMARK_WATERMARK_NUM_KEYS", "2")
+    monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "4")
+    assert params_from_settings(Settings()) == WatermarkParams(bits=32, block_bits=4, num_keys=2, scheme="xmark")
+    monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "5")
+    with pytest.raises(ValidationError, match="positive multiple of watermark_block_bits"):
+        Settings()
+
+
 def test_secrets_file_is_read(tmp_path: Path) -> None:
     path = tmp_path / "secrets"
     path.write_text(f"# key versions\nv1:{GOOD_SECRET}\nv2:{GOOD_SECRET}-two\n")

@@ -1,7 +1,8 @@
 """The gateway serving a distortion-free key version (``XMARK_WATERMARK_SCHEME=gumbel``): the local
 backend samples every token with the key (blocks of 8 bits, 16 salts), ``/trace`` names the author of
 the answer, one user's answers to one prompt differ (consecutive salts), requests it could not honour
-are refused by name (on vLLM workers also the fields they apply after the choice, and n > 1), and a
+are refused by name (on vLLM workers also the fields they apply after the choice, and n > 1) while a
+nucleus (top_p, and top_k / min_p on vLLM) is sampled within, and a
 backend that cannot sample with the key is refused at start-up and per request."""
 
 from __future__ import annotations
@@ -153,12 +154,11 @@ async def test_requests_it_cannot_honour_are_refused_by_name(
     author, _, _ = gumbel_users
     assert await app.state.resources.backend.wait_ready(180)
     base = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    for extra, param in (({"temperature": 0}, "temperature"), ({"top_p": 0.9}, "top_p")):
-        response = await client.post("/v1/chat/completions", json={**base, **extra}, headers=_auth(author.api_key))
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["param"] == param and error["code"] == "unsupported_value"
-        assert "distortion-free" in error["message"]
+    response = await client.post("/v1/chat/completions", json={**base, "temperature": 0}, headers=_auth(author.api_key))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "temperature" and error["code"] == "unsupported_value"
+    assert "distortion-free" in error["message"]
     # the same fields on the text-completion endpoint
     response = await client.post(
         "/v1/completions",
@@ -171,6 +171,33 @@ async def test_requests_it_cannot_honour_are_refused_by_name(
         "/v1/chat/completions", json={**base, "temperature": 0.7, "top_p": 1}, headers=_auth(author.api_key)
     )
     assert fine.status_code == 200, fine.text
+
+
+@pytest.mark.model
+async def test_a_nucleus_request_is_sampled_with_the_key_within_it(
+    app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
+) -> None:
+    """top_p < 1: the keyed sampler draws inside the request's nucleus (xmark_core.gumbel.truncate_),
+    so the answer is served, and traced to its author, instead of refused."""
+    author, _, auditor = gumbel_users
+    assert await app.state.resources.backend.wait_ready(180)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}],
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 5,
+    }
+    response = await client.post("/v1/chat/completions", json=body, headers=_auth(author.api_key))
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    assert len(text.split()) > 40
+    traced = await client.post("/trace", json={"text": text, "model": MODEL}, headers=_auth(auditor.api_key))
+    assert traced.status_code == 200, traced.text
+    report = traced.json()
+    assert report["watermarked"] is True
+    assert report["attribution"] is not None and report["attribution"]["user_id"] == author.id
 
 
 async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp_path: Any) -> None:
@@ -205,11 +232,12 @@ async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp
         _check_scheme_served(Keyring(params, {}), settings.model_name, backend)
         served = ServedModel(settings.model_name, backend, None, ())
         _check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7), {"presence_penalty": 0, "top_k": -1})
+        # the nucleus fields its workers apply before the choice pass
+        _check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7, top_p=0.9), {"top_k": 40, "min_p": 0.05})
         for options, param in (
             ({"presence_penalty": 0.5}, "presence_penalty"),
             ({"repetition_penalty": 1.1}, "repetition_penalty"),
-            ({"top_k": 40}, "top_k"),
-            ({"min_p": 0.05}, "min_p"),
+            ({"frequency_penalty": -0.3}, "frequency_penalty"),
             ({"logit_bias": {"42": 5}}, "logit_bias"),
         ):
             with pytest.raises(InvalidRequestError) as refused:

@@ -299,8 +299,15 @@ def gumbel_params(keyring: WorkerKeyring, row: int, **fields: Any) -> SamplingPa
     return SamplingParams(max_tokens=8, temperature=GUMBEL_TEMPERATURES[row], extra_args=extra, **fields)
 
 
-def gumbel_reference(keyring: WorkerKeyring, base: torch.Tensor, contexts: list[tuple[int, int]], keyed: list[bool]):
-    """What xmark_core's sampler chooses for these rows (each at its temperature, under its salt)."""
+def gumbel_reference(
+    keyring: WorkerKeyring,
+    base: torch.Tensor,
+    contexts: list[tuple[int, int]],
+    keyed: list[bool],
+    truncation: Any = None,
+):
+    """What xmark_core's sampler chooses for these rows (each at its temperature, under its salt,
+    within ``truncation``'s nucleus where given)."""
     from xmark_core import TorchWatermarker
     from xmark_core.gumbel import salted
 
@@ -319,6 +326,7 @@ def gumbel_reference(keyring: WorkerKeyring, base: torch.Tensor, contexts: list[
         torch.from_numpy(blocks),
         torch.tensor(keyed),
         temperature=torch.tensor(GUMBEL_TEMPERATURES),
+        truncation=truncation,
     )
 
 
@@ -366,6 +374,59 @@ def test_both_adapters_sample_with_a_gumbel_workers_key(gumbel_keyring: WorkerKe
     assert sum(int(torch.isfinite(again_v1[row]).sum()) == 1 for row in range(batch)) == 4
 
 
+# each row's nucleus: (top_k, top_p, min_p); row 3 is unwatermarked, row 5 untruncated
+GUMBEL_NUCLEI = [(0, 0.9, 0.0), (40, 1.0, 0.0), (0, 1.0, 0.05), (20, 0.8, 0.0), (50, 0.95, 0.02), (0, 1.0, 0.0)]
+
+
+def test_both_adapters_sample_within_each_rows_nucleus(gumbel_keyring: WorkerKeyring) -> None:
+    """top_k / top_p / min_p per request: V1 and V2 choose what xmark_core's sampler chooses with
+    each row's nucleus, a token vLLM's own sampler (min-p, then ``apply_top_k_top_p``, at the row's
+    temperature) keeps; an unwatermarked row keeps its logits for vLLM to truncate itself."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from xmark_core.gumbel import Truncation
+
+    keyring = gumbel_keyring
+    batch = len(HISTORIES)
+    base = logits_for(batch, seed=23)
+    params = [gumbel_params(keyring, row, top_k=k, top_p=p, min_p=m) for row, (k, p, m) in enumerate(GUMBEL_NUCLEI)]
+    processor = v1_processor()
+    added = [(row, params[row], list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)]
+    processor.update_state(BatchUpdate(batch_size=batch, removed=[], added=added, moved=[]))
+    out_v1 = v1_step(processor, base.clone())
+    runner = V2Runner(keyring)
+    slots = [4, 1, 6, 0, 7, 2]
+    for row, slot in enumerate(slots):
+        runner.admit(slot, params[row], *HISTORIES[row])
+    out_v2 = runner.step(base.clone(), slots)
+    table = torch.tensor(GUMBEL_NUCLEI, dtype=torch.float32)
+    truncation = Truncation(top_k=table[:, 0].to(torch.int64), top_p=table[:, 1], min_p=table[:, 2])
+    contexts = [vllm_common.last_two(p, o) for p, o in HISTORIES]
+    keyed = [m is not None for m in MESSAGES]
+    expected = gumbel_reference(keyring, base, contexts, keyed, truncation)
+    assert torch.equal(out_v1, expected) and torch.equal(out_v2, expected)
+    untruncated = gumbel_reference(keyring, base, contexts, keyed)
+    # vLLM's own truncation of the same rows, at their temperatures
+    scaled = base / torch.tensor(GUMBEL_TEMPERATURES)[:, None]
+    probs = scaled.softmax(dim=1)
+    scaled = scaled.masked_fill(probs < table[:, 2:3] * probs.amax(dim=1, keepdim=True), float("-inf"))
+    k = torch.where(table[:, 0] > 0, table[:, 0], float(VOCAB)).to(torch.int64)
+    nucleus = apply_top_k_top_p(scaled, k, table[:, 1])
+
+    for row, message in enumerate(MESSAGES):
+        if message is None:
+            assert torch.equal(out_v1[row], base[row])
+            continue
+        chosen = int(out_v1[row].argmax())
+        assert int(torch.isfinite(out_v1[row]).sum()) == 1
+        assert torch.isfinite(nucleus[row, chosen]), row  # inside vLLM's nucleus
+        assert int(torch.isfinite(nucleus[row]).sum()) < VOCAB or GUMBEL_NUCLEI[row] == (0, 1.0, 0.0)
+
+    assert torch.equal(out_v1[5], untruncated[5])  # no setting: the full distribution, as before
+    # the nucleus changed some choices (a processor ignoring it would fail the equality above)
+    assert not torch.equal(expected, untruncated)
+
+
 def test_a_resumed_gumbel_request_keeps_the_contexts_its_answer_used(gumbel_keyring: WorkerKeyring) -> None:
     """A request preempted and added again with its output: the contexts that output used count as
     used. Its answer has come back to (3021, 44), its first token's context: sampled normally, where
@@ -381,19 +442,21 @@ def test_a_resumed_gumbel_request_keeps_the_contexts_its_answer_used(gumbel_keyr
 
 
 def test_a_gumbel_worker_refuses_requests_it_cannot_honour(gumbel_keyring: WorkerKeyring) -> None:
-    """At admission: greedy decoding, the fields vLLM applies after the processors, n > 1, a salt out
+    """At admission: greedy decoding, the fields vLLM applies after the processors (penalties), n > 1, a salt out
     of range and a fingerprint of another key are refused by name; an honourable request passes."""
     validate_v2 = build_custom_logits_processors_params_validator([V2_FQCN])
     good = gumbel_params(gumbel_keyring, 0)
     validate_logits_processors_parameters([V1_FQCN], good)
     validate_v2(good)
     extra = dict(good.extra_args or {})
+    # the nucleus fields the worker applies before its choice pass
+    nucleus = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, extra_args=extra)
+    validate_logits_processors_parameters([V1_FQCN], nucleus)
+    validate_v2(nucleus)
     for fields, match in (
         ({"temperature": 0.0}, "temperature must be above 0"),
-        ({"top_p": 0.9}, "top_p is not supported"),
-        ({"top_k": 40}, "top_k is not supported"),
-        ({"min_p": 0.1}, "min_p is not supported"),
         ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
         ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
         ({"n": 2}, "n above 1 is not supported"),
         ({"extra_args": {**extra, "xmark_salt": 16}}, "xmark_salt must be an integer in \\[0, 16\\)"),

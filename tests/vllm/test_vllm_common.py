@@ -44,19 +44,22 @@ SECRET_B = "bravo-secret-fedcba9876543210"
 
 def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
     from service.config import Settings
+    from service.keyring import params_from_settings
 
     keyring = WorkerKeyring.from_variables({ENV_SECRETS: f"v2:{SECRET_B}, v1:{SECRET_A}"})
     assert keyring.names == ("v1", "v2")
-    # unset parameters default to the gateway's defaults: one env file (or none) configures both
+    # unset parameters default to the gateway's defaults: one env file (or none) configures both.
+    # The defaults: the distortion-free scheme in 8-bit blocks, 1 key, 16 salts
     fields = Settings.model_fields
-    gateway = WatermarkParams(
-        bits=fields["watermark_bits"].default,
-        block_bits=fields["watermark_block_bits"].default,
-        num_keys=fields["watermark_num_keys"].default,
-        delta=fields["watermark_delta"].default,
-        min_entropy=fields["watermark_min_entropy"].default,
-    )
+    gateway = params_from_settings(Settings.model_construct(**{n: f.default for n, f in fields.items()}))
     assert keyring.params == gateway
+    assert gateway == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    # the biasing scheme named alone takes its own defaults, in both
+    biasing = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark"})
+    assert biasing.params == WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
+    assert biasing.params == params_from_settings(
+        Settings.model_construct(**{**{n: f.default for n, f in fields.items()}, "watermark_scheme": "xmark"})
+    )
     # the same secret and parameters give the same key the gateway derives
     assert keyring.keys[0].fingerprint == WatermarkKey.from_secret(SECRET_A, gateway).fingerprint
     assert keyring.index("v2") == 1
@@ -66,11 +69,13 @@ def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
 def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
     path = tmp_path / "secrets"
     path.write_text(f"# rotated 2024\nold:{SECRET_A}\nnew:{SECRET_B}\n")
-    keyring = WorkerKeyring.from_variables({ENV_SECRETS_FILE: str(path), ENV_BITS: "24", ENV_DELTA: "3.5"})
+    keyring = WorkerKeyring.from_variables(
+        {ENV_SECRETS_FILE: str(path), ENV_SCHEME: "xmark", ENV_BITS: "24", ENV_DELTA: "3.5"}
+    )
     assert keyring.names == ("new", "old")
     assert keyring.params.bits == 24 and keyring.params.delta == 3.5
     assert keyring.params.min_entropy == 0.0  # unset: every position biased, as every earlier version
-    ruled = WorkerKeyring.from_variables({ENV_SECRETS_FILE: str(path), ENV_MIN_ENTROPY: "0.69"})
+    ruled = WorkerKeyring.from_variables({ENV_SECRETS_FILE: str(path), ENV_SCHEME: "xmark", ENV_MIN_ENTROPY: "0.69"})
     assert ruled.params.min_entropy == 0.69
     # the gateway's key version with the same rule has the same fingerprint
     assert (
@@ -90,7 +95,8 @@ def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
         ({ENV_SECRETS: f"bad name:{SECRET_A}"}, "must match"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "15"}, "invalid watermark parameters"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "sixteen"}, "must be an integer"),
-        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "-1"}, "invalid watermark parameters"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark", ENV_MIN_ENTROPY: "-1"}, "invalid watermark parameters"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "0.5"}, "invalid watermark parameters"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "high"}, "must be a number"),
         ({ENV_SECRETS_FILE: "/nonexistent/xmark-secrets"}, "cannot read"),
     ],
@@ -114,7 +120,9 @@ def test_keyring_description_shows_fingerprint_prefixes_only() -> None:
 
 @pytest.fixture
 def two_keys() -> WorkerKeyring:
-    return WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}", ENV_BITS: "16"})
+    return WorkerKeyring.from_variables(
+        {ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}", ENV_SCHEME: "xmark", ENV_BITS: "16"}
+    )
 
 
 @pytest.mark.parametrize("extra_args", [None, {}, {"session_id": "abc", "other": 1}])
@@ -139,7 +147,7 @@ def test_a_gumbel_worker_reads_its_scheme_salts_and_each_requests_salt() -> None
     assert keyring.params == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
     assert WorkerKeyring.from_variables({**variables, ENV_SALTS: "1"}).params.salts == 1
     with pytest.raises(WorkerConfigError, match="salts applies to scheme 'gumbel' only"):
-        WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SALTS: "4"})
+        WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark", ENV_SALTS: "4"})
     with pytest.raises(WorkerConfigError, match="scheme must be one of"):
         WorkerKeyring.from_variables({**variables, ENV_SCHEME: "bogus"})
     bits = "01101100000110111001001101100100"
@@ -162,7 +170,7 @@ def test_a_gumbel_worker_reads_its_scheme_salts_and_each_requests_salt() -> None
         parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1", XARG_FINGERPRINT: other}, keyring)
     assert SECRET_A not in str(refused.value) and fingerprint not in str(refused.value)
     # an unsalted worker takes salt 0 only
-    biasing = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}"})
+    biasing = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark"})
     with pytest.raises(RequestArgumentError, match=r"in \[0, 1\)"):
         parse_request({XARG_MESSAGE: bits, XARG_KEY_VERSION: "v1", XARG_SALT: 1}, biasing)
 
