@@ -439,13 +439,19 @@ def analyze_counting(
         return user.name if user is not None else ""
 
     attributed = attribution.best
+    # A naming is itself a rejection of unwatermarked text (the attribution test, corrected for the
+    # registry and the tries, at alpha): the report then says watermarked, with the smaller p-value,
+    # whatever the detection test of the counts (a different statistic) says.
+    p_value = min(1.0, detection.p_value * tries)
+    if attributed is not None:
+        p_value = min(p_value, attribution.p_value)
     report = TraceReport(
         decoder=TraceDecoder.COUNTING,
         test=GUMBEL_COUNTING_TEST if result.params.distortion_free else COUNTING_TEST,
         confidence=attribution.confidence,
         margin=attribution.margin if attribution.candidates else None,
-        watermarked=detection.is_watermarked,
-        p_value=min(1.0, detection.p_value * tries),
+        watermarked=detection.is_watermarked or attributed is not None,
+        p_value=p_value,
         statistic=detection.statistic,
         scored_tokens=result.scored_tokens,
         key_version=best.handle.name,
