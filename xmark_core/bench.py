@@ -20,7 +20,7 @@ from .attribution import CandidateSet, attribute
 from .decoder import decode
 from .detect import Detection, detect
 from .keys import WatermarkKey
-from .params import WatermarkParams
+from .params import WatermarkParams, default_block_bits, default_salts
 
 VOCAB = 49_152
 SECRET = "benchmark-secret-not-for-production"
@@ -111,6 +111,62 @@ def bench_encode(key: WatermarkKey) -> dict[str, float]:
         "encode_speedup_vs_naive": naive / fused,
         "encode_eager_speedup_vs_naive": naive / fast,
         "encode_threads": float(torch.get_num_threads()),
+    }
+
+
+def bench_sample(key: WatermarkKey) -> dict[str, float]:
+    """The distortion-free scheme's step (``gumbel``: keyed sampling, one finite logit per row) on
+    logits [16, 49152] at temperature 0.7, fused and eager, without and with a nucleus (top_p 0.9,
+    truncated before the choice), against the sampler's own work on the same logits in the same run
+    (softmax at the temperature and one multinomial draw per row; with top_p, the sort and cumulative
+    sum of a nucleus sampler first). Each timing less the [B, V] copy its loop needs."""
+    import torch
+
+    from .encoder import TorchWatermarker
+    from .gumbel import Truncation
+
+    params = key.params
+    gen = torch.Generator().manual_seed(0)
+    batch = 16
+    logits = torch.randn(batch, VOCAB, generator=gen) * 3
+    context = torch.randint(0, VOCAB, (batch, 2), generator=gen)
+    blocks = torch.randint(0, params.num_shards * params.salts, (batch, params.num_blocks), generator=gen)
+    active = torch.ones(batch, dtype=torch.bool)
+    tau = torch.full((batch,), 0.7)
+    nucleus = Truncation(top_p=torch.full((batch,), 0.9))
+    fused = TorchWatermarker(key, compile=True)
+    fused.warm_up(logits.device, VOCAB, inference_mode=False)
+    eager = TorchWatermarker(key)
+
+    def step(marker: TorchWatermarker, truncation: Truncation | None) -> None:
+        marker.apply(logits.clone(), context, blocks, active, inplace=True, temperature=tau, truncation=truncation)
+
+    def own(top_p: float | None) -> None:
+        scaled = logits.clone() / 0.7
+        if top_p is not None:
+            ordered, order = scaled.sort(dim=1)
+            dropped = ordered.softmax(dim=1).cumsum(dim=1) <= 1.0 - top_p
+            scaled.scatter_(1, order, ordered.masked_fill(dropped, float("-inf")))
+        torch.multinomial(scaled.softmax(dim=1), 1, generator=gen)
+
+    with torch.no_grad():
+        step(fused, None)
+        step(fused, nucleus)
+        own(0.9)
+        copy = _best_time(logits.clone, repeat=15, number=10)
+        sample = _best_time(lambda: own(None), repeat=15, number=10) - copy
+        sample_top_p = _best_time(lambda: own(0.9), repeat=15, number=10) - copy
+        keyed = _best_time(lambda: step(fused, None), repeat=15, number=10) - copy
+        keyed_top_p = _best_time(lambda: step(fused, nucleus), repeat=15, number=10) - copy
+        keyed_eager = _best_time(lambda: step(eager, None), repeat=5, number=5) - copy
+    return {
+        "gumbel_sample_ms_per_step": 1e3 * keyed,
+        "gumbel_sample_ms_per_step_top_p": 1e3 * keyed_top_p,
+        "gumbel_sample_ms_per_step_eager": 1e3 * keyed_eager,
+        "sampler_own_ms_per_step": 1e3 * sample,
+        "sampler_own_ms_per_step_top_p": 1e3 * sample_top_p,
+        "gumbel_vs_sampler_own": keyed / sample,
+        "gumbel_top_p_vs_sampler_own_top_p": keyed_top_p / sample_top_p,
     }
 
 
@@ -215,6 +271,12 @@ def run(fpr_trials: int = 5000) -> dict[str, object]:
     out.update(bench_naive_decode(key, rng, decode_stats["decode_tokens_per_s"]))
     out.update(bench_encode(key))
     out.update(bench_encode_cold(WatermarkKey.from_secret(SECRET, WatermarkParams(bits=32, num_keys=4))))
+    # the default scheme of new key versions (xmark_core.params.DEFAULT_SCHEME)
+    gumbel = WatermarkParams(
+        bits=32, block_bits=default_block_bits("gumbel"), num_keys=1, scheme="gumbel", salts=default_salts("gumbel")
+    )
+    out["gumbel_params"] = gumbel.to_dict()
+    out.update(bench_sample(WatermarkKey.from_secret(SECRET, gumbel)))
     out.update(bench_attribution(key, rng))
     out.update(bench_fpr(key, rng, fpr_trials, 200))
     return out
