@@ -358,10 +358,11 @@ class TorchWatermarker:
             if truncation is not None:
                 gumbel.truncate_(out, temperature, active, truncation)
             step = (out, temperature.to(device), context, blocks, active)
-            keys = {"words": self.words(device), "codes": self.codes(device, logits.shape[1])}
+            keys = {"words": self.words(device), "codes": self.codes32(device, logits.shape[1])}
             if self._compiled_sampler is not None and device.type in ("cpu", "cuda"):
-                try:
-                    self._compiled_sampler(*step, **keys)
+                try:  # the fused CPU kernel reads the codes' bits as float32 (see _fused_apply32_)
+                    bits = self.codes32_bits(device, logits.shape[1]) if device.type == "cpu" else keys["codes"]
+                    self._compiled_sampler(*step, words=keys["words"], codes=bits)
                 except Exception as exc:  # no toolchain: keep serving, eagerly
                     warnings.warn(
                         f"fused sampling kernel unavailable, using the eager op ({type(exc).__name__})", stacklevel=2

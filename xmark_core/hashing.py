@@ -29,16 +29,16 @@ Array = TypeVar("Array", "npt.NDArray[np.int64]", "torch.Tensor")
 
 MASK32 = 0xFFFFFFFF
 MASK31 = 0x7FFFFFFF
-_MUL = 0x045D9F3B  # < 2**31: products with a 32-bit value stay below 2**63
+MIX_MUL = 0x045D9F3B  # < 2**31: products with a 32-bit value stay below 2**63
 
 
 def mix32(x: Array) -> Array:
     """A 32-bit integer finaliser (xorshift-multiply, full avalanche). x: int64 in [0, 2**32)."""
     x = x ^ (x >> 16)  # a new array/tensor: the in-place steps below never touch the input
-    x *= _MUL
+    x *= MIX_MUL
     x &= MASK32
     x ^= x >> 16
-    x *= _MUL
+    x *= MIX_MUL
     x &= MASK32
     x ^= x >> 16
     return x

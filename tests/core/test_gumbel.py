@@ -239,6 +239,39 @@ def test_decoder_scores_are_the_encoders_draws(gkey: WatermarkKey) -> None:
     assert np.array_equal(scores, -np.log1p(-((draws.numpy() + 0.5) / 2**32)))
 
 
+def test_the_encoders_32_bit_draws_are_the_decoders_draws(gkey: WatermarkKey) -> None:
+    """draws32 (int32 lanes, what the encoder computes) has the int64 draw's 32 bits, for every
+    sign and carry the operands can take."""
+    from xmark_core.encoder import wrap32
+
+    g = torch.Generator().manual_seed(11)
+    words = torch.from_numpy(gkey.words.copy())
+    p2, p1 = (torch.randint(0, 49_152, (64,), generator=g) for _ in range(2))
+    mult = context_multipliers(words, p2, p1)[:, :1]  # [64, 1]
+    codes = token_codes(words, torch.arange(49_152))[:, :1].T  # [1, V]
+    values = gumbel.value_codes(words, torch.randint(0, 4 * 16, (64, 1), generator=g))
+    wide = gumbel.hashed(mult, codes, values)  # int64 in [0, 2**32)
+    narrow = gumbel.draws32(wrap32(mult), wrap32(codes), wrap32(values))
+    assert narrow.dtype == torch.int32 and torch.equal(narrow.to(torch.int64) & 0xFFFFFFFF, wide)
+    assert bool((narrow < 0).any()) and bool((narrow >= 0).any())
+
+
+def test_the_float32_noise_keeps_both_tails() -> None:
+    """gumbel_noise (float32) is -log(-log u) computed in float64, to float32 precision, at the ends
+    of the draw's range where u = 1 - 2**-33 decides a choice and a naive float32 form gives inf."""
+    edges = np.array([0, 1, 2, 2**20, 2**31 - 1, 2**31, 2**32 - 2**20, 2**32 - 2, 2**32 - 1], dtype=np.int64)
+    spread = np.random.default_rng(12).integers(0, 2**32, 100_000)
+    draws = np.concatenate([edges, spread])
+    u = (draws.astype(np.float64) + 0.5) / 2**32
+    w = (2**32 - draws.astype(np.float64) - 0.5) / 2**32  # 1 - u, exact in float64
+    expected = -np.log(np.where(u <= 0.5, -np.log(u), -np.log1p(-w)))
+    signed = torch.from_numpy(((draws + 2**31) % 2**32 - 2**31).astype(np.int32))
+    noise = gumbel.gumbel_noise(signed)
+    assert noise.dtype == torch.float32 and bool(torch.isfinite(noise).all())
+    np.testing.assert_allclose(noise.numpy(), expected, rtol=2e-6, atol=2e-6)
+    assert float(noise[signed.numpy() == -1][0]) == pytest.approx(-np.log(0.5 / 2**32), rel=1e-6)  # 22.2
+
+
 # ---- the decoder and its p-values ---------------------------------------------------------------
 
 

@@ -111,7 +111,7 @@ def test_the_processor_gives_a_requests_answers_consecutive_salts(skey: Watermar
             blocks,
             torch.ones(1, dtype=torch.bool),
             words=marker.words(cpu),
-            codes=marker.codes(cpu, 4096),
+            codes=marker.codes32(cpu, 4096),
             num_blocks=SALTED.num_blocks,
         )
         assert int(chosen[row]) == int(reference.argmax())
