@@ -17,7 +17,7 @@ import torch
 from . import cpu_op, gumbel
 from .errors import ParamsError
 from .gating import gate
-from .hashing import MASK32, context_multipliers, token_codes
+from .hashing import MASK32, context_multipliers, token_codes, wrap32
 from .keys import WatermarkKey
 from .params import WatermarkParams
 
@@ -134,11 +134,6 @@ def _fused_apply_(
     """``_fused_apply`` written back into ``logits``: compiled, the write is part of the same single
     pass (no [B, V] temporary, no second pass to copy it back)."""
     logits.copy_(_fused_apply(logits, context, blocks, active, words, codes, params=params))
-
-
-def wrap32(values: torch.Tensor) -> torch.Tensor:
-    """int32 with the same low 32 bits as int64 ``values`` (two's complement, no overflow)."""
-    return (((values + (1 << 31)) & MASK32) - (1 << 31)).to(torch.int32)
 
 
 def _fused_apply32_(
@@ -358,11 +353,12 @@ class TorchWatermarker:
             if truncation is not None:
                 gumbel.truncate_(out, temperature, active, truncation)
             step = (out, temperature.to(device), context, blocks, active)
-            keys = {"words": self.words(device), "codes": self.codes32(device, logits.shape[1])}
+            words, width = self.words(device), logits.shape[1]
             if self._compiled_sampler is not None and device.type in ("cpu", "cuda"):
-                try:  # the fused CPU kernel reads the codes' bits as float32 (see _fused_apply32_)
-                    bits = self.codes32_bits(device, logits.shape[1]) if device.type == "cpu" else keys["codes"]
-                    self._compiled_sampler(*step, words=keys["words"], codes=bits)
+                # the fused CPU kernel reads the codes' bits as float32 (see _fused_apply32_)
+                codes = self.codes32_bits(device, width) if device.type == "cpu" else self.codes32(device, width)
+                try:
+                    self._compiled_sampler(*step, words=words, codes=codes)
                 except Exception as exc:  # no toolchain: keep serving, eagerly
                     warnings.warn(
                         f"fused sampling kernel unavailable, using the eager op ({type(exc).__name__})", stacklevel=2
@@ -370,7 +366,7 @@ class TorchWatermarker:
                     self._compiled_sampler = None
                 else:
                     return out
-            gumbel.sample_(*step, **keys, num_blocks=self.params.num_blocks)
+            gumbel.sample_(*step, words=words, codes=self.codes32(device, width), num_blocks=self.params.num_blocks)
             return out
         if self.params.gated and active.shape == logits.shape[:1]:
             # the entropy rule, once for every path below (the eager op's own gate then keeps these rows)

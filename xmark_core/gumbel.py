@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import ParamsError
-from .hashing import MASK32, MIX_MUL, mix32
+from .hashing import MASK32, MIX_MUL, mix32, wrap32
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -335,7 +335,7 @@ def sample_(
 
     multipliers = context_multipliers(words, prev2, prev1)[:, :1]  # [B, 1] int64 in [1, 2**31)
     row = torch.cat([multipliers, value_codes(words, value)], dim=1)  # [B, 2] int64 in [0, 2**32)
-    row = (((row + (1 << 31)) & MASK32) - (1 << 31)).to(torch.int32)  # the same low 32 bits
+    row = wrap32(row)  # int32, the same low 32 bits
     noise = gumbel_noise(draws32(row[:, :1], codes32[:1, :vocab], row[:, 1:]))  # [B, V] float32
     live = active & (temperature > 0)
     tau = torch.where(live, temperature, torch.ones_like(temperature)).to(torch.float32)[:, None]

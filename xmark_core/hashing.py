@@ -32,6 +32,13 @@ MASK31 = 0x7FFFFFFF
 MIX_MUL = 0x045D9F3B  # < 2**31: products with a 32-bit value stay below 2**63
 
 
+def wrap32(values: torch.Tensor) -> torch.Tensor:
+    """int32 with the same low 32 bits as int64 ``values`` (two's complement, no overflow)."""
+    import torch
+
+    return (((values + (1 << 31)) & MASK32) - (1 << 31)).to(torch.int32)
+
+
 def mix32(x: Array) -> Array:
     """A 32-bit integer finaliser (xorshift-multiply, full avalanche). x: int64 in [0, 2**32)."""
     x = x ^ (x >> 16)  # a new array/tensor: the in-place steps below never touch the input

@@ -242,7 +242,7 @@ def test_decoder_scores_are_the_encoders_draws(gkey: WatermarkKey) -> None:
 def test_the_encoders_32_bit_draws_are_the_decoders_draws(gkey: WatermarkKey) -> None:
     """draws32 (int32 lanes, what the encoder computes) has the int64 draw's 32 bits, for every
     sign and carry the operands can take."""
-    from xmark_core.encoder import wrap32
+    from xmark_core.hashing import wrap32
 
     g = torch.Generator().manual_seed(11)
     words = torch.from_numpy(gkey.words.copy())
