@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-provenance eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
+.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -163,6 +163,18 @@ eval-gumbel: venv-vllm model
 eval-provenance: venv-vllm venv model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 64
 	$(BIN)/python -m benchmarks.evaluation.provenance
+
+# The same on the gateway's default key version (distortion-free, 8-bit blocks, 16 salts), at 10^4
+# (docs/results/PROVENANCE-GUMBEL.md; answers in var/eval/provenance-gumbel-seed0).
+eval-provenance-gumbel: venv-vllm venv model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 64 --authors 100 --scheme gumbel
+	$(BIN)/python -m benchmarks.evaluation.provenance --corpus var/eval/provenance-gumbel-seed0 --registries 10000 --report PROVENANCE-GUMBEL
+
+# The most any of /trace's naming rules can name of the corpora's rewrites: each traced against its
+# author alone (docs/results/provenance-ceiling*.json; the corpora of the two targets above).
+eval-provenance-ceiling: venv
+	$(BIN)/python -m benchmarks.evaluation.provenance_ceiling --output docs/results/provenance-ceiling.json
+	$(BIN)/python -m benchmarks.evaluation.provenance_ceiling --corpus var/eval/provenance-gumbel-seed0 --output docs/results/provenance-ceiling-gumbel.json
 
 # Optional: the generation log's retrieval against a sentence embedding (all-MiniLM-L6-v2, the `embedding`
 # extra) on the cached provenance corpus (make eval-provenance first); writes docs/results/provenance-embedding.json.

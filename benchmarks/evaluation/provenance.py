@@ -88,6 +88,7 @@ from .forensic import Scored, Scorer
 from .metrics import rate_cell
 from .population import evaluation_key, null_keys
 from .prompts import load_prompts
+from .provenance_protocol import corpus_params
 
 ALPHA = 1e-3
 TOP_K = 20
@@ -246,7 +247,7 @@ class Evaluation:
         model, tokenizer = load_model(args.model_path)
         self.tokenizer = tokenizer
         self.scorer = Scorer(model, tokenizer, self.folder / "provenance-scores.pkl", TOP_K)
-        self.params = WatermarkParams(bits=32, block_bits=2, num_keys=4, delta=2.0)
+        self.params = corpus_params(self.folder)
         self.sketcher = Sketcher(derive_sketch_key(SKETCH_SECRET))
         self.settings = Settings(
             database_url="sqlite+aiosqlite:///:memory:",
@@ -389,7 +390,7 @@ class Evaluation:
         identity test against the registry's 5 first others. None without leads."""
         users = list(dict.fromkeys(leads))
         restricted = snapshot.restricted(users)
-        if not len(restricted):
+        if not len(restricted) or key.params.distortion_free:  # the probe reads the biasing schemes only
             return None
         tries = 2 * 2  # the plan's count: two candidate sets, one key version, two decoders
         special = self.tokenizer.all_special_ids
@@ -620,21 +621,28 @@ def goals(results: dict[str, Any], size: int) -> list[tuple[str, str, dict[str, 
     ]
 
 
-def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
+def describe(params: WatermarkParams) -> str:
+    """The key version's watermark in the report's words."""
+    if params.distortion_free:
+        return f"scheme gumbel, b = {params.bits}, d = {params.block_bits}, S = {params.salts} salts"
+    return f"b = {params.bits}, k = {params.num_keys}, δ = {params.delta:g}"
+
+
+def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path, name: str = "PROVENANCE") -> None:
     out.mkdir(parents=True, exist_ok=True)
     measured = {
         str(size): [{"what": what, "goal": target, **rate} for what, target, rate in goals(results, size)]
         for size in meta["registries"]
     }
     document = {"meta": meta, **results, "goals": measured}
-    (out / "provenance.json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    (out / f"{name.lower()}.json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     lines = [
         "# Provenance: /trace with the generation log as second witness",
         "",
         f"`{meta['command']}` on {meta['machine']}; corpus: {meta['corpus']}.",
         "Every rate: count and Wilson 95 % interval.",
         f"Log: {meta['log_size']:,} generations besides the authors' answers (other users on the same prompts, see",
-        "benchmarks/evaluation/provenance.py). α = 0.001, decoder `auto`, one key version (b = 32, k = 4, δ = 2).",
+        f"benchmarks/evaluation/provenance.py). α = 0.001, decoder `auto`, one key version ({meta['watermark']}).",
         "",
     ]
     for size in meta["registries"]:
@@ -673,7 +681,7 @@ def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> No
             f"{_pct(null['named_by_retrieval'])}; traces with leads {_pct(null['with_leads'])}.",
             "",
         ]
-    (out / "PROVENANCE.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -687,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--authors", type=int, default=0, help="authors per temperature (0: the whole corpus)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--traces", type=Path, help="also write every attacked text's trace here (JSON lines)")
+    parser.add_argument(
+        "--report", default="PROVENANCE", help="the report's name in --output-dir (NAME.md and name.json)"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -700,8 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         "authors": len(evaluation.authors),
         "log_size": args.log_size,
         "registries": args.registries,
+        "watermark": describe(evaluation.params),
     }
-    write_report(results, meta, args.output_dir)
+    write_report(results, meta, args.output_dir, args.report)
     if args.traces is not None:
         args.traces.write_text("".join(json.dumps(row) + "\n" for row in evaluation.traces), encoding="utf-8")
     print(json.dumps({"meta": meta, **results}))

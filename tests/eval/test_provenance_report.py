@@ -66,9 +66,11 @@ def test_the_report_carries_the_goals(tmp_path: Path) -> None:
         "corpus": "c",
         "log_size": 100_000,
         "registries": [10_000, 1_000_000],
+        "watermark": "scheme gumbel, b = 32, d = 8, S = 16 salts",
     }
     write_report(_results(), meta, tmp_path)
     text = (tmp_path / "PROVENANCE.md").read_text(encoding="utf-8")
+    assert "one key version (scheme gumbel, b = 32, d = 8, S = 16 salts)" in text
     assert "| rewrites (paraphrase + summary, both temperatures): right user named | ≥ 60 % | 20.0 % (10/50;" in text
     document = json.loads((tmp_path / "provenance.json").read_text(encoding="utf-8"))
     assert document["goals"]["1000000"][0]["of"] == 40
