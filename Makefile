@@ -170,8 +170,8 @@ eval-provenance-gumbel: venv-vllm venv model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.provenance_corpus --max-num-seqs 64 --authors 100 --scheme gumbel
 	$(BIN)/python -m benchmarks.evaluation.provenance --corpus var/eval/provenance-gumbel-seed0 --registries 10000 --report PROVENANCE-GUMBEL
 
-# The most any of /trace's naming rules can name of the default key version's rewrites: each traced
-# against its author alone (docs/results/provenance-ceiling-gumbel.json; the corpus of the target
+# What the watermark left in the default key version's rewrites supports: each traced against its
+# author alone (the smallest multiplicity a naming rule has) (docs/results/provenance-ceiling-gumbel.json; the corpus of the target
 # above; --corpus var/eval/provenance-seed0 reads the xmark corpus of eval-provenance instead).
 eval-provenance-ceiling: venv
 	$(BIN)/python -m benchmarks.evaluation.provenance_ceiling --corpus var/eval/provenance-gumbel-seed0 --output docs/results/provenance-ceiling-gumbel.json
