@@ -8,11 +8,13 @@ the provenance evaluation, the trace's own fan-out (``trace_fanout``, decoder ``
 key version, α = 0.001) runs with a registry that holds the author alone and no content search: one
 candidate, the smallest multiplicity any plan has. Every naming rule /trace applies, among the
 registry or among the content search's leads, tests the author's message ID with the same decoders
-at a share of the level of at most this one, so the rate this test names is meant as what the
-watermark left in the text can support at all. It is not a strict bound: on the default key
-version's corpus the full trace named 96 of 400 rewrites where this test named 94
-(docs/benchmarks.md; why was not looked into). The unwatermarked answers to the same prompts are traced
-against their corpus author the same way (the test's level, as a check that it is one).
+at a share of the level of at most this one. One rule is stricter with one candidate: the
+likelihood decoders' margin over the runner-up is, without a runner-up, the candidate's own
+log-likelihood ratio, which must be positive (``xmark_core.likelihood.rank_by_likelihood``). So
+the test runs twice: as /trace runs it (``alone``), and with the p-value alone deciding
+(``p_value_only``: that margin is not asked for), the bound on every naming rule. The
+unwatermarked answers to the same prompts are traced against their corpus author the same way (the
+test's level, as a check that it is one).
 
 Rates: count and Wilson 95 % interval, per temperature and attack, and for the rewrites that kept at
 least 30 % of the answer's word 3-grams. Model scores are shared with the provenance evaluation's
@@ -23,14 +25,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+import xmark_core.gumbel_likelihood
+import xmark_core.likelihood
 from service.keyring import KeyVersionHandle
 from service.provenance.retrieval import Retrieved
 from service.services.registry_cache import RegistrySnapshot
@@ -79,6 +87,26 @@ async def alone(
 
     fanout = await TraceFanout(plan, reading).run(read_scores, run_counting=inline, run_likelihood=inline)
     return fanout.outcome.attributed_user_id == user_id
+
+
+@contextlib.contextmanager
+def p_value_only() -> Iterator[None]:
+    """The likelihood decoders without the one-candidate margin rule: a lone candidate's margin is
+    taken as positive, so its p-value (with the same corrections) alone decides."""
+    original = xmark_core.likelihood.rank_by_likelihood
+
+    def ranked(totals: Any, top: int) -> tuple[Any, float, float]:
+        order, confidence, margin = original(totals, top)
+        return order, confidence, (np.inf if totals.size == 1 else margin)
+
+    modules = (xmark_core.likelihood, xmark_core.gumbel_likelihood)
+    for module in modules:
+        module.rank_by_likelihood = ranked  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.rank_by_likelihood = original  # type: ignore[attr-defined]
 
 
 async def measure(evaluation: Evaluation) -> dict[str, Any]:
@@ -131,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"scoring {len(texts)} texts (cached ones are skipped)")
     evaluation.scorer.score_all(texts)
     cells = asyncio.run(measure(evaluation))
+    with p_value_only():
+        bound = asyncio.run(measure(evaluation))
     document = {
         "meta": {
             "command": "python -m benchmarks.evaluation.provenance_ceiling "
@@ -143,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.monotonic() - started),
         },
         "named_alone": cells,
+        "named_alone_p_value_only": bound,
     }
     if args.output is not None:
         args.output.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
@@ -152,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{document['meta']['watermark']}, {len(evaluation.authors)} authors, α = {ALPHA:g}: named alone")
         for cell, rate in cells.items():
             low, high = rate["ci95"]
-            print(f"  {cell:24s} {rate['count']:4d}/{rate['of']:<4d} {rate['rate']:6.1%} ({low:.1%}–{high:.1%})")
+            other = bound[cell]
+            print(
+                f"  {cell:24s} {rate['count']:4d}/{rate['of']:<4d} {rate['rate']:6.1%} ({low:.1%}–{high:.1%})"
+                f"   p-value only: {other['count']:4d}/{other['of']:<4d} {other['rate']:6.1%}"
+            )
     return 0
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import ClassVar
 
-from benchmarks.evaluation.provenance_ceiling import alone
+from benchmarks.evaluation.provenance_ceiling import alone, p_value_only
 from benchmarks.evaluation.provenance_protocol import corpus_params, salt_of, watermark_protocol, watermark_spec
 from service.keyring import KeyVersionHandle
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
@@ -63,6 +63,8 @@ def test_the_author_alone_is_named_whenever_the_trace_names_them_and_never_for_a
             traced = await full(tokens, scores) == author
             named = await alone(_Tokenizer(), handle, registry, author, tokens, scores, temperature=1.0)
             assert named or not traced, row  # the trace never names what the ceiling does not
+            with p_value_only():  # without the lone candidate's margin rule: never fewer namings
+                assert await alone(_Tokenizer(), handle, registry, author, tokens, scores, temperature=1.0) >= named
             by_trace += traced
             by_alone += named
             tokens = [int(t) for t in theirs.tokens[row]]
