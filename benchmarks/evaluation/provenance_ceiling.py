@@ -124,13 +124,12 @@ async def measure(evaluation: Evaluation) -> dict[str, Any]:
     for n, author in enumerate(evaluation.authors):
         t = f"{author.temperature:g}"
         for attack in ATTACKS:
-            text = evaluation.attacked(author, attack)
             scored = evaluation.scored(author, attack)
             named = await alone(tokenizer, handle, registry, author.user_id, scored.ids, scored.scores)
             add(f"{t}/{attack}", named)
-            if attack in REWRITES:
+            if attack in REWRITES:  # a rewrite's text is the corpus's own (no edit drawn again)
                 add("rewrites", named)
-                if kept_trigrams(author.answer_text, text) >= STRONG:
+                if kept_trigrams(author.answer_text, evaluation.attacked(author, attack)) >= STRONG:
                     add("rewrites kept >= 30 %", named)
         null = evaluation.scorer.cache[f"{author.author}/null"]
         add("unwatermarked", await alone(tokenizer, handle, registry, author.user_id, null.ids, null.scores))
