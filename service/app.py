@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import install_error_handlers
-from service.keyring import Keyring, params_from_settings
+from service.keyring import Keyring, spec_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, freeze_start_up_heap_in_this_process, open_resources, sync_keyring
@@ -31,7 +31,7 @@ async def prepare_database(settings: Settings) -> None:
     engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)  # a backfill may take long
     try:
         sessionmaker = create_sessionmaker(engine)
-        params = params_from_settings(settings)
+        params = spec_from_settings(settings)
         await sync_keyring(Keyring(params, secrets.watermark), sessionmaker)
         await bootstrap_admin(settings, sessionmaker, params, ApiKeyHasher(secrets.api_key_pepper))
     finally:

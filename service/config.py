@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.client_address import parse_networks
 from service.security import ApiKeyFormatError, parse_api_key
-from xmark_core.params import DEFAULT_SCHEME, Scheme, default_block_bits, default_num_keys, default_salts
+from xmark_core.encoders import DEFAULT_CONFIGURED_SCHEME, ConfiguredScheme, KeyVersionSpec, spec_for
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
     placeholder_reason,
@@ -54,25 +54,37 @@ class Settings(BaseSettings):
     watermark_secrets: SecretStr | None = None
     secrets_file: Path | None = None
     # Parameters of new key versions. 32-bit IDs keep 10,000s of registered users far apart. The
-    # scheme: ``gumbel`` (the default) is distortion-free keyed sampling, the answers' distribution
-    # unchanged (served at temperature > 0: docs/service.md, "The distortion-free scheme"); ``xmark``
-    # biases logits (the paper's scheme; it also marks greedy answers, at a quality cost); ``loso`` and
-    # ``mpac`` are the baselines. docs/results/QUALITY.md compares them.
+    # scheme: ``auto`` (the default) gives each key version two encoders, chosen per request
+    # (xmark_core.encoders): distortion-free keyed sampling (``gumbel``) where the request leaves
+    # the model a choice (temperature >= XMARK_WATERMARK_SAMPLING_MIN_TEMPERATURE, no penalties or
+    # logit_bias), the paper's XMark bias everywhere else (greedy, low temperatures, penalties), so no
+    # request is refused or left unmarked for the watermark's sake. ``gumbel`` and ``xmark`` use one
+    # encoder for every request (``gumbel`` refuses what it cannot carry); ``loso`` and ``mpac`` are
+    # the baselines. docs/results/QUALITY.md compares them.
     watermark_bits: int = 32
-    watermark_scheme: Scheme = DEFAULT_SCHEME
+    watermark_scheme: ConfiguredScheme = DEFAULT_CONFIGURED_SCHEME
     # Unset: the scheme's own (xmark_core.params): 8-bit blocks and 1 key for gumbel; 2-bit blocks and
     # k = 4 keys for the biasing schemes (k = 4 names the author of a short text more often than k = 2
-    # at a small quality cost, docs/results/FORENSIC.md).
+    # at a small quality cost, docs/results/FORENSIC.md). Scheme auto: the block bits are its
+    # distortion-free encoder's, the keys (and delta, min_entropy) its biasing encoder's.
     watermark_block_bits: int | None = None
     watermark_num_keys: int | None = None
     watermark_delta: float = 2.0
     # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
     # token's probability, nats) is below this are not biased; 0 biases every position.
     watermark_min_entropy: float = 0.0
-    # Scheme gumbel: the salts its answers draw from (WatermarkParams.salts). A user's consecutive
-    # answers take consecutive salts, so up to S answers to one prompt are sampled independently; the
-    # decoders try all S (p-values x S). Unset: 16 for gumbel, 1 (none) for the biasing schemes.
+    # Scheme gumbel (and auto's distortion-free encoder): the salts its answers draw from
+    # (WatermarkParams.salts). A user's consecutive answers take consecutive salts, so up to S answers
+    # to one prompt are sampled independently; the decoders try all S (p-values x S). Unset: 16 for
+    # gumbel, 1 (none) for the biasing schemes.
     watermark_salts: int | None = None
+    # Scheme auto: the lowest temperature a request is written by the distortion-free encoder at;
+    # below it (and for greedy requests, penalties, logit_bias) the biasing encoder writes it.
+    # Chosen from the temperature sweep (docs/results/TEMPERATURE.md).
+    watermark_sampling_min_temperature: float = Field(default=0.5, gt=0.0, le=2.0)
+    # Scheme auto: the lowest top_p a request is written by the distortion-free encoder at (a
+    # nucleus of a few tokens is as near greedy as a low temperature); top_k = 1 always is.
+    watermark_sampling_min_top_p: float = Field(default=0.5, gt=0.0, le=1.0)
     api_key_pepper: SecretStr | None = None
     # Trace reports are signed with an Ed25519 key derived from this secret (unset: from the
     # API-key pepper, under a label of its own); see docs/api.md, "Trace reports".
@@ -463,31 +475,23 @@ class Settings(BaseSettings):
                     f"XMARK_MODELS_FILE describes every served model: unset {' and '.join(clashing)} "
                     "(give each model's checkpoint or workers in the file)"
                 )
-        block_bits = self.watermark_block_bits_for(self.watermark_scheme)
-        if block_bits <= 0 or self.watermark_bits % block_bits:
-            raise ValueError("watermark_bits must be a positive multiple of watermark_block_bits")
+        try:
+            self.watermark_spec()
+        except ValueError as exc:
+            raise ValueError(f"invalid watermark parameters: {exc}") from None
         return self
 
-    def watermark_block_bits_for(self, scheme: str) -> int:
-        """Bits per block of new key versions of ``scheme``: XMARK_WATERMARK_BLOCK_BITS, else the
-        scheme's own (8 for ``gumbel``, 2 for the biasing schemes)."""
-        if self.watermark_block_bits is not None:
-            return self.watermark_block_bits
-        return default_block_bits(scheme)
-
-    def watermark_num_keys_for(self, scheme: str) -> int:
-        """Keys of new key versions of ``scheme``: XMARK_WATERMARK_NUM_KEYS, else the scheme's own
-        (1 for ``gumbel``, 4 for the biasing schemes)."""
-        if self.watermark_num_keys is not None:
-            return self.watermark_num_keys
-        return default_num_keys(scheme)
-
-    def watermark_salts_for(self, scheme: str) -> int:
-        """The salts of new key versions of ``scheme``: XMARK_WATERMARK_SALTS, else 16 for ``gumbel``
-        and 1 (no salt) for the biasing schemes (which refuse any other value)."""
-        if self.watermark_salts is not None:
-            return self.watermark_salts
-        return default_salts(scheme)
+    def watermark_spec(self) -> KeyVersionSpec:
+        """The encoders of new key versions, as configured (``xmark_core.encoders.spec_for``)."""
+        return spec_for(
+            self.watermark_scheme,
+            bits=self.watermark_bits,
+            block_bits=self.watermark_block_bits,
+            num_keys=self.watermark_num_keys,
+            delta=self.watermark_delta,
+            min_entropy=self.watermark_min_entropy,
+            salts=self.watermark_salts,
+        )
 
     @property
     def embedded(self) -> bool:

@@ -12,17 +12,22 @@ On start-up :meth:`Keyring.sync` registers configured secrets that have no row (
 becomes active on an empty table, later ones pending) and checks that every configured secret
 matches the fingerprint stored for its name; a mismatch stops the start-up.
 
-New rows get the configured parameters (:func:`params_from_settings`); existing rows keep the
-parameters stored with them (:func:`row_params`), message length included: versions of different
+New rows get the configured parameters (:func:`spec_from_settings`); existing rows keep the
+parameters stored with them (:func:`row_spec`), message length included: versions of different
 message lengths coexist, and each user holds a message ID of every length in use
 (``services/message_ids.py``).
+
+A version of the configured scheme ``auto`` carries two encoders (``xmark_core.encoders``): its
+primary (distortion-free) and its biasing companion, each with its own parameters, derived key and
+fingerprint, both stored with the row and both checked against the configured secret. A handle
+holds both; :meth:`Keyring.readings` gives one handle per encoder, what ``/trace`` reads a text under.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import cast
 
@@ -35,6 +40,7 @@ from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
 from service.vocabulary import KeyVersionStatus
 from xmark_core import WatermarkKey, WatermarkParams
+from xmark_core.encoders import KeyVersionSpec, as_spec, companion_key
 from xmark_core.params import Scheme
 
 logger = logging.getLogger("xmark.keyring")
@@ -46,12 +52,32 @@ class KeyringError(Exception):
 
 @dataclass(frozen=True)
 class KeyVersionHandle:
-    """A usable key version: its row id, name, derived key and status."""
+    """A usable key version: its row id, name, derived key and status; ``companion``: the key of
+    its biasing encoder (a per-request version), else None. A handle of one encoder
+    (:meth:`encoders`) has ``key`` set to that encoder's key and ``is_companion`` telling which."""
 
     id: int
     name: str
     key: WatermarkKey
     status: KeyVersionStatus
+    companion: WatermarkKey | None = None
+    is_companion: bool = False
+
+    @property
+    def per_request(self) -> bool:
+        """Whether the version carries two encoders, one chosen per request."""
+        return self.companion is not None
+
+    @property
+    def encoder(self) -> str:
+        """The scheme of this handle's encoder (``key``): what a generation record and a report name."""
+        return self.key.params.scheme
+
+    def encoders(self) -> tuple[KeyVersionHandle, ...]:
+        """One handle per encoder of the version, primary first; each has no companion of its own."""
+        if self.companion is None:
+            return (self,)
+        return (replace(self, companion=None), replace(self, key=self.companion, companion=None, is_companion=True))
 
 
 @dataclass(frozen=True)
@@ -59,25 +85,24 @@ class _RowView:
     id: int
     name: str
     status: KeyVersionStatus
-    params: WatermarkParams
+    spec: KeyVersionSpec
     fingerprint: str
+    companion_fingerprint: str | None
     activated_at: datetime | None
 
 
+def spec_from_settings(settings: Settings) -> KeyVersionSpec:
+    """The encoders of new key versions, as configured."""
+    return settings.watermark_spec()
+
+
 def params_from_settings(settings: Settings) -> WatermarkParams:
-    """Watermark parameters of new key versions, as configured."""
-    return WatermarkParams(
-        bits=settings.watermark_bits,
-        block_bits=settings.watermark_block_bits_for(settings.watermark_scheme),
-        num_keys=settings.watermark_num_keys_for(settings.watermark_scheme),
-        delta=settings.watermark_delta,
-        scheme=settings.watermark_scheme,
-        min_entropy=settings.watermark_min_entropy,
-        salts=settings.watermark_salts_for(settings.watermark_scheme),
-    )
+    """The primary encoder's parameters of new key versions, as configured."""
+    return spec_from_settings(settings).primary
 
 
 def row_params(row: KeyVersion) -> WatermarkParams:
+    """The primary encoder's parameters stored with a key version."""
     return WatermarkParams(
         bits=row.bits,
         block_bits=row.block_bits,
@@ -89,13 +114,29 @@ def row_params(row: KeyVersion) -> WatermarkParams:
     )
 
 
+def row_spec(row: KeyVersion) -> KeyVersionSpec:
+    """Every encoder's parameters stored with a key version (the companion's, if it has one)."""
+    if row.companion_scheme is None:
+        return KeyVersionSpec(row_params(row))
+    companion = WatermarkParams(
+        bits=row.bits,
+        block_bits=int(row.companion_block_bits or 0),
+        num_keys=int(row.companion_num_keys or 0),
+        delta=float(row.companion_delta or 0.0),
+        scheme=cast("Scheme", row.companion_scheme),
+        min_entropy=float(row.companion_min_entropy or 0.0),
+    )
+    return KeyVersionSpec(row_params(row), companion)
+
+
 class Keyring:
     """In-memory view of the usable key versions of this process."""
 
-    def __init__(self, params: WatermarkParams, secrets: Mapping[str, bytes]) -> None:
-        self._params = params
+    def __init__(self, params: WatermarkParams | KeyVersionSpec, secrets: Mapping[str, bytes]) -> None:
+        self._spec = as_spec(params)
+        self._params = self._spec.primary
         self._secrets = dict(secrets)
-        self._keys: dict[tuple[str, WatermarkParams], WatermarkKey] = {}
+        self._keys: dict[tuple[str, WatermarkParams, bool], WatermarkKey] = {}
         self._handles: tuple[KeyVersionHandle, ...] = ()
         self._mismatched: frozenset[str] = frozenset()
 
@@ -104,12 +145,17 @@ class Keyring:
 
     @property
     def params(self) -> WatermarkParams:
-        """Watermark parameters of new key versions; existing ones keep their own (``row_params``)."""
+        """The primary encoder's parameters of new key versions; existing ones keep their own (``row_spec``)."""
         return self._params
 
+    @property
+    def spec(self) -> KeyVersionSpec:
+        """Every encoder's parameters of new key versions."""
+        return self._spec
+
     def lengths(self) -> frozenset[tuple[int, int]]:
-        """The message lengths (bits, block_bits) of the usable versions."""
-        return frozenset((h.key.params.bits, h.key.params.block_bits) for h in self._handles)
+        """The message lengths (bits, block_bits) of the usable versions' encoders."""
+        return frozenset((h.key.params.bits, h.key.params.block_bits) for h in self.readings())
 
     def is_configured(self, name: str) -> bool:
         return name in self._secrets
@@ -118,12 +164,14 @@ class Keyring:
         """Register a secret created at run time (embedded mode)."""
         self._secrets[name] = secret
 
-    def key_for(self, name: str, params: WatermarkParams) -> WatermarkKey:
-        """The watermark key derived from the configured secret of ``name``."""
-        cache_key = (name, params)
+    def key_for(self, name: str, params: WatermarkParams, *, companion: bool = False) -> WatermarkKey:
+        """The watermark key derived from the configured secret of ``name``: the version's primary
+        encoder's, or with ``companion`` its biasing companion's (``xmark_core.encoders.companion_key``)."""
+        cache_key = (name, params, companion)
         key = self._keys.get(cache_key)
         if key is None:
-            key = WatermarkKey.from_secret(self._secrets[name], params)
+            secret = self._secrets[name]
+            key = companion_key(secret, params) if companion else WatermarkKey.from_secret(secret, params)
             self._keys[cache_key] = key
         return key
 
@@ -137,6 +185,11 @@ class Keyring:
     def usable(self) -> list[KeyVersionHandle]:
         """Every non-retired version whose secret is configured, newest first."""
         return list(self._handles)
+
+    def readings(self) -> list[KeyVersionHandle]:
+        """One handle per encoder of every usable version (``KeyVersionHandle.encoders``), newest
+        version first: what ``/trace`` reads a text under, each one test of its count."""
+        return [encoder for handle in self._handles for encoder in handle.encoders()]
 
     def handle(self, version_id: int) -> KeyVersionHandle | None:
         return next((h for h in self._handles if h.id == version_id), None)
@@ -180,6 +233,7 @@ class Keyring:
         self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: KeyVersionStatus
     ) -> KeyVersion:
         key = self.key_for(name, self._params)
+        companion = self._spec.companion
         now = datetime.now(UTC)
         row = KeyVersion(
             name=name,
@@ -191,6 +245,14 @@ class Keyring:
             min_entropy=self._params.min_entropy,
             salts=self._params.salts,
             fingerprint=key.fingerprint,
+            companion_scheme=None if companion is None else companion.scheme,
+            companion_block_bits=None if companion is None else companion.block_bits,
+            companion_num_keys=None if companion is None else companion.num_keys,
+            companion_delta=None if companion is None else companion.delta,
+            companion_min_entropy=None if companion is None else companion.min_entropy,
+            companion_fingerprint=None
+            if companion is None
+            else self.key_for(name, companion, companion=True).fingerprint,
             status=status,
             created_at=now,
             activated_at=now if status == KeyVersionStatus.ACTIVE else None,
@@ -207,10 +269,17 @@ class Keyring:
         logger.info("key version registered", extra={"key_version": name, "status": status})
         return row
 
+    def _matches(self, name: str, spec: KeyVersionSpec, fingerprint: str, companion_fingerprint: str | None) -> bool:
+        """Whether the configured secret of ``name`` gives the stored fingerprint of every encoder."""
+        if self.key_for(name, spec.primary).fingerprint != fingerprint:
+            return False
+        if spec.companion is None:
+            return companion_fingerprint is None
+        return self.key_for(name, spec.companion, companion=True).fingerprint == companion_fingerprint
+
     def _verify(self, row: KeyVersion) -> None:
-        params = row_params(row)  # its own parameters, whatever the configured ones are now
-        fingerprint = self.key_for(row.name, params).fingerprint
-        if fingerprint != row.fingerprint:
+        spec = row_spec(row)  # its own parameters, whatever the configured ones are now
+        if not self._matches(row.name, spec, row.fingerprint, row.companion_fingerprint):
             raise KeyringError(
                 f"the configured secret of key version {row.name!r} does not match its stored "
                 f"fingerprint {row.fingerprint[:12]}…; restore the original secret or configure "
@@ -223,8 +292,9 @@ class Keyring:
                 id=row.id,
                 name=row.name,
                 status=KeyVersionStatus(row.status),
-                params=row_params(row),
+                spec=row_spec(row),
                 fingerprint=row.fingerprint,
+                companion_fingerprint=row.companion_fingerprint,
                 activated_at=row.activated_at,
             )
             for row in rows
@@ -239,15 +309,24 @@ class Keyring:
         for view in self._views(await repo.list_all()):
             if view.status == KeyVersionStatus.RETIRED or view.name not in self._secrets:
                 continue
-            key = self.key_for(view.name, view.params)
-            if key.fingerprint != view.fingerprint:
+            if not self._matches(view.name, view.spec, view.fingerprint, view.companion_fingerprint):
                 if strict:
                     raise KeyringError(
                         f"the configured secret of key version {view.name!r} does not match its stored fingerprint"
                     )
                 mismatched.add(view.name)
                 continue
-            handles.append(KeyVersionHandle(id=view.id, name=view.name, key=key, status=view.status))
+            key = self.key_for(view.name, view.spec.primary)
+            companion = view.spec.companion
+            handles.append(
+                KeyVersionHandle(
+                    id=view.id,
+                    name=view.name,
+                    key=key,
+                    status=view.status,
+                    companion=None if companion is None else self.key_for(view.name, companion, companion=True),
+                )
+            )
         if mismatched - self._mismatched:
             logger.error(
                 "configured secrets do not match stored key versions; they are not used",

@@ -178,6 +178,15 @@ class KeyVersion(Base):
     # scheme gumbel: the salts its answers draw from (1: none); see WatermarkParams.salts
     salts: Mapped[int] = mapped_column(Integer, server_default="1")
     fingerprint: Mapped[str] = mapped_column(String(64))
+    # a per-request version's biasing encoder (xmark_core.encoders): its scheme and parameters (its
+    # message length in bits is the version's), and its own key's fingerprint; NULL for a version of
+    # one scheme
+    companion_scheme: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    companion_block_bits: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    companion_num_keys: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    companion_delta: Mapped[float | None] = mapped_column(Float, nullable=True)
+    companion_min_entropy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    companion_fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     status: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     activated_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
@@ -197,6 +206,9 @@ class Generation(Base):
     choice_index: Mapped[int] = mapped_column(Integer, server_default="0")
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
     key_version_id: Mapped[int] = mapped_column(ForeignKey("key_versions.id", ondelete="RESTRICT"))
+    # the scheme of the encoder that wrote it ("gumbel", "xmark", ...): a per-request key version's
+    # primary or companion; NULL on records written before versions had two (the version's scheme)
+    encoder: Mapped[str | None] = mapped_column(String(16), nullable=True)
     model: Mapped[str] = mapped_column(String(200))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)

@@ -25,7 +25,7 @@ from service.db import MAINTENANCE_TIMEOUT_S, RowWriter, create_engine, create_s
 from service.db.spool import SpooledWriter, open_generation_records
 from service.errors import ServiceUnavailableError
 from service.fleet import Fleet, ServedModel, model_settings
-from service.keyring import Keyring, params_from_settings
+from service.keyring import Keyring, spec_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
 from service.provenance.sketch import Sketcher, derive_sketch_key
@@ -45,6 +45,7 @@ from service.services.tracing import prepare_null_distributions
 from service.telemetry import Telemetry, open_telemetry
 from service.vocabulary import KeyVersionStatus
 from xmark_core import WatermarkParams
+from xmark_core.encoders import KeyVersionSpec
 
 logger = logging.getLogger("xmark.app")
 
@@ -139,7 +140,7 @@ async def startup_sessions(
 async def bootstrap_admin(
     settings: Settings,
     sessionmaker: async_sessionmaker[AsyncSession],
-    params: WatermarkParams,
+    params: WatermarkParams | KeyVersionSpec,
     hasher: ApiKeyHasher,
 ) -> None:
     """With ``XMARK_BOOTSTRAP_ADMIN_KEY``: that key becomes the first admin's if there is none."""
@@ -264,7 +265,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         generation_records = await stack.enter_async_context(
             open_generation_records(settings, sessionmaker, Generation.__table__, metrics)  # type: ignore[arg-type]
         )
-        params = params_from_settings(settings)
+        params = spec_from_settings(settings)
         keyring = Keyring(params, secrets.watermark)
         hasher = ApiKeyHasher(secrets.api_key_pepper)
         # `xmark serve` has done these writes before starting its workers (service.app.prepare_database);
@@ -311,7 +312,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         registry_cache = RegistryCache(sessionmaker)
         # the registry's snapshots of the usable versions' lengths, loaded before the first trace needs them
         registry_warmer = _background(
-            stack, asyncio.create_task(registry_cache.warm([handle.key.params for handle in keyring.usable()]))
+            stack, asyncio.create_task(registry_cache.warm([handle.key.params for handle in keyring.readings()]))
         )
         if FREEZE_START_UP_HEAP:
             _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, warmer, registry_warmer)))

@@ -46,3 +46,11 @@ class SaltRotation:
 
     def __len__(self) -> int:
         return len(self._next)
+
+
+def seeded_salt(seed: int, salts: int) -> int:
+    """The salt of the first answer of a request that carries ``seed``: a function of the seed
+    alone, so the same request with the same seed from the same user is written under the same salt
+    and, its sampling seeded too, gives the same answer (OpenAI's best-effort determinism). The
+    user's rotation is left as it was. 0 when ``salts`` is 1."""
+    return seed % salts if salts > 1 else 0

@@ -144,6 +144,7 @@ class FakeBackend:
     honoured_fields = DEFAULT_HONOURED
     schemes = frozenset(SCHEMES)
     salts_per_answer = True
+    encoders_per_request = True
 
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id

@@ -106,6 +106,9 @@ class WatermarkStamp:
     key_version: str = ""  # the key version's name; remote workers look the secret up by it
     # a salted gumbel key version: the salt of the request's first answer (answer j: salt + j, mod S)
     salt: int = 0
+    # ``key`` is the key version's companion encoder (``xmark_core.encoders``): remote workers pick
+    # that encoder's key of the version named ``key_version``
+    companion: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,12 +209,15 @@ class Backend(Protocol):
     schemes it can encode with (a key version of another scheme is not served through it).
     ``salts_per_answer``: whether the n answers of one request are written under consecutive salts
     of a salted ``gumbel`` key version (false: they would share one, and n > 1 is refused there).
+    ``encoders_per_request``: whether it serves both encoders of a per-request key version
+    (``xmark_core.encoders``), the one the gateway chose per request (false: the primary alone).
     """
 
     model_id: str
     honoured_fields: frozenset[str]
     schemes: frozenset[str]
     salts_per_answer: bool
+    encoders_per_request: bool
 
     @property
     def ready(self) -> bool: ...

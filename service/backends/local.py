@@ -149,6 +149,8 @@ class LocalBackend:
     # every scheme: the biasing ones through the op, ``gumbel`` by keyed sampling at the request's temperature
     schemes = frozenset(SCHEMES)
     salts_per_answer = True
+    # the stamp's key is the encoder the gateway chose: the batch's processor runs whichever it is
+    encoders_per_request = True
 
     def __init__(
         self,

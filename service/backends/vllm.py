@@ -523,6 +523,8 @@ class VllmBackend:
     schemes = frozenset(SCHEMES)
     # the n answers of one request reach a worker as child requests with one salt
     salts_per_answer = False
+    # the workers serve a per-request key version's primary encoder only
+    encoders_per_request = False
 
     def __init__(
         self,

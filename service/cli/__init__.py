@@ -26,7 +26,7 @@ from service.db import (
     session_scope,
     upgrade_database,
 )
-from service.keyring import KeyringError, params_from_settings
+from service.keyring import KeyringError, spec_from_settings
 from service.schemas.admin import CreatedUser, CreateUserRequest, UserPage
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.bootstrap import DEFAULT_ADMIN_NAME, ensure_first_admin
@@ -149,7 +149,7 @@ def cmd_create_admin(args: argparse.Namespace) -> int:
     api_key = parse_api_key(bootstrap.get_secret_value()) if bootstrap is not None else None
 
     async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser | None:
-        params = params_from_settings(settings)
+        params = spec_from_settings(settings)
         if args.if_none:
             return await ensure_first_admin(
                 session, params, hasher, api_key=api_key, name=request.name, fresh_key_if_taken=True
@@ -180,7 +180,7 @@ def cmd_create_user(args: argparse.Namespace) -> int:
         raise CliError(f"invalid user: {exc.errors(include_input=False)[0]['msg']}") from None
 
     async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser:
-        params = params_from_settings(settings)
+        params = spec_from_settings(settings)
         return await UserService(session, params, hasher).create_user(request.name, request.role)
 
     _print_created(asyncio.run(_with_session(settings, work)), as_json=args.json)
@@ -191,7 +191,7 @@ def cmd_users(args: argparse.Namespace) -> int:
     settings = _settings()
 
     async def work(session: Any, hasher: ApiKeyHasher) -> UserPage:
-        params = params_from_settings(settings)
+        params = spec_from_settings(settings)
         return await UserService(session, params, hasher).list_users(
             limit=args.limit, offset=args.offset, status=args.status, role=args.role
         )

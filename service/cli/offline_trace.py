@@ -11,7 +11,7 @@ from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.fleet import model_settings, tokenizer_fingerprint
-from service.keyring import Keyring, params_from_settings
+from service.keyring import Keyring, spec_from_settings
 from service.provenance.retrieval import Retrieved
 from service.repositories.provenance import ProvenanceRepository
 from service.resources import sketcher_for
@@ -36,7 +36,7 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
     for own, _ in model_settings(settings):
         tokenizer = AutoTokenizer.from_pretrained(own.resolved_model_path(), local_files_only=True)
         by_tokenizer.setdefault(tokenizer_fingerprint(tokenizer), ([], tokenizer))[0].append(own.model_name)
-    params = params_from_settings(settings)
+    params = spec_from_settings(settings)
     secrets = load_secrets(settings)
     keyring = Keyring(params, secrets.watermark)
     engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
@@ -48,7 +48,7 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
         sessionmaker = create_sessionmaker(engine)
         async with sessionmaker() as session:
             await keyring.refresh(session)
-            versions = keyring.usable()
+            versions = keyring.readings()  # one per encoder of every usable key version
             if not versions:
                 raise ServiceUnavailableError("No usable watermark key version is configured")
             registry = RegistryCache(sessionmaker)

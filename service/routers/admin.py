@@ -49,7 +49,7 @@ KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 async def _users(session: SessionDep, resources: ResourcesDep) -> UserService:
     return UserService(
         session,
-        resources.keyring.params,
+        resources.keyring.spec,
         resources.api_key_hasher,
         on_change=resources.registry_cache.invalidate,
         auth_cache=resources.authenticator.cache,

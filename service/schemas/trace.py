@@ -106,6 +106,12 @@ class TraceReport(BaseModel):
     statistic: float
     scored_tokens: int
     key_version: str | None
+    # the scheme of the key version's encoder whose reading decided ("gumbel": the distortion-free
+    # encoder, "xmark": the biasing one; a per-request version is read under both)
+    encoder: str | None = None
+    # the XMark reading's standard-deviation statistic (the paper's false-positive check: the mean
+    # of the cTMM rows' standard deviations), beside the calibrated p_value; None for other readings
+    sigma: float | None = None
     decoded_message: str
     blocks: list[BlockReport]
     attribution: AttributionReport | None

@@ -16,6 +16,7 @@ from service.security import ApiKeyHasher, ParsedKey
 from service.services.users import UserService
 from service.vocabulary import Role
 from xmark_core import WatermarkParams
+from xmark_core.encoders import KeyVersionSpec
 
 logger = logging.getLogger("xmark.bootstrap")
 
@@ -35,7 +36,7 @@ async def _key_is_taken(session: AsyncSession, key: ParsedKey, key_hash: str) ->
 
 async def ensure_first_admin(
     session: AsyncSession,
-    params: WatermarkParams,
+    params: WatermarkParams | KeyVersionSpec,
     hasher: ApiKeyHasher,
     *,
     api_key: ParsedKey | None = None,

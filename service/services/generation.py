@@ -30,7 +30,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,6 @@ import anyio
 from opentelemetry.trace import SpanKind
 
 from service.backends.base import (
-    GREEDY_TEMPERATURE,
     ChatTurn,
     ChoiceDelta,
     ChoiceResult,
@@ -57,7 +56,7 @@ from service.errors import (
 )
 from service.fleet import Fleet, ServedModel
 from service.models import utcnow
-from service.salts import SaltRotation
+from service.salts import SaltRotation, seeded_salt
 from service.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -74,13 +73,12 @@ from service.schemas.chat import (
 from service.schemas.common import Principal
 from service.schemas.completions import TEXT_COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
 from service.services.admission import Admission, Ticket, UserLimits
+from service.services.encoder_choice import EncoderRule, choose_encoder
 from service.services.provenance import sketch_columns
 from service.services.request_fields import (
     DEFAULT_HONOURED,
-    NEUTRAL_VALUES,
     TEXT_COMPLETION_FIELDS,
     check_logprobs,
-    equals_neutral,
     refuse_message_extras,
     refuse_tool_turns,
     refuse_unhonoured,
@@ -100,56 +98,6 @@ if TYPE_CHECKING:
 OWNED_BY = "xmark-gateway"
 
 logger = logging.getLogger("xmark.generation")
-
-
-# sampling fields accepted only at their neutral values under a distortion-free key version: it samples
-# every token itself, and a backend applies these after its processors, where they would be ignored
-# (top_p, top_k and min_p the keyed sampler applies itself, before its choice)
-_KEYED_SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-
-
-def _check_keyed_sampling(
-    version: str,
-    scheme: str,
-    served: ServedModel,
-    body: SamplingRequest,
-    options: Mapping[str, object] | None = None,
-) -> None:
-    """A distortion-free key version (``gumbel``) chooses every token itself, from the model's
-    distribution at the request's temperature within its nucleus (``top_p``; ``top_k`` and ``min_p``
-    on vLLM): a backend that cannot sample with it does not serve it, and a greedy request or a
-    sampling field it could not honour (penalties, ``logit_bias``) is refused by name rather than
-    answered without the watermark or from another distribution. On a
-    backend whose n answers of one request would share one salt (``Backend.salts_per_answer`` false:
-    vLLM's child requests), ``n`` > 1 is refused too (they would be alike)."""
-    if scheme not in served.backend.schemes:
-        raise ServiceUnavailableError(
-            f"The active watermark key version '{version}' uses the '{scheme}' scheme, which the backend of "
-            f"model '{served.name}' does not serve",
-            code="scheme_not_served",
-        )
-    if body.temperature is not None and body.temperature < GREEDY_TEMPERATURE:
-        raise InvalidRequestError(
-            f"temperature {body.temperature:g} (greedy decoding) cannot carry the distortion-free watermark of "
-            f"key version '{version}': it writes the watermark into the sampling draw; use a temperature above 0",
-            param="temperature",
-            code="unsupported_value",
-        )
-    for name in _KEYED_SAMPLING_FIELDS:
-        if not equals_neutral((options or {}).get(name), NEUTRAL_VALUES[name]):
-            raise InvalidRequestError(
-                f"{name} is not supported with the distortion-free watermark of key version '{version}': it "
-                "samples every token itself from the model's distribution at the request's temperature",
-                param=name,
-                code="unsupported_value",
-            )
-    if (body.n or 1) > 1 and not served.backend.salts_per_answer:
-        raise InvalidRequestError(
-            f"n above 1 is not supported with the distortion-free watermark of key version '{version}' on model "
-            f"'{served.name}': its workers would write the n answers under one salt, alike; send n requests",
-            param="n",
-            code="unsupported_value",
-        )
 
 
 @dataclass(frozen=True)
@@ -308,6 +256,10 @@ class GenerationService:
         self._admission = admission if admission is not None else Admission(settings, metrics)
         # None: a rotation of this service's own (tests that build the service directly)
         self._salt_rotation = salt_rotation if salt_rotation is not None else SaltRotation()
+        self._encoder_rule = EncoderRule(
+            min_temperature=settings.watermark_sampling_min_temperature,
+            min_top_p=settings.watermark_sampling_min_top_p,
+        )
 
     # -- models ------------------------------------------------------------------------------
 
@@ -391,7 +343,8 @@ class GenerationService:
         if not served.backend.ready:
             raise ServiceUnavailableError(f"The model '{served.name}' is still loading; retry shortly")
         handle = self._keyring.active()
-        params = handle.key.params
+        choice = choose_encoder(handle, served, body, options or {}, rule=self._encoder_rule)
+        params = choice.key.params
         bits = principal.message_id_for(params.bits, params.block_bits)
         if bits is None:  # every user gets one when a version of a new length is registered or activated
             raise ServiceUnavailableError(
@@ -400,8 +353,6 @@ class GenerationService:
                 code="message_id_missing",
             )
         message = Message.from_bits(bits, params)
-        if params.distortion_free:
-            _check_keyed_sampling(handle.name, params.scheme, served, body, options)
         request = GenerationRequest(
             messages=messages,
             max_tokens=max_tokens,
@@ -420,13 +371,20 @@ class GenerationService:
             model=served.name,
             request=request,
             stamp=WatermarkStamp(
-                handle.key, message, handle.name, self._salt_rotation.take(principal.user_id, request.n, params.salts)
+                choice.key, message, handle.name, self._salt(principal.user_id, request, params.salts), choice.companion
             ),
             key_version_id=handle.id,
             principal=principal,
             served=served,
             deadline=time.monotonic() + self._settings.request_timeout_s,
         )
+
+    def _salt(self, user_id: int, request: GenerationRequest, salts: int) -> int:
+        """The salt of the request's first answer: from its ``seed`` when it has one (the same seed,
+        the same answer), else the user's next in rotation (``service.salts``)."""
+        if request.seed is not None:
+            return seeded_salt(request.seed, salts)
+        return self._salt_rotation.take(user_id, request.n, salts)
 
     # -- recording ---------------------------------------------------------------------------
 
@@ -454,6 +412,7 @@ class GenerationService:
                 "choice_index": choice.index,
                 "user_id": prepared.principal.user_id,
                 "key_version_id": prepared.key_version_id,
+                "encoder": prepared.stamp.key.params.scheme,
                 "model": prepared.model,
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": choice.completion_tokens,

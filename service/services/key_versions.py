@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.config import ConfigurationError, Settings, generate_embedded_secret
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
-from service.keyring import Keyring, row_params
+from service.keyring import Keyring, row_spec
 from service.models import KeyVersion
 from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.key_versions import KeyVersionRepository
@@ -106,7 +106,7 @@ class KeyVersionService:
             await self._repo.flush()
         # every user (deleted ones included) needs an ID of this version's length; usually they got
         # it when the version was registered at start-up, and this finds nobody missing
-        added = await MessageIdService(self._session).fill([row_params(row)])
+        added = await MessageIdService(self._session).fill(row_spec(row).encoders)
         if added and self._auth_cache is not None:  # cached principals lack the new IDs
             self._auth_cache.invalidate_all(self._session)
         await self._keyring.refresh(self._session)

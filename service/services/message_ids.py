@@ -30,13 +30,14 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.db import session_scope
 from service.errors import ConflictError
-from service.keyring import row_params
+from service.keyring import row_spec
 from service.models import KeyVersion, MessageId
 from service.repositories.key_versions import KeyVersionRepository
 from service.repositories.message_ids import MessageIdRepository, MissingUser
 from service.schemas.common import MessageIdOut
 from service.vocabulary import KeyVersionStatus
 from xmark_core import MessageAllocator, MessageSpaceExhausted, WatermarkParams
+from xmark_core.encoders import KeyVersionSpec, as_spec
 
 logger = logging.getLogger("xmark.message_ids")
 
@@ -63,7 +64,7 @@ def message_ids_out(rows: Iterable[MessageId]) -> list[MessageIdOut]:
 class LengthsInUse:
     """The message lengths every user needs an ID of, and the one new generations are encoded with."""
 
-    params: tuple[WatermarkParams, ...]  # one per length; the configured one is the object passed in
+    params: tuple[WatermarkParams, ...]  # one per length; the configured primary's first
     encoding: MessageLength  # the newest active key version's length (the configured one without any)
 
 
@@ -75,19 +76,24 @@ def _newest_active(rows: Sequence[KeyVersion]) -> KeyVersion | None:
 
 
 def _distinct_lengths(rows: Sequence[KeyVersion]) -> list[WatermarkParams]:
+    """One parameter set per message length of the versions' encoders (a per-request version has two)."""
     found: dict[MessageLength, WatermarkParams] = {}
     for row in rows:
-        params = row_params(row)
-        found.setdefault(length_of(params), params)
+        for params in row_spec(row).encoders:
+            found.setdefault(length_of(params), params)
     return list(found.values())
 
 
-async def lengths_in_use(session: AsyncSession, configured: WatermarkParams) -> LengthsInUse:
-    """The lengths of the non-retired key versions plus ``configured`` (new versions')."""
+async def lengths_in_use(session: AsyncSession, configured: WatermarkParams | KeyVersionSpec) -> LengthsInUse:
+    """The lengths of the non-retired key versions plus ``configured``'s (new versions' encoders,
+    the primary's first)."""
     rows = await KeyVersionRepository(session).in_use()
-    params = [configured] + [p for p in _distinct_lengths(rows) if length_of(p) != length_of(configured)]
+    params: list[WatermarkParams] = []
+    for p in [*as_spec(configured).encoders, *_distinct_lengths(rows)]:
+        if all(length_of(p) != length_of(q) for q in params):
+            params.append(p)
     newest = _newest_active(rows)
-    encoding = (newest.bits, newest.block_bits) if newest is not None else length_of(configured)
+    encoding = (newest.bits, newest.block_bits) if newest is not None else length_of(as_spec(configured).primary)
     return LengthsInUse(tuple(params), encoding)
 
 

@@ -455,6 +455,10 @@ def analyze_counting(
         statistic=detection.statistic,
         scored_tokens=result.scored_tokens,
         key_version=best.handle.name,
+        encoder=best.handle.encoder,
+        # the paper's false-positive statistic (mean of the cTMM rows' standard deviations), biasing
+        # encoders only; the decision rests on p_value, which is calibrated for this text's length
+        sigma=None if result.params.distortion_free else detection.sigma,
         decoded_message=result.bits,
         blocks=_block_reports(result),
         attribution=None
@@ -573,6 +577,7 @@ def analyze_likelihood(
         statistic=top.score if top is not None else 0.0,
         scored_tokens=result.scored_tokens,
         key_version=handle.name,
+        encoder=handle.encoder,
         decoded_message=result.bits,
         blocks=_block_reports(counted, result.scores),
         attribution=None

@@ -82,7 +82,7 @@ async def prepare_null_distributions(keyring: Keyring, max_row_tokens: int) -> N
     started = time.perf_counter()
     done: list[object] = []
     try:
-        for handle in keyring.usable():
+        for handle in keyring.readings():
             params = handle.key.params
             if params in done:
                 continue
@@ -148,7 +148,7 @@ class TracingService:
         by_tokenizer = models_by_tokenizer(models)
         if not by_tokenizer:
             raise ServiceUnavailableError("The tokenizer is still loading; retry shortly")
-        versions = self._keyring.usable()
+        versions = self._keyring.readings()  # one per encoder of every usable key version
         if not versions:
             raise ServiceUnavailableError("No usable watermark key version is configured")
         # each message length is read against the registry of that length
@@ -172,7 +172,7 @@ class TracingService:
         )
         report = outcome.report
         verdict = TraceVerdict.WATERMARKED if report.watermarked else TraceVerdict.NOT_WATERMARKED
-        handle = next((v for v in versions if v.id == outcome.key_version_id), None)
+        handle = next((v for v in versions if v.id == outcome.key_version_id and v.encoder == report.encoder), None)
         signed = build_signed_report(
             self._signer,
             SignedReportInput(

@@ -37,6 +37,7 @@ from service.services.auth_cache import AuthCache
 from service.services.message_ids import MessageLength, lengths_in_use, message_ids_out
 from service.vocabulary import Role, UserStatus
 from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
+from xmark_core.encoders import KeyVersionSpec
 
 logger = logging.getLogger("xmark.users")
 
@@ -82,7 +83,7 @@ class UserService:
     def __init__(
         self,
         session: AsyncSession,
-        params: WatermarkParams,
+        params: WatermarkParams | KeyVersionSpec,
         hasher: ApiKeyHasher,
         *,
         allocator: Allocator = _allocate,

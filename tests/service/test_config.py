@@ -94,27 +94,46 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.resolved_model_path() == Path("var/models/smollm2-135m-instruct")
 
 
-def test_new_key_versions_default_to_the_distortion_free_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset, new key versions are ``gumbel`` in 8-bit blocks with 1 key and 16 salts (chosen from the
-    naming/quality frontier, docs/results/QUALITY.md); naming the biasing scheme alone gives its own
-    defaults (2-bit blocks, 4 keys, no salts); empty values (compose and ConfigMap defaults) are unset;
-    explicit values win."""
-    from service.keyring import params_from_settings
+def test_new_key_versions_default_to_both_encoders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, new key versions carry two encoders (scheme ``auto``): the distortion-free ``gumbel`` in
+    8-bit blocks with 1 key and 16 salts, and the paper's ``xmark`` in 2-bit blocks with 4 keys, both of
+    32 bits; naming one scheme gives that scheme alone with its own defaults; empty values (compose
+    and ConfigMap defaults) are unset; explicit values win (under ``auto``: block bits and salts the
+    primary's, keys and delta the companion's)."""
+    from service.keyring import params_from_settings, spec_from_settings
     from xmark_core import WatermarkParams
+    from xmark_core.encoders import KeyVersionSpec
 
     monkeypatch.delenv("XMARK_WATERMARK_SCHEME", raising=False)  # the suite pins the biasing scheme
-    assert params_from_settings(Settings()) == WatermarkParams(
-        bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16
+    gumbel = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    assert spec_from_settings(Settings()) == KeyVersionSpec(
+        gumbel, WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
     )
-    monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "xmark")
+    assert params_from_settings(Settings()) == gumbel
+    monkeypatch.setenv("XMARK_WATERMARK_NUM_KEYS", "2")
+    monkeypatch.setenv("XMARK_WATERMARK_DELTA", "3")
+    monkeypatch.setenv("XMARK_WATERMARK_SALTS", "4")
+    assert spec_from_settings(Settings()) == KeyVersionSpec(
+        WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=4),
+        WatermarkParams(bits=32, block_bits=2, num_keys=2, delta=3.0, scheme="xmark"),
+    )
+    monkeypatch.delenv("XMARK_WATERMARK_DELTA")
+    monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "gumbel")
     for name in ("XMARK_WATERMARK_BLOCK_BITS", "XMARK_WATERMARK_NUM_KEYS", "XMARK_WATERMARK_SALTS"):
         monkeypatch.setenv(name, "")
+    assert spec_from_settings(Settings()) == KeyVersionSpec(gumbel)
+    monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "xmark")
     assert params_from_settings(Settings()) == WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
+    assert spec_from_settings(Settings()).companion is None
     monkeypatch.setenv("XMARK_WATERMARK_NUM_KEYS", "2")
     monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "4")
     assert params_from_settings(Settings()) == WatermarkParams(bits=32, block_bits=4, num_keys=2, scheme="xmark")
     monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "5")
-    with pytest.raises(ValidationError, match="positive multiple of watermark_block_bits"):
+    with pytest.raises(ValidationError, match="positive multiple of block_bits"):
+        Settings()
+    monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "mixed")
+    monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "")
+    with pytest.raises(ValidationError, match="watermark_scheme"):
         Settings()
 
 

@@ -25,7 +25,7 @@ from service.metrics import Metrics
 from service.models import KeyVersion
 from service.resources import _check_scheme_served
 from service.schemas.admin import CreatedUser
-from service.services.generation import _check_keyed_sampling
+from service.services.encoder_choice import check_keyed_sampling
 from service.services.users import UserService
 from tests.conftest import TEST_WATERMARK_SECRETS, make_test_settings
 from tests.fakes import FakeBackend
@@ -121,9 +121,10 @@ async def test_an_answer_sampled_with_the_key_is_traced_to_its_author(
 async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
     app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
 ) -> None:
-    """The same user, prompt and seed twice, then n = 2 in one request: consecutive salts, so four
-    different answers (without salts the key fixes the answer); each is traced to the user, and the
-    signed report names the salts its p-values counted."""
+    """The same user and prompt twice without a seed, then n = 2 in one request: consecutive salts, so
+    four different answers (without salts the key fixes the answer); each is traced to the user, and
+    the signed report names the salts its p-values counted. With the same ``seed`` twice, the same
+    answer (the seed fixes the salt and the sampling)."""
     author, _, auditor = gumbel_users
     assert await app.state.resources.backend.wait_ready(180)
     body = {
@@ -131,7 +132,6 @@ async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
         "messages": [{"role": "user", "content": "Describe a walk through a forest in autumn."}],
         "max_tokens": 120,
         "temperature": 0.7,
-        "seed": 11,
     }
     texts = []
     for extra in ({}, {}, {"n": 2}):
@@ -139,6 +139,14 @@ async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
         assert response.status_code == 200, response.text
         texts.extend(choice["message"]["content"] for choice in response.json()["choices"])
     assert len(texts) == 4 and len(set(texts)) == 4
+    seeded = []
+    for _ in range(2):
+        response = await client.post(
+            "/v1/chat/completions", json={**body, "seed": 11, "max_tokens": 40}, headers=_auth(author.api_key)
+        )
+        assert response.status_code == 200, response.text
+        seeded.append(response.json()["choices"][0]["message"]["content"])
+    assert seeded[0] == seeded[1]
     for text in texts:
         traced = await client.post("/trace", json={"text": text, "model": MODEL}, headers=_auth(auditor.api_key))
         assert traced.status_code == 200, traced.text
@@ -231,9 +239,9 @@ async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp
         assert "gumbel" in backend.schemes and not backend.salts_per_answer
         _check_scheme_served(Keyring(params, {}), settings.model_name, backend)
         served = ServedModel(settings.model_name, backend, None, ())
-        _check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7), {"presence_penalty": 0, "top_k": -1})
+        check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7), {"presence_penalty": 0, "top_k": -1})
         # the nucleus fields its workers apply before the choice pass
-        _check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7, top_p=0.9), {"top_k": 40, "min_p": 0.05})
+        check_keyed_sampling("v9", "gumbel", served, body(temperature=0.7, top_p=0.9), {"top_k": 40, "min_p": 0.05})
         for options, param in (
             ({"presence_penalty": 0.5}, "presence_penalty"),
             ({"repetition_penalty": 1.1}, "repetition_penalty"),
@@ -241,14 +249,14 @@ async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp
             ({"logit_bias": {"42": 5}}, "logit_bias"),
         ):
             with pytest.raises(InvalidRequestError) as refused:
-                _check_keyed_sampling("v9", "gumbel", served, body(), options)
+                check_keyed_sampling("v9", "gumbel", served, body(), options)
             assert refused.value.param == param and refused.value.code == "unsupported_value"
         with pytest.raises(InvalidRequestError) as refused:
-            _check_keyed_sampling("v9", "gumbel", served, body(n=2))
+            check_keyed_sampling("v9", "gumbel", served, body(n=2))
         assert refused.value.param == "n" and "send n requests" in refused.value.message
         # the local backend writes a request's n answers under consecutive salts: n > 1 passes there
         local = ServedModel("local", FakeBackend("local"), None, ())
-        _check_keyed_sampling("v9", "gumbel", local, body(n=2))
+        check_keyed_sampling("v9", "gumbel", local, body(n=2))
     finally:
         await backend.close()
     biasing_only = FakeBackend("old")
@@ -259,5 +267,5 @@ async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp
         Keyring(replace(GUMBEL, scheme="xmark", block_bits=2, num_keys=4, salts=1), {}), "old", biasing_only
     )
     with pytest.raises(ServiceUnavailableError) as caught:
-        _check_keyed_sampling("v9", "gumbel", ServedModel("old", biasing_only, None, ()), body())
+        check_keyed_sampling("v9", "gumbel", ServedModel("old", biasing_only, None, ()), body())
     assert caught.value.code == "scheme_not_served" and "v9" in caught.value.message
