@@ -50,6 +50,7 @@ from service.backends.batch import (
     deliver_to_loop,
     logprobs_wanted,
 )
+from service.backends.penalties import penalty_processor, sampling_penalties
 from service.backends.prefill import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     batch_cache,
@@ -144,8 +145,15 @@ class LocalStream:
 class LocalBackend:
     """The served model, run by transformers on this machine's CPU."""
 
-    # log-probabilities from the model's own distribution (``batch.LogprobCapture``)
-    honoured_fields = DEFAULT_HONOURED | {"logprobs", "top_logprobs"}
+    # log-probabilities from the model's own distribution (``batch.LogprobCapture``); penalties and
+    # logit_bias per row (``penalties.PenaltyProcessor``)
+    honoured_fields = DEFAULT_HONOURED | {
+        "logprobs",
+        "top_logprobs",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+    }
     # every scheme: the biasing ones through the op, ``gumbel`` by keyed sampling at the request's temperature
     schemes = frozenset(SCHEMES)
     salts_per_answer = True
@@ -179,6 +187,7 @@ class LocalBackend:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._eos_ids: set[int] = set()
         self._context_length = 0
+        self._vocab_size = 0  # the width of the model's logits: logit_bias keys are below it
         self._running: list[Job] = []  # jobs of the batch on the model right now (worker thread)
         # waiting work, owned by the worker thread
         self._backlog = FairBacklog()
@@ -242,6 +251,7 @@ class LocalBackend:
             eos_ids.add(tokenizer.eos_token_id)
         self._eos_ids = eos_ids
         self._context_length = int(getattr(model.config, "max_position_embeddings", 2048))
+        self._vocab_size = int(model.config.vocab_size)
         # the C++ watermark op: built once per machine (`make venv` builds it), loaded here so that
         # no request waits for it; where it cannot be built the eager op serves
         from xmark_core import cpu_op
@@ -334,6 +344,7 @@ class LocalBackend:
                 param="messages",
                 code="context_length_exceeded",
             )
+        sampling_penalties(request.options, self._vocab_size)  # a bad value is a 400 here, never queued
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         job = Job(request, stamp, prompt_ids, deliver_to_loop(asyncio.get_running_loop(), events))
         self._inbox.put(job)
@@ -556,6 +567,10 @@ class LocalBackend:
         wanted = [logprobs_wanted(job.request) for job in jobs]
         capture = LogprobCapture(max(top for _, top in wanted)) if any(w for w, _ in wanted) else None
         tracker = RowTracker(jobs, tokenizer, self._eos_ids, width, capture)
+        # checked by ``stream``; each row with its own job's values
+        penalties = penalty_processor(
+            [sampling_penalties(job.request.options, self._vocab_size) for job in jobs for _ in range(job.rows)], width
+        )
         config = GenerationConfig(
             max_new_tokens=max(job.request.max_tokens for job in jobs),
             do_sample=not first.greedy,
@@ -593,8 +608,9 @@ class LocalBackend:
                     # the prompts but their last tokens, read ahead in slices (``_prefill``)
                     past_key_values=batch_cache(model, jobs, width),
                     generation_config=config,
-                    # the capture first: it reads the model's own distribution, before the watermark
-                    logits_processor=LogitsProcessorList([processor] if capture is None else [capture, processor]),
+                    # the capture first: it reads the model's own distribution; then the penalties, on
+                    # the raw logits, before the watermark (whose gumbel choice sees them)
+                    logits_processor=LogitsProcessorList(p for p in (capture, penalties, processor) if p is not None),
                     # the tracker first: a row's token reaches its client before the next slice
                     stopping_criteria=StoppingCriteriaList([tracker, between_steps]),
                 )

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from service.backends.local import LocalBackend
 from service.errors import InvalidRequestError
 from service.models import Generation
 from service.services.request_fields import DEFAULT_HONOURED, refuse_unhonoured
@@ -25,14 +26,17 @@ REFUSED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("tool_choice", "required"),
     ("response_format", {"type": "json_object"}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.2),
-    ("logit_bias", {"42": 5}),
     ("top_k", 5),
     ("min_p", 0.1),
     ("reasoning_effort", "low"),
     ("store", True),
     ("max_token", 5),  # a typo of max_tokens: unknown, refused rather than unlimited
+]
+# honoured by both backends (the local one: service.backends.penalties), refused by one that does not
+PENALTIES = [
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -0.2),
+    ("logit_bias", {"42": 5}),
 ]
 # sent at the value that means "off": nothing to honour
 NEUTRAL = [
@@ -65,7 +69,7 @@ async def _generations(session: AsyncSession) -> int:
     return int(await session.scalar(select(func.count()).select_from(Generation)) or 0)
 
 
-@pytest.mark.parametrize(("field", "value"), REFUSED)
+@pytest.mark.parametrize(("field", "value"), REFUSED + PENALTIES)
 def test_policy_refuses_what_changes_the_output(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         refuse_unhonoured({"model": MODEL, field: value}, DEFAULT_HONOURED, "local")
@@ -81,6 +85,7 @@ def test_policy_accepts_neutral_values(field: str, value: Any) -> None:
 
 def test_policy_honours_what_the_backend_declares() -> None:
     refuse_unhonoured({"top_k": 5}, DEFAULT_HONOURED | {"top_k"}, "vllm")
+    refuse_unhonoured(dict(PENALTIES), LocalBackend.honoured_fields, "local")
     refuse_unhonoured({"user": "alice", "metadata": {"team": "a"}}, DEFAULT_HONOURED, "local")
     with pytest.raises(InvalidRequestError, match="vllm backend"):
         refuse_unhonoured({"min_p": 0.2}, DEFAULT_HONOURED | {"top_k"}, "vllm")
