@@ -149,6 +149,17 @@ class AddKeyVersionRequest(_Request):
     name: KeyVersionName
 
 
+class CompanionEncoderOut(BaseModel):
+    """The biasing encoder of a per-request key version (its message bits are the version's)."""
+
+    scheme: str
+    block_bits: int
+    num_keys: int
+    delta: float
+    min_entropy: float = 0.0
+    fingerprint: str = Field(description="Non-secret fingerprint of the companion's own key.")
+
+
 class KeyVersionOut(BaseModel):
     id: int
     name: str
@@ -165,6 +176,11 @@ class KeyVersionOut(BaseModel):
         default=1, description="Scheme gumbel: the salts its answers draw from (1: none; the decoders try each)."
     )
     fingerprint: str = Field(description="Non-secret fingerprint of the watermark key.")
+    companion: CompanionEncoderOut | None = Field(
+        default=None,
+        description="A per-request version's biasing encoder (scheme auto): its parameters and fingerprint; "
+        "null for a version of one scheme.",
+    )
     configured: bool = Field(description="Whether this process holds the secret of this version.")
     created_at: datetime
     activated_at: datetime | None = None

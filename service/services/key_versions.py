@@ -22,12 +22,26 @@ from service.keyring import Keyring, row_spec
 from service.models import KeyVersion
 from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.key_versions import KeyVersionRepository
-from service.schemas.admin import KeyVersionList, KeyVersionOut
+from service.schemas.admin import CompanionEncoderOut, KeyVersionList, KeyVersionOut
 from service.services.auth_cache import AuthCache
 from service.services.message_ids import MessageIdService
 from service.vocabulary import KeyVersionStatus
 
 logger = logging.getLogger("xmark.key_versions")
+
+
+def _companion_out(row: KeyVersion) -> CompanionEncoderOut | None:
+    companion = row_spec(row).companion
+    if companion is None or row.companion_fingerprint is None:
+        return None
+    return CompanionEncoderOut(
+        scheme=companion.scheme,
+        block_bits=companion.block_bits,
+        num_keys=companion.num_keys,
+        delta=companion.delta,
+        min_entropy=companion.min_entropy,
+        fingerprint=row.companion_fingerprint,
+    )
 
 
 class KeyVersionService:
@@ -60,6 +74,7 @@ class KeyVersionService:
             min_entropy=row.min_entropy,
             salts=row.salts,
             fingerprint=row.fingerprint,
+            companion=_companion_out(row),
             configured=self._keyring.is_configured(row.name),
             created_at=row.created_at,
             activated_at=row.activated_at,

@@ -267,14 +267,20 @@ async def auto_users(
 async def test_every_temperature_is_answered_marked_and_traced_to_its_author(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, auto_users: tuple[CreatedUser, CreatedUser]
 ) -> None:
-    """Greedy, 0.2 and 1.0: all answered (none refused), the first two by the biasing encoder and the
-    last by the distortion-free one, as the records say; each text traced to its author by the
-    reading of the encoder that wrote it."""
+    """Greedy, 0.2, 0.7 with a frequency penalty and 1.0: all answered (none refused), the first three
+    by the biasing encoder and the last by the distortion-free one, as the records say; each text
+    traced to its author by the reading of the encoder that wrote it."""
     author, auditor = auto_users
     assert await app.state.resources.backend.wait_ready(180)
     prompt = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
-    for temperature, encoder in ((0, "xmark"), (0.2, "xmark"), (1.0, "gumbel")):
-        body = {"model": MODEL, "messages": prompt, "max_tokens": 150, "temperature": temperature, "seed": 3}
+    cells: list[tuple[float, dict[str, Any], str]] = [
+        (0, {}, "xmark"),
+        (0.2, {}, "xmark"),
+        (0.7, {"frequency_penalty": 0.5}, "xmark"),
+        (1.0, {}, "gumbel"),
+    ]
+    for temperature, extra, encoder in cells:
+        body = {"model": MODEL, "messages": prompt, "max_tokens": 150, "temperature": temperature, "seed": 3, **extra}
         response = await client.post("/v1/chat/completions", json=body, headers=_auth(author.api_key))
         assert response.status_code == 200, (temperature, response.text)
         data = response.json()
@@ -293,3 +299,29 @@ async def test_every_temperature_is_answered_marked_and_traced_to_its_author(
             assert report["sigma"] is not None and report["sigma"] > 0
         document = (await client.get(f"/trace/{report['report_id']}", headers=_auth(auditor.api_key))).json()
         assert document["report"]["params"]["scheme"] == encoder
+    # the biasing encoder at a temperature above 0: the same seed, the same answer; another seed, another
+    answers = []
+    for seed in (5, 5, 6):
+        body = {"model": MODEL, "messages": prompt, "max_tokens": 30, "temperature": 0.3, "seed": seed}
+        response = await client.post("/v1/chat/completions", json=body, headers=_auth(author.api_key))
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] != answers[2]
+
+
+async def test_the_admin_api_shows_both_encoders(
+    client: httpx.AsyncClient, admin_key: str, auto_users: tuple[CreatedUser, CreatedUser]
+) -> None:
+    response = await client.get("/admin/key-versions", headers=_auth(admin_key))
+    assert response.status_code == 200, response.text
+    [v2] = [v for v in response.json()["data"] if v["name"] == "v2"]
+    primary, companion = encoder_keys(S2, SPEC)
+    assert (v2["scheme"], v2["block_bits"], v2["salts"], v2["fingerprint"]) == ("gumbel", 8, 16, primary.fingerprint)
+    assert v2["companion"] == {
+        "scheme": "xmark",
+        "block_bits": 2,
+        "num_keys": 4,
+        "delta": 2.0,
+        "min_entropy": 0.0,
+        "fingerprint": companion.fingerprint,
+    }
