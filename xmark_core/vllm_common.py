@@ -6,30 +6,37 @@ names (``build_watermarkers`` imports the torch encoder when a worker starts), a
 
 Per-request arguments travel in ``SamplingParams.extra_args`` (the OpenAI server's ``vllm_xargs``):
 ``xmark_message`` (the b-bit message as a string of '0'/'1') and ``xmark_key_version`` (the name of a
-configured key version), both required; ``xmark_salt`` (a salted ``gumbel`` worker: the salt the
-answer is written under, an integer in [0, S); 0 when absent) and ``xmark_fingerprint`` (the key
-version's fingerprint as the gateway knows it: a worker whose key for that name differs, another
-secret or other parameters, refuses the request rather than write a watermark /trace cannot read)
-are optional. A request without the two required ones is not watermarked; a request with only one
-of them, a malformed value, an unknown key version or any other ``xmark_*`` key is rejected when
-vLLM admits it (HTTP 400), never inside the sampler.
+configured key version), both required; optional are ``xmark_encoder`` (``"companion"``: the key
+version's biasing companion encoder, ``xmark_core.encoders``; ``"primary"`` or absent: its primary),
+``xmark_salt`` (a salted ``gumbel`` encoder: the salt the answer is written under, an integer in
+[0, S); 0 when absent; never sent with the companion) and ``xmark_fingerprint`` (the chosen
+encoder's fingerprint as the gateway knows it: a worker whose key for that name differs, another
+secret or other parameters, refuses the request rather than write a watermark /trace cannot read).
+The message carries the chosen encoder's bits. A request without the two required ones is not
+watermarked; a request with only one of them, a malformed value, an unknown key version, the
+companion of a version that has none or any other ``xmark_*`` key is rejected when vLLM admits it
+(HTTP 400), never inside the sampler.
 
-Scheme ``gumbel`` (the default; ``XMARK_WATERMARK_SCHEME``) chooses each token itself, by keyed
-sampling from the model's distribution at the request's temperature, within its ``top_k`` / ``top_p``
-/ ``min_p`` (``xmark_core.gumbel``, applied before the choice as vLLM's sampler would), after which any
-sampler returns that token. A sampling field vLLM applies after the processors would then be silently
-ignored, so a watermarked request with ``temperature`` 0, penalties or ``n`` > 1 (vLLM's child requests
-would share one salt, so their answers would be alike) is refused at admission, naming the field.
+An encoder of scheme ``gumbel`` (the primary of the default configured scheme ``auto``, or every
+request's under ``XMARK_WATERMARK_SCHEME=gumbel``) chooses each token itself, by keyed sampling from
+the model's distribution at the request's temperature, within its ``top_k`` / ``top_p`` / ``min_p``
+(``xmark_core.gumbel``, applied before the choice as vLLM's sampler would), after which any sampler
+returns that token. A sampling field vLLM applies after the processors would then be silently
+ignored, so a request for a ``gumbel`` encoder with ``temperature`` 0, penalties, ``logit_bias`` or
+``n`` > 1 (vLLM's child requests would share one salt, so their answers would be alike) is refused
+at admission, naming the field. A request for a biasing encoder (``xmark``, ``loso``, ``mpac``: an
+``auto`` version's companion among them) takes any sampling: the bias is added before vLLM's own.
 
 The watermark secrets are read once per process, at start-up, from ``XMARK_WATERMARK_SECRETS``
 (``name:secret[,name:secret...]``) or from the file named by ``XMARK_SECRETS_FILE`` (the same
-entries, one per line, ``#`` starts a comment). The watermark parameters come from
-``XMARK_WATERMARK_BITS``, ``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS``,
-``XMARK_WATERMARK_DELTA``, ``XMARK_WATERMARK_MIN_ENTROPY``, ``XMARK_WATERMARK_SCHEME`` and
-``XMARK_WATERMARK_SALTS`` (defaults: 32 bits, scheme ``gumbel`` with 8-bit blocks, 1 key and 16
-salts; for the biasing schemes 2-bit blocks, 4 keys, delta 2.0, entropy threshold 0, no salts; see
-``xmark_core.params``): the same variables the gateway reads, so one env file configures both.
-Error messages name the variable and the rule, never a secret.
+entries, one per line, ``#`` starts a comment). The key versions' encoders come from
+``XMARK_WATERMARK_SCHEME`` (``auto``, the default ``xmark_core.encoders.DEFAULT_CONFIGURED_SCHEME``,
+or one of ``gumbel``, ``xmark``, ``loso``, ``mpac``), ``XMARK_WATERMARK_BITS``,
+``XMARK_WATERMARK_BLOCK_BITS``, ``XMARK_WATERMARK_NUM_KEYS``, ``XMARK_WATERMARK_DELTA``,
+``XMARK_WATERMARK_MIN_ENTROPY`` and ``XMARK_WATERMARK_SALTS`` (unset or empty: the default), read as
+the gateway reads them (``xmark_core.encoders.spec_for``), so one env file configures both and the
+worker derives the gateway's keys and fingerprints (``encoder_keys``). Error messages name the
+variable and the rule, never a secret.
 """
 
 from __future__ import annotations
@@ -47,12 +54,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .encoders import DEFAULT_CONFIGURED_SCHEME, KeyVersionSpec, encoder_keys, spec_for
 from .errors import RequestArgumentError
 from .errors import WorkerConfigError as WorkerConfigError  # re-exported: its historic home
 from .gumbel import salted
 from .keys import MIN_SECRET_BYTES, WatermarkKey  # noqa: F401 - MIN_SECRET_BYTES is re-exported
 from .message import bits_to_blocks
-from .params import DEFAULT_SCHEME, WatermarkParams, default_block_bits, default_num_keys, default_salts
+from .params import WatermarkParams
 from .secrets import KEY_VERSION_NAME
 from .secrets import parse_secret_entries as _parse_secret_entries
 
@@ -65,9 +73,14 @@ XARG_MESSAGE = "xmark_message"
 XARG_KEY_VERSION = "xmark_key_version"
 XARG_SALT = "xmark_salt"
 XARG_FINGERPRINT = "xmark_fingerprint"
+XARG_ENCODER = "xmark_encoder"
 XARG_PREFIX = "xmark_"
 REQUIRED_XARGS = frozenset({XARG_MESSAGE, XARG_KEY_VERSION})
-KNOWN_XARGS = REQUIRED_XARGS | {XARG_SALT, XARG_FINGERPRINT}
+KNOWN_XARGS = REQUIRED_XARGS | {XARG_SALT, XARG_FINGERPRINT, XARG_ENCODER}
+# the values of XARG_ENCODER: the encoders of a key version (``xmark_core.encoders.KeyVersionSpec``)
+ENCODER_PRIMARY = "primary"
+ENCODER_COMPANION = "companion"
+ENCODERS = (ENCODER_PRIMARY, ENCODER_COMPANION)
 
 ENV_SECRETS = "XMARK_WATERMARK_SECRETS"
 ENV_SECRETS_FILE = "XMARK_SECRETS_FILE"
@@ -105,6 +118,13 @@ def _int_setting(variables: Mapping[str, str], name: str, default: int) -> int:
         raise WorkerConfigError(f"{name} must be an integer") from None
 
 
+def _optional_int_setting(variables: Mapping[str, str], name: str) -> int | None:
+    raw = variables.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return _int_setting(variables, name, 0)
+
+
 def _float_setting(variables: Mapping[str, str], name: str, default: float) -> float:
     raw = variables.get(name)
     if raw is None or not raw.strip():
@@ -117,24 +137,38 @@ def _float_setting(variables: Mapping[str, str], name: str, default: float) -> f
 
 @dataclass(frozen=True)
 class WorkerKeyring:
-    """The key versions a vLLM worker can watermark with, in a fixed order (index = key slot)."""
+    """The key versions a vLLM worker can watermark with, each with the encoders of ``spec``.
 
-    params: WatermarkParams
+    Every encoder of every version has a key slot of its own (the adapters' per-row key index, one
+    ``TorchWatermarker`` each, built for that encoder's parameters): slot i < len(names) is version
+    ``names[i]``'s primary; under a spec with a companion (configured scheme ``auto``), slot
+    len(names) + i is that version's companion. ``keys`` holds the key of each slot, in that order.
+    """
+
+    spec: KeyVersionSpec
     names: tuple[str, ...]
     keys: tuple[WatermarkKey, ...] = field(repr=False)
 
     def __post_init__(self) -> None:
-        if not self.names or len(self.names) != len(self.keys):
+        if not self.names or len(self.keys) != len(self.names) * len(self.spec.encoders):
             raise WorkerConfigError("the worker needs at least one key version")
 
     @classmethod
-    def from_secrets(cls, secrets: Mapping[str, bytes], params: WatermarkParams) -> WorkerKeyring:
+    def from_secrets(cls, secrets: Mapping[str, bytes], spec: KeyVersionSpec) -> WorkerKeyring:
+        """Each version's encoder keys as the gateway derives them (``xmark_core.encoders.encoder_keys``)."""
         names = tuple(sorted(secrets))
-        return cls(params, names, tuple(WatermarkKey.from_secret(secrets[n], params) for n in names))
+        per_version = [encoder_keys(secrets[n], spec) for n in names]  # [version][encoder]
+        keys = tuple(keys[encoder] for encoder in range(len(spec.encoders)) for keys in per_version)
+        return cls(spec, names, keys)
 
     @classmethod
     def from_variables(cls, variables: Mapping[str, str]) -> WorkerKeyring:
-        """Read the secrets and parameters from ``variables`` (the process environment at start-up)."""
+        """Read the secrets and parameters from ``variables`` (the process environment at start-up).
+
+        ``XMARK_WATERMARK_SCHEME`` unset or empty is the gateway's default configured scheme
+        (``xmark_core.encoders.DEFAULT_CONFIGURED_SCHEME``, ``auto``: a gumbel primary and a biasing
+        companion per version); the other variables unset or empty take ``spec_for``'s defaults.
+        """
         inline = variables.get(ENV_SECRETS, "").strip()
         path = variables.get(ENV_SECRETS_FILE, "").strip()
         if inline and path:
@@ -152,30 +186,52 @@ class WorkerKeyring:
                 f"the XMark logits processor needs the watermark secrets: set {ENV_SECRETS} "
                 f"or {ENV_SECRETS_FILE} in the worker's environment"
             )
-        scheme = (variables.get(ENV_SCHEME) or "").strip() or DEFAULT_SCHEME
+        scheme = (variables.get(ENV_SCHEME) or "").strip() or DEFAULT_CONFIGURED_SCHEME
         try:
-            params = WatermarkParams(
+            spec = spec_for(
+                scheme,
                 bits=_int_setting(variables, ENV_BITS, 32),
-                block_bits=_int_setting(variables, ENV_BLOCK_BITS, default_block_bits(scheme)),
-                num_keys=_int_setting(variables, ENV_NUM_KEYS, default_num_keys(scheme)),
+                block_bits=_optional_int_setting(variables, ENV_BLOCK_BITS),
+                num_keys=_optional_int_setting(variables, ENV_NUM_KEYS),
                 delta=_float_setting(variables, ENV_DELTA, 2.0),
                 min_entropy=_float_setting(variables, ENV_MIN_ENTROPY, 0.0),
-                scheme=scheme,  # type: ignore[arg-type]  # WatermarkParams checks it is one of the schemes
-                salts=_int_setting(variables, ENV_SALTS, default_salts(scheme)),
+                salts=_optional_int_setting(variables, ENV_SALTS),
             )
         except (TypeError, ValueError) as exc:
             raise WorkerConfigError(f"invalid watermark parameters: {exc}") from None
-        return cls.from_secrets(secrets, params)
+        return cls.from_secrets(secrets, spec)
 
-    def index(self, name: str) -> int | None:
+    @property
+    def params(self) -> WatermarkParams:
+        """The primary encoder's parameters (every slot's, for a spec of a single scheme)."""
+        return self.spec.primary
+
+    @property
+    def slots(self) -> tuple[tuple[str, str], ...]:
+        """(key version name, encoder) of each key slot, in slot order."""
+        encoders = ENCODERS[: len(self.spec.encoders)]
+        return tuple((name, encoder) for encoder in encoders for name in self.names)
+
+    def index(self, name: str, encoder: str = ENCODER_PRIMARY) -> int | None:
+        """The key slot of version ``name``'s ``encoder``; None: no such version, or no such encoder."""
         try:
-            return self.names.index(name)
+            position = self.names.index(name)
         except ValueError:
             return None
+        if encoder == ENCODER_PRIMARY:
+            return position
+        if encoder == ENCODER_COMPANION and self.spec.companion is not None:
+            return len(self.names) + position
+        return None
+
+    def params_of(self, slot: int) -> WatermarkParams:
+        """The parameters of key slot ``slot``'s encoder."""
+        return self.keys[slot].params
 
     def describe(self) -> str:
-        """Key version names with fingerprint prefixes (safe to log)."""
-        return ", ".join(f"{n} ({k.fingerprint[:12]})" for n, k in zip(self.names, self.keys, strict=True))
+        """Key version names with fingerprint prefixes, per encoder (safe to log)."""
+        labels = [name if encoder == ENCODER_PRIMARY else f"{name} {encoder}" for name, encoder in self.slots]
+        return ", ".join(f"{label} ({key.fingerprint[:12]})" for label, key in zip(labels, self.keys, strict=True))
 
 
 def worker_environment() -> Mapping[str, str]:
@@ -191,10 +247,12 @@ def worker_keyring() -> WorkerKeyring:
 
 
 def build_watermarkers(keyring: WorkerKeyring, vllm_config: Any, device: Any, *, fused: bool) -> list[TorchWatermarker]:
-    """One ``TorchWatermarker`` per key version of ``keyring``, in its order.
+    """One ``TorchWatermarker`` per key slot of ``keyring`` (each encoder of each version, built for
+    that encoder's parameters), in slot order.
 
     With ``fused`` each runs the fused (torch.compile) op, compiled here for the model's
-    vocabulary at start-up rather than on the first request.
+    vocabulary at start-up rather than on the first request: a batch that mixes the slots of a
+    distortion-free primary and a biasing companion calls each slot's op, already compiled.
     """
     from .encoder import TorchWatermarker  # torch: imported by the adapters only
 
@@ -209,11 +267,11 @@ def build_watermarkers(keyring: WorkerKeyring, vllm_config: Any, device: Any, *,
 
 @dataclass(frozen=True)
 class RequestWatermark:
-    """What one request asks the sampler to do: the key slot and the message blocks (scheme
-    ``gumbel``: the values under the request's salt, ``gumbel.salted``)."""
+    """What one request asks the sampler to do: the key slot (its encoder's, ``WorkerKeyring.slots``)
+    and the message blocks (a ``gumbel`` encoder: the values under the request's salt, ``gumbel.salted``)."""
 
     key_index: int
-    blocks: np.ndarray  # int64 [r]
+    blocks: np.ndarray  # int64 [r] (r of the slot's encoder)
     salt: int = 0
 
 
@@ -234,30 +292,40 @@ def parse_request(extra_args: Mapping[str, Any] | None, keyring: WorkerKeyring) 
     if unknown:
         raise RequestArgumentError(
             f"unknown XMark argument(s) {', '.join(unknown)}; expected {XARG_MESSAGE} and {XARG_KEY_VERSION}, "
-            f"optionally {XARG_SALT} and {XARG_FINGERPRINT}"
+            f"optionally {XARG_ENCODER}, {XARG_SALT} and {XARG_FINGERPRINT}"
         )
     missing = sorted(REQUIRED_XARGS - ours)
     if missing:
         raise RequestArgumentError(
             f"XMark argument {missing[0]} is missing (both {XARG_MESSAGE} and {XARG_KEY_VERSION} are required)"
         )
-    params = keyring.params
-    message = extra_args[XARG_MESSAGE]
-    if not isinstance(message, str) or len(message) != params.bits or message.strip("01"):
-        raise RequestArgumentError(f"{XARG_MESSAGE} must be a string of exactly {params.bits} characters '0' or '1'")
     name = extra_args[XARG_KEY_VERSION]
     if not isinstance(name, str) or not KEY_VERSION_NAME.match(name):
         raise RequestArgumentError(f"{XARG_KEY_VERSION} must be a key version name")
-    index = keyring.index(name)
-    if index is None:
+    encoder = extra_args.get(XARG_ENCODER, ENCODER_PRIMARY)
+    if not isinstance(encoder, str) or encoder not in ENCODERS:
+        raise RequestArgumentError(f"{XARG_ENCODER} must be one of {', '.join(repr(e) for e in ENCODERS)}")
+    if keyring.index(name) is None:
         raise RequestArgumentError(f"{XARG_KEY_VERSION} names a key version this worker is not configured with")
+    index = keyring.index(name, encoder)
+    if index is None:
+        raise RequestArgumentError(
+            f"{XARG_ENCODER} {encoder!r}: this worker's key version {name} has no companion encoder "
+            f"(scheme {keyring.spec.scheme}; the companion is configured with scheme auto); configure it as the gateway"
+        )
+    params = keyring.params_of(index)
+    message = extra_args[XARG_MESSAGE]
+    if not isinstance(message, str) or len(message) != params.bits or message.strip("01"):
+        raise RequestArgumentError(f"{XARG_MESSAGE} must be a string of exactly {params.bits} characters '0' or '1'")
     fingerprint = extra_args.get(XARG_FINGERPRINT)
     if fingerprint is not None and fingerprint != keyring.keys[index].fingerprint:
         raise RequestArgumentError(
-            f"{XARG_FINGERPRINT} differs from this worker's key version {name}: the worker holds another secret "
-            f"or other watermark parameters ({params.scheme}, b={params.bits}, d={params.block_bits}, "
+            f"{XARG_FINGERPRINT} differs from this worker's key version {name} ({encoder} encoder): the worker holds "
+            f"another secret or other watermark parameters ({params.scheme}, b={params.bits}, d={params.block_bits}, "
             f"k={params.num_keys}); configure it as the gateway"
         )
+    if encoder == ENCODER_COMPANION and XARG_SALT in extra_args:
+        raise RequestArgumentError(f"{XARG_SALT} applies to a salted gumbel encoder only, not the companion")
     salt = extra_args.get(XARG_SALT, 0)
     if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < params.salts:
         raise RequestArgumentError(f"{XARG_SALT} must be an integer in [0, {params.salts}) for this worker's key")
@@ -291,11 +359,12 @@ def nucleus_of(sampling_params: Any) -> tuple[float, float, float]:
 
 
 def check_keyed_sampling(sampling_params: Any, params: WatermarkParams) -> None:
-    """A watermarked request a ``gumbel`` worker can honour: it samples from the model's distribution
-    at the request's temperature, within its top-k / top-p / min-p (applied by the worker before its
-    choice), so greedy decoding, the penalties vLLM applies after the processors and ``logit_bias``
-    (not offered under this scheme) are refused by name (:class:`RequestArgumentError`); ``n`` > 1
-    too (vLLM's child requests share the request's salt: send n requests)."""
+    """A watermarked request the encoder of ``params`` can honour. A ``gumbel`` encoder samples from
+    the model's distribution at the request's temperature, within its top-k / top-p / min-p (applied
+    by the worker before its choice), so greedy decoding, the penalties vLLM applies after the
+    processors and ``logit_bias`` (not offered under this scheme) are refused by name
+    (:class:`RequestArgumentError`); ``n`` > 1 too (vLLM's child requests share the request's salt:
+    send n requests). A biasing encoder (an ``auto`` version's companion) takes any request."""
     if not params.distortion_free:
         return
     temperature = getattr(sampling_params, "temperature", 1.0)
@@ -459,8 +528,9 @@ class ValidatesXMarkArguments:
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Reject malformed XMark arguments, and a watermarked request a ``gumbel`` worker could not
-        honour (:class:`RequestArgumentError`); accept the rest."""
+        """Reject malformed XMark arguments, and a request for a ``gumbel`` encoder that it could not
+        honour (:class:`RequestArgumentError`); accept the rest (a biasing encoder's: any sampling)."""
         keyring = worker_keyring()
-        if parse_request(sampling_params.extra_args, keyring) is not None:
-            check_keyed_sampling(sampling_params, keyring.params)
+        mark = parse_request(sampling_params.extra_args, keyring)
+        if mark is not None:
+            check_keyed_sampling(sampling_params, keyring.params_of(mark.key_index))

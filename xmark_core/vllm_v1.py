@@ -19,11 +19,16 @@ What vLLM 0.32 does that matters here:
 * speculative decoding is refused (vLLM itself refuses custom processors with it, and so does
   this class when it is loaded another way).
 
-A worker of the distortion-free scheme (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each watermarked
-row's token by keyed sampling at the row's own temperature (``SamplingParams.temperature``), within
-its own top-k / top-p / min-p (applied before the choice, :func:`xmark_core.gumbel.truncate_`), leaving
-only that token finite; a context the answer already used is sampled normally (each row keeps the
-contexts its answer used, rebuilt from the output list when a preempted request is added again).
+Each row is written by its own request's encoder (its key slot: a key version's primary, or under
+the configured scheme ``auto`` its companion, ``xmark_core.vllm_common.WorkerKeyring``). A row of a
+distortion-free (``gumbel``) slot has its token chosen by keyed sampling at the row's own temperature
+(``SamplingParams.temperature``), within its own top-k / top-p / min-p (applied before the choice,
+:func:`xmark_core.gumbel.truncate_`), leaving only that token finite; a context the answer already
+used is sampled normally (each such row keeps the contexts its answer used, rebuilt from the output
+list when a preempted request is added again). A row of a biasing slot gets δ on its evergreen list.
+One batch may hold both: each step biases the biasing slots' rows and samples the gumbel slots'
+rows, one call of each slot's op (built and compiled at start-up) per slot present; rows are
+independent, so neither touches the other's.
 """
 
 from __future__ import annotations
@@ -63,29 +68,36 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._pin = is_pin_memory and device.type != "cpu"
         # The op runs as one fused pass over the logits instead of the eager op's several (CPU
         # workers: the C++ op of xmark_core.cpu_op; CUDA: a torch.compile'd Triton kernel). It is
-        # built here, at start-up, so that no request waits for it; benchmarks/encode_gpu.py
-        # measures the GPU ops, `make bench-core` the CPU ones.
+        # built here, at start-up, for every key slot, so that no request waits for it;
+        # benchmarks/encode_gpu.py measures the GPU ops, `make bench-core` the CPU ones.
         self._watermarkers = build_watermarkers(keyring, vllm_config, device, fused=device.type in ("cpu", "cuda"))
+        slot_params = [marker.params for marker in self._watermarkers]
+        # Per key slot: whether its encoder samples (gumbel) rather than biases, and which blocks table
+        # holds its rows' blocks (one per message width r: an auto version's primary and companion differ)
+        self._sampling_slot = np.array([p.distortion_free for p in slot_params], dtype=bool)  # [slots]
+        self._samples = bool(self._sampling_slot.any())  # some slot samples
+        self._biases = not bool(self._sampling_slot.all())  # some slot biases
+        widths = sorted({p.num_blocks for p in slot_params})
+        self._table_of = [widths.index(p.num_blocks) for p in slot_params]  # [slots] -> blocks table
         rows = max(1, int(vllm_config.scheduler_config.max_num_seqs))
-        r = keyring.params.num_blocks
         # Per batch row (host side; rows move as the persistent batch changes).
-        self._blocks = np.zeros((rows, r), dtype=np.int64)  # [rows, r] message blocks
+        self._blocks = [np.zeros((rows, r), dtype=np.int64) for r in widths]  # per width r: [rows, r] blocks
         self._key = np.zeros(rows, dtype=np.int64)  # [rows] key slot
         self._active = np.zeros(rows, dtype=bool)  # [rows] watermarked?
         self._prompt: list[list[int] | None] = [None] * rows
         self._output: list[list[int] | None] = [None] * rows
         self._context = np.zeros((rows, 2), dtype=np.int64)  # [rows, 2] (x[t-2], x[t-1]) of the step
         self._usable = np.zeros(rows, dtype=bool)  # [rows] active and no placeholder in the context
-        # scheme gumbel: each row's sampling temperature and the contexts its answer has used
-        self._distortion_free = keyring.params.distortion_free
+        self._marked = np.zeros(rows, dtype=bool)  # [rows] scratch: the rows of one key slot this step
+        # rows of a gumbel slot: the sampling temperature and the contexts its answer has used
         self._temperature = np.ones(rows, dtype=np.float32)  # [rows]
         self._nucleus = np.zeros((rows, 3), dtype=np.float32)  # [rows, 3]: top_k (0: off), top_p, min_p
         self._nucleus[:, 1] = 1.0
         self._seen: list[set[tuple[int, int]] | None] = [None] * rows
         self._bind_views()
-        # CPU workers: the C++ op bound to each key version's operands (xmark_core.cpu_op), set on
+        # CPU workers: the C++ op bound to each biasing key slot's operands (xmark_core.cpu_op), set on
         # the first step for that logits width (None where it does not build: the generic path)
-        self._steps: list[Step] | None = None
+        self._steps: dict[int, Step] | None = None
         self._step_width = -1
         self._profile = ProcessorProfile.from_environment()
         logger.info("XMark watermark (V1 runner) ready with key versions %s", keyring.describe())
@@ -100,13 +112,16 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         if index < rows:
             return
         grow = max(index + 1, 2 * rows)
-        self._blocks = np.concatenate([self._blocks, np.zeros((grow - rows, self._blocks.shape[1]), np.int64)])
+        self._blocks = [
+            np.concatenate([table, np.zeros((grow - rows, table.shape[1]), np.int64)]) for table in self._blocks
+        ]
         self._key = np.concatenate([self._key, np.zeros(grow - rows, np.int64)])
         self._active = np.concatenate([self._active, np.zeros(grow - rows, bool)])
         self._prompt.extend([None] * (grow - rows))
         self._output.extend([None] * (grow - rows))
         self._context = np.concatenate([self._context, np.zeros((grow - rows, 2), np.int64)])
         self._usable = np.concatenate([self._usable, np.zeros(grow - rows, bool)])
+        self._marked = np.concatenate([self._marked, np.zeros(grow - rows, bool)])
         self._temperature = np.concatenate([self._temperature, np.ones(grow - rows, np.float32)])
         self._nucleus = np.concatenate(
             [self._nucleus, np.tile(np.array([0.0, 1.0, 0.0], dtype=np.float32), (grow - rows, 1))]
@@ -117,9 +132,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
     def _bind_views(self) -> None:
         """CPU tensors sharing memory with the host arrays (what the C++ op reads, no copy per step)."""
         self._context_t = torch.from_numpy(self._context)
-        self._blocks_t = torch.from_numpy(self._blocks)
+        self._blocks_t = [torch.from_numpy(table) for table in self._blocks]
         self._active_t = torch.from_numpy(self._active)
         self._usable_t = torch.from_numpy(self._usable)
+        self._marked_t = torch.from_numpy(self._marked)
 
     def _clear(self, index: int) -> None:
         self._active[index] = False
@@ -140,21 +156,25 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         if mark is None:
             self._clear(index)
             return
+        slot = mark.key_index
         self._active[index] = True
-        self._key[index] = mark.key_index
-        self._blocks[index] = mark.blocks
+        self._key[index] = slot
+        self._blocks[self._table_of[slot]][index] = mark.blocks
         self._prompt[index] = prompt
         self._output[index] = output
-        if self._distortion_free:
+        if self._sampling_slot[slot]:
             self._temperature[index] = temperature
             self._nucleus[index] = nucleus
             self._seen[index] = used_contexts(prompt, output)
+        else:
+            self._seen[index] = None
 
     def _move(self, src: int, dst: int) -> None:
         self._ensure_rows(max(src, dst))
         self._active[dst] = self._active[src]
         self._key[dst] = self._key[src]
-        self._blocks[dst] = self._blocks[src]
+        for table in self._blocks:
+            table[dst] = table[src]
         self._prompt[dst] = self._prompt[src]
         self._output[dst] = self._output[src]
         self._temperature[dst] = self._temperature[src]
@@ -166,7 +186,8 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._ensure_rows(max(a, b))
         self._active[[a, b]] = self._active[[b, a]]
         self._key[[a, b]] = self._key[[b, a]]
-        self._blocks[[a, b]] = self._blocks[[b, a]]
+        for table in self._blocks:
+            table[[a, b]] = table[[b, a]]
         self._temperature[[a, b]] = self._temperature[[b, a]]
         self._nucleus[[a, b]] = self._nucleus[[b, a]]
         self._prompt[a], self._prompt[b] = self._prompt[b], self._prompt[a]
@@ -217,14 +238,15 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._profile.applied(self._profile.now() - start, watermarked=watermarked)
         return logits
 
-    def _cpu_steps(self, logits: torch.Tensor) -> list[Step] | None:
-        """The C++ op per key slot for these logits (float32 on the CPU), else None."""
+    def _cpu_steps(self, logits: torch.Tensor) -> dict[int, Step] | None:
+        """The C++ op of each biasing key slot for these logits (float32 on the CPU), else None."""
         if self._device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
             return None
         width = logits.shape[1]
         if width > self._step_width:  # once per worker (the vocabulary does not change)
-            steps = [step for marker in self._watermarkers if (step := marker.cpu_step(width)) is not None]
-            self._steps = steps if len(steps) == len(self._watermarkers) else None
+            biasing = [slot for slot, sampling in enumerate(self._sampling_slot.tolist()) if not sampling]
+            steps = {slot: step for slot in biasing if (step := self._watermarkers[slot].cpu_step(width)) is not None}
+            self._steps = steps if len(steps) == len(biasing) else None
             self._step_width = width
         return self._steps
 
@@ -246,42 +268,54 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
             usable[:batch] = active
             usable[rows[(pairs < 0).any(axis=1)]] = False
             mask, mask_t = usable[:batch], self._usable_t
-        if self._distortion_free:
+        if not self._samples:  # every slot biases
+            return self._bias(logits, mask, mask_t)
+        if not self._biases:  # every slot samples
             return self._sample(logits, rows, pairs, mask)
+        sampling = self._sampling_slot[self._key[:batch]]  # [B] rows of a gumbel slot (stale where inactive)
+        keyed = mask & sampling  # [B]
+        biased = mask & ~sampling  # [B]
+        if biased.any():
+            self._bias(logits, biased, None)
+        if keyed.any():
+            self._sample(logits, rows, pairs, keyed)
+        return logits
+
+    def _bias(self, logits: torch.Tensor, mask: np.ndarray, mask_t: torch.Tensor | None) -> torch.Tensor:
+        """δ on each row of ``mask`` (bool [B], rows of biasing key slots) with its slot's key and
+        blocks. ``mask_t``: a CPU tensor over a buffer whose first B entries are ``mask`` (what the C++
+        op reads without a copy), or None."""
+        batch = logits.shape[0]
+        keys = self._key[:batch]
+        present = np.unique(keys[mask]).tolist()  # the key slots of this step's rows
         steps = self._cpu_steps(logits)
-        if steps is not None:  # the CPU worker: one call per key version, on buffers of >= B rows
-            keys = self._key[rows]
-            if len(steps) == 1 or (keys == keys[0]).all():  # one key version in this batch (usual)
-                steps[int(keys[0])](logits, self._context_t, self._blocks_t, mask_t)
-                return logits
-            marked = mask.copy()
-            usable = self._usable
-            for key_index in np.unique(keys):
-                np.logical_and(marked, self._key[:batch] == key_index, out=usable[:batch])
-                steps[int(key_index)](logits, self._context_t, self._blocks_t, self._usable_t)
+        if steps is not None:  # the CPU worker: one call per key slot, on buffers of >= B rows
+            for slot in present:
+                rows_t = mask_t
+                if rows_t is None or len(present) > 1:
+                    np.logical_and(mask, keys == slot, out=self._marked[:batch])
+                    rows_t = self._marked_t
+                steps[slot](logits, self._context_t, self._blocks_t[self._table_of[slot]], rows_t)
             return logits
         device = logits.device
         context_t = self._to_device(self._context[:batch], device)
-        blocks_t = self._to_device(self._blocks[:batch], device)
-        if len(self._watermarkers) == 1:  # one key version (the usual case): every active row uses it
-            self._watermarkers[0].apply(logits, context_t, blocks_t, self._to_device(mask, device), inplace=True)
-            return logits
-        keys = self._key[:batch]
-        for key_index in np.unique(keys[mask]):
-            rows_of_key = mask & (keys == key_index)
-            self._watermarkers[int(key_index)].apply(
-                logits, context_t, blocks_t, self._to_device(rows_of_key, device), inplace=True
+        for slot in present:
+            rows_of_slot = mask if len(present) == 1 else mask & (keys == slot)
+            blocks_t = self._to_device(self._blocks[self._table_of[slot]][:batch], device)
+            self._watermarkers[slot].apply(
+                logits, context_t, blocks_t, self._to_device(rows_of_slot, device), inplace=True
             )
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, pairs: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        """Scheme ``gumbel``: each usable row's token chosen with its key at its temperature; a row
-        whose context its answer already used is sampled normally this step."""
+        """The rows of ``mask`` (bool [B], usable rows of gumbel key slots): each one's token chosen
+        with its slot's key at its temperature; a row whose context its answer already used is
+        sampled normally this step. ``rows``/``pairs``: the active rows and their contexts [n, 2]."""
         batch = logits.shape[0]
         keyed = mask.copy()  # [B]
         for row, pair in zip(rows.tolist(), pairs.tolist(), strict=True):
             if not keyed[row]:
-                continue  # a placeholder in its context: sits this step out
+                continue  # another slot's row, or a placeholder in its context: sits this step out
             seen = self._seen[row]
             context = (int(pair[0]), int(pair[1]))
             if seen is None:
@@ -292,7 +326,6 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
                 seen.add(context)
         device = logits.device
         context_t = self._to_device(self._context[:batch], device)
-        blocks_t = self._to_device(self._blocks[:batch], device)
         temperature_t = self._to_device(self._temperature[:batch], device)
         truncation = None
         nucleus = self._nucleus[:batch]
@@ -300,13 +333,14 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
             table = self._to_device(nucleus, device)
             truncation = Truncation(top_k=table[:, 0].to(torch.int64), top_p=table[:, 1], min_p=table[:, 2])
         keys = self._key[:batch]
-        for key_index in np.unique(keys[keyed]):
-            rows_of_key = keyed & (keys == key_index)
-            self._watermarkers[int(key_index)].apply(
+        for slot in np.unique(keys[keyed]).tolist():
+            rows_of_slot = keyed & (keys == slot)
+            blocks_t = self._to_device(self._blocks[self._table_of[slot]][:batch], device)
+            self._watermarkers[slot].apply(
                 logits,
                 context_t,
                 blocks_t,
-                self._to_device(rows_of_key, device),
+                self._to_device(rows_of_slot, device),
                 inplace=True,
                 temperature=temperature_t,
                 truncation=truncation,

@@ -16,17 +16,22 @@ non-blocking copy and scatters them on the device. ``apply`` then works on the d
   resumption the history holds prompt + output so far; prefix caching only skips computing
   cached prompt tokens, the runner still stages the whole prompt into the history;
 * ``n > 1`` arrives as n requests (slots) sharing copies of the same sampling params;
-* one call of the encoder op for the whole batch (one per key version present in the batch:
-  one in steady state, two while a rotation is in flight).
+* one call of the encoder op for the whole batch per key slot present in the batch (a key slot
+  is one encoder of one key version, ``xmark_core.vllm_common.WorkerKeyring``: one or two in
+  steady state, a rotation in flight adds the old version's).
 
 No Python loop over rows and no device-to-host synchronisation: the only host work per step is
-a numpy lookup of which key versions the scheduled slots use (``ctx.idx_mapping_np``).
+a numpy lookup of which key slots the scheduled request slots use (``ctx.idx_mapping_np``).
 
-A worker of the distortion-free scheme (``XMARK_WATERMARK_SCHEME=gumbel``) chooses each watermarked
-row's token by keyed sampling at the slot's temperature, within its top-k / top-p / min-p (staged
-with the blocks, applied before the choice); a context the
-answer already used is sampled normally, found on the device by comparing the current context with
-the contexts of the slot's generated tokens in ``all_token_ids`` (from ``prompt_len`` on).
+Each row is written by its own request's encoder. A row of a distortion-free (``gumbel``) key slot
+has its token chosen by keyed sampling at the request's temperature, within its top-k / top-p /
+min-p (staged with the blocks, applied before the choice); a context the answer already used is
+sampled normally, found on the device by comparing the current context with the contexts of the
+slot's generated tokens in ``all_token_ids`` (from ``prompt_len`` on). A row of a biasing key slot
+(an ``auto`` version's companion, or every slot of a biasing scheme) gets δ on its evergreen list.
+One batch may hold both: each slot's op (built and compiled at start-up) sees its own rows only,
+and its own message width (the blocks table is as wide as the widest encoder's r; each op reads its
+encoder's first r columns, gathered per row into a contiguous [rows, r]).
 Speculative decoding (one row per draft token, drafts not in the committed history) is refused.
 """
 
@@ -68,16 +73,20 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         slots, device = req_states.max_num_reqs, req_states.device
         # On CUDA the op runs as one fused Triton kernel (torch.compile), bit-identical to the
         # eager op in one pass over the logits instead of several. It is compiled here, at
-        # start-up, so that no request waits for the compilation; benchmarks/encode_gpu.py
-        # measures both ops. Other devices run the eager op.
+        # start-up, for every key slot, so that no request waits for the compilation;
+        # benchmarks/encode_gpu.py measures both ops. Other devices run the eager op.
         self._watermarkers = build_watermarkers(keyring, vllm_config, device, fused=device.type == "cuda")
-        r = keyring.params.num_blocks
+        slot_params = [marker.params for marker in self._watermarkers]
+        # Per key slot (host): whether its encoder samples (gumbel) rather than biases, and its r
+        self._sampling_slot = np.array([p.distortion_free for p in slot_params], dtype=bool)  # [key slots]
+        self._samples = bool(self._sampling_slot.any())
+        self._width_of = [p.num_blocks for p in slot_params]  # [key slots]
+        r = max(self._width_of)
         # Device tables, one row per request slot.
-        self._blocks = torch.zeros((slots, r), dtype=torch.int64, device=device)  # [slots, r]
-        self._key = torch.zeros(slots, dtype=torch.int64, device=device)  # [slots]
+        self._blocks = torch.zeros((slots, r), dtype=torch.int64, device=device)  # [slots, r]: r of the widest
+        self._key = torch.zeros(slots, dtype=torch.int64, device=device)  # [slots] key slot
         self._active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots]
-        # scheme gumbel: each slot's sampling temperature
-        self._distortion_free = keyring.params.distortion_free
+        # rows of a gumbel key slot: the request's sampling temperature
         self._temperature = torch.ones(slots, dtype=torch.float32, device=device)  # [slots]
         self._staged_temperature: dict[int, float] = {}
         # and its top-k (0: off), top-p and min-p, applied before the choice (host flag: any set)
@@ -96,9 +105,11 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._staged[req_idx] = mark
         self._staged_temperature[req_idx] = float(sampling_params.temperature)
         nucleus = self._staged_nucleus[req_idx] = nucleus_of(sampling_params)
-        self._truncates_np[req_idx] = nucleus != (0.0, 1.0, 0.0)
         self._active_np[req_idx] = mark is not None
         self._key_np[req_idx] = 0 if mark is None else mark.key_index
+        # the nucleus is applied before a gumbel slot's choice only (a biasing slot leaves it to vLLM)
+        sampled = mark is not None and bool(self._sampling_slot[mark.key_index])
+        self._truncates_np[req_idx] = sampled and nucleus != (0.0, 1.0, 0.0)
         return mark is not None
 
     def apply_staged_writes(self) -> None:
@@ -109,10 +120,10 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         nuclei, self._staged_nucleus = self._staged_nucleus, {}
         slots = np.fromiter(staged, dtype=np.int64, count=len(staged))  # [n]
         r = self._blocks.shape[1]
-        table = np.zeros((len(staged), r + 2), dtype=np.int64)  # [n, r + 2]: blocks | key | on
+        table = np.zeros((len(staged), r + 2), dtype=np.int64)  # [n, r + 2]: blocks (zero-padded to r) | key | on
         for row, mark in enumerate(staged.values()):
             if mark is not None:
-                table[row, :r] = mark.blocks
+                table[row, : mark.blocks.shape[0]] = mark.blocks
                 table[row, r] = mark.key_index
                 table[row, r + 1] = 1
         device = self._blocks.device
@@ -124,7 +135,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         self._blocks.index_copy_(0, index, packed[:, 1 : r + 1])
         self._key.index_copy_(0, index, packed[:, r + 1])
         self._active.index_copy_(0, index, packed[:, r + 2].bool())
-        if self._distortion_free:
+        if self._samples:
             staged_t = torch.tensor([temperatures.get(int(s), 1.0) for s in slots], dtype=torch.float32)
             self._temperature.index_copy_(0, index, staged_t.to(device, non_blocking=True))
             staged_n = torch.tensor([nuclei.get(int(s), (0.0, 1.0, 0.0)) for s in slots], dtype=torch.float32)
@@ -136,7 +147,7 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         on = self._active_np[scheduled]
         if not on.any():
             return logits
-        key_slots = np.unique(self._key_np[scheduled[on]])
+        key_slots = np.unique(self._key_np[scheduled[on]]).tolist()  # the key slots of this step's rows
 
         states = self._req_states
         slot = ctx.expanded_idx_mapping.to(torch.int64)  # [rows]
@@ -147,31 +158,32 @@ class XMarkLogitsProcessor(ValidatesXMarkArguments, LogitsProcessor):  # type: i
         prev1 = history[slot, (total - 1).clamp(min=0)].to(torch.int64) * (total >= 1)  # [rows]
         prev2 = history[slot, (total - 2).clamp(min=0)].to(torch.int64) * (total >= 2)  # [rows]
         context = torch.stack((prev2, prev1), dim=1)  # [rows, 2] (x[t-2], x[t-1])
-        blocks = self._blocks.index_select(0, slot)  # [rows, r]
         active = self._active.index_select(0, slot) & valid  # [rows]
-        temperature = truncation = None
-        if self._distortion_free:
+        keyed = temperature = truncation = None
+        if self._sampling_slot[key_slots].any():  # some row of a gumbel key slot
             start = states.prompt_len.gpu.index_select(0, slot).to(torch.int64)  # [rows]
-            active = active & ~_repeated_context(history, slot, start, total, context)
+            keyed = active & ~_repeated_context(history, slot, start, total, context)  # [rows]
             temperature = self._temperature.index_select(0, slot)  # [rows]
-            if self._truncates_np[scheduled[on]].any():  # some row's top-k / top-p / min-p
+            if self._truncates_np[scheduled[on]].any():  # some gumbel row's top-k / top-p / min-p
                 nucleus = self._nucleus.index_select(0, slot)  # [rows, 3]
                 truncation = Truncation(top_k=nucleus[:, 0].to(torch.int64), top_p=nucleus[:, 1], min_p=nucleus[:, 2])
-        if len(key_slots) == 1:
-            self._watermarkers[int(key_slots[0])].apply(
-                logits, context, blocks, active, inplace=True, temperature=temperature, truncation=truncation
-            )
-            return logits
-        keys = self._key.index_select(0, slot)  # [rows]
+        keys = None if len(key_slots) == 1 else self._key.index_select(0, slot)  # [rows]
         for key_index in key_slots:
-            self._watermarkers[int(key_index)].apply(
+            sampling = bool(self._sampling_slot[key_index])
+            rows = keyed if sampling and keyed is not None else active  # [rows]
+            if keys is not None:
+                rows = rows & (keys == key_index)
+            width = self._width_of[key_index]
+            table = self._blocks if width == self._blocks.shape[1] else self._blocks[:, :width]
+            blocks = table.index_select(0, slot)  # [rows, r] of this slot's encoder, contiguous
+            self._watermarkers[key_index].apply(
                 logits,
                 context,
                 blocks,
-                active & (keys == int(key_index)),
+                rows,
                 inplace=True,
-                temperature=temperature,
-                truncation=truncation,
+                temperature=temperature if sampling else None,
+                truncation=truncation if sampling else None,
             )
         return logits
 

@@ -61,6 +61,8 @@ from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 from xmark_core.params import SCHEMES
 from xmark_core.vllm_common import (  # the names the workers read
+    ENCODER_COMPANION,
+    XARG_ENCODER,
     XARG_FINGERPRINT,
     XARG_KEY_VERSION,
     XARG_MESSAGE,
@@ -212,15 +214,19 @@ _TOOL_FIELDS = frozenset({"tools", "tool_choice"})
 
 
 def watermark_xargs(stamp: WatermarkStamp) -> dict[str, Any]:
-    """The worker's arguments: the caller's message, the key version, its fingerprint (a worker
-    configured with another secret or other parameters refuses the request rather than write a
-    watermark /trace cannot read) and, under a salted key version, the answer's salt."""
+    """The worker's arguments: the caller's message, the key version, the encoder the gateway chose
+    (``xmark_encoder`` ``companion`` for a per-request version's biasing companion; absent: the
+    primary), that encoder's fingerprint (a worker configured with another secret or other
+    parameters refuses the request rather than write a watermark /trace cannot read) and, for a
+    salted gumbel encoder, the answer's salt."""
     xargs: dict[str, Any] = {
         XARG_MESSAGE: stamp.message.bits,
         XARG_KEY_VERSION: stamp.key_version,
         XARG_FINGERPRINT: stamp.key.fingerprint,
     }
-    if stamp.key.params.salts > 1:
+    if stamp.companion:
+        xargs[XARG_ENCODER] = ENCODER_COMPANION
+    elif stamp.key.params.distortion_free and stamp.key.params.salts > 1:
         xargs[XARG_SALT] = stamp.salt
     return xargs
 
@@ -518,13 +524,13 @@ class VllmBackend:
     """Chat completions served by one or more vLLM workers."""
 
     honoured_fields = DEFAULT_HONOURED | PASS_THROUGH_FIELDS
-    # the workers' processors bias logits (xmark_core.vllm_v1 / vllm_v2); they do not sample
-    # every scheme (the workers' processors sample with a ``gumbel`` key: xmark_core.vllm_v1 / v2)
+    # every scheme: the workers' processors bias logits with a biasing key and sample with a
+    # ``gumbel`` key (xmark_core.vllm_v1 / vllm_v2)
     schemes = frozenset(SCHEMES)
     # the n answers of one request reach a worker as child requests with one salt
     salts_per_answer = False
-    # the workers serve a per-request key version's primary encoder only
-    encoders_per_request = False
+    # the workers serve both encoders of a per-request key version, the one ``xmark_encoder`` names
+    encoders_per_request = True
 
     def __init__(
         self,

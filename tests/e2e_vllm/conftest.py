@@ -258,10 +258,12 @@ def gateway(
     yield from _gateway(settings, tmp_path_factory.mktemp("gateway-var"))
 
 
-# the distortion-free scheme in 8-bit blocks (16 salts by default), for a worker and its gateway alike
+# the default watermark parameters (configured scheme auto: each key version's distortion-free primary
+# in 8-bit blocks with 16 salts, and its biasing companion), for a worker and its gateway alike
 @pytest.fixture(scope="session")
 def gumbel_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    """A worker on the default watermark parameters: its processor samples with distortion-free keys."""
+    """A worker on the default watermark parameters: its processor samples with each version's
+    distortion-free primary key, and biases with its companion where a request selects it."""
     log_dir = tmp_path_factory.mktemp("vllm-gumbel")
     yield from _worker(e2e_config, e2e_config.model_path, MODEL_NAME, log_dir, defaults=True)
 

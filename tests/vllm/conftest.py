@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from xmark_core.vllm_common import ENV_SECRETS, WorkerKeyring, worker_keyring
+from xmark_core.vllm_common import ENV_SCHEME, ENV_SECRETS, WorkerKeyring, worker_keyring
 
 WORKER_SECRETS = {
     "v1": "worker-test-secret-v1-0d7c41e9a2b85f36",
@@ -23,6 +23,19 @@ def worker_secrets() -> dict[str, str]:
 def keyring(monkeypatch: pytest.MonkeyPatch) -> Iterator[WorkerKeyring]:
     """This process's worker keyring, configured with two key versions (v1, v2)."""
     monkeypatch.setenv(ENV_SECRETS, ",".join(f"{k}:{v}" for k, v in WORKER_SECRETS.items()))
+    worker_keyring.cache_clear()
+    try:
+        yield worker_keyring()
+    finally:
+        worker_keyring.cache_clear()
+
+
+@pytest.fixture
+def auto_keyring(monkeypatch: pytest.MonkeyPatch) -> Iterator[WorkerKeyring]:
+    """This process's worker keyring of the configured scheme ``auto``: each of v1 and v2 with a
+    gumbel primary and a biasing (xmark) companion, on the default parameters."""
+    monkeypatch.setenv(ENV_SECRETS, ",".join(f"{k}:{v}" for k, v in WORKER_SECRETS.items()))
+    monkeypatch.setenv(ENV_SCHEME, "auto")
     worker_keyring.cache_clear()
     try:
         yield worker_keyring()

@@ -47,6 +47,7 @@ from xmark_core import (
     WatermarkKey,
     vllm_common,
 )
+from xmark_core.encoders import KeyVersionSpec
 from xmark_core.hf import XMarkLogitsProcessor as HFProcessor
 from xmark_core.vllm_common import (
     ENV_BLOCK_BITS,
@@ -470,6 +471,216 @@ def test_a_gumbel_worker_refuses_requests_it_cannot_honour(gumbel_keyring: Worke
             validate_v2(bad)
     # an unwatermarked request is the caller's own: any sampling passes
     validate_logits_processors_parameters([V1_FQCN], SamplingParams(temperature=0.0, top_p=0.5))
+
+
+# -- two encoders per key version (configured scheme auto) ----------------------------------
+
+# the mixed batch: each row's encoder (None: not watermarked) and key version; MESSAGES[3] is None
+MIXED_ENCODERS = ["primary", "companion", "companion", None, "primary", "companion"]
+MIXED_VERSIONS = ["v1", "v1", "v2", "v1", "v2", "v1"]
+# what a companion row asks of vLLM's sampler, all of which a gumbel encoder refuses (the worker leaves
+# them to vLLM: greedy, a penalty, logit_bias, a nucleus it does not apply itself)
+COMPANION_SAMPLING: list[dict[str, Any]] = [
+    {},
+    {"temperature": 0.0},
+    {"temperature": 0.0, "presence_penalty": 0.5, "top_p": 0.5},
+    {},
+    {},
+    {"temperature": 0.2, "logit_bias": {5: 1.0}, "top_k": 5},
+]
+
+
+def mixed_params(
+    keyring: WorkerKeyring, row: int, *, encoders: tuple[str, ...] = ("primary", "companion")
+) -> SamplingParams:
+    """Row ``row`` of the mixed batch as the gateway sends it to an auto worker: the primary's rows
+    with their temperature and salt, the companion's with xmark_encoder and its fingerprint. A row
+    whose encoder is not in ``encoders`` carries no watermark (what a single-scheme worker is sent)."""
+    encoder, name, bits = MIXED_ENCODERS[row], MIXED_VERSIONS[row], MESSAGES[row]
+    if encoder not in encoders or bits is None:
+        return SamplingParams(max_tokens=8, temperature=GUMBEL_TEMPERATURES[row])
+    slot = keyring.index(name, encoder) if keyring.spec.per_request else keyring.index(name)
+    assert slot is not None
+    extra: dict[str, Any] = {
+        "xmark_message": bits,
+        "xmark_key_version": name,
+        "xmark_fingerprint": keyring.keys[slot].fingerprint,
+    }
+    if encoder == "primary":
+        extra["xmark_salt"] = GUMBEL_SALTS[row]
+        return SamplingParams(max_tokens=8, temperature=GUMBEL_TEMPERATURES[row], extra_args=extra)
+    if keyring.spec.per_request:
+        extra["xmark_encoder"] = "companion"
+    return SamplingParams(**{"max_tokens": 8, "temperature": 0.7, "extra_args": extra, **COMPANION_SAMPLING[row]})
+
+
+@pytest.fixture
+def serve_keyring(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make the processors built next read ``keyring`` (a worker of exactly these keys)."""
+
+    def serve(keyring: WorkerKeyring) -> None:
+        monkeypatch.setattr(vllm_common, "worker_keyring", lambda: keyring)
+
+    return serve
+
+
+def run_both(
+    keyring: WorkerKeyring, batch_params: list[SamplingParams], base: torch.Tensor, slots: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, V1Processor]:
+    """One step of a fresh V1 and a fresh V2 processor of the worker serving ``keyring`` on the batch
+    (V2: row i in request slot ``slots[i]``); the V1 processor too."""
+    processor = v1_processor()
+    added = [(row, batch_params[row], list(p), list(o)) for row, (p, o) in enumerate(HISTORIES)]
+    processor.update_state(BatchUpdate(batch_size=len(HISTORIES), removed=[], added=added, moved=[]))
+    out_v1 = v1_step(processor, base.clone())
+    runner = V2Runner(keyring)
+    for row, slot in enumerate(slots):
+        runner.admit(slot, batch_params[row], *HISTORIES[row])
+    return out_v1, runner.step(base.clone(), slots), processor
+
+
+def test_a_mixed_batch_gives_each_row_its_own_encoders_treatment(
+    auto_keyring: WorkerKeyring, serve_keyring: Any
+) -> None:
+    """An auto worker's batch of gumbel (primary) rows, xmark (companion) rows of both key versions and
+    an unwatermarked row: in V1 and V2 each companion row gets exactly what a single-scheme xmark
+    worker holding the companion's keys gives it (δ on its evergreen list, whatever its temperature,
+    penalties or nucleus), each primary row the token a single-scheme gumbel worker chooses, and
+    neither kind touches the other's rows."""
+    keyring = auto_keyring
+    companion = keyring.spec.companion
+    assert companion is not None and companion.scheme == "xmark" and keyring.params.scheme == "gumbel"
+    batch = len(HISTORIES)
+    base = logits_for(batch, seed=37)
+    slots = [5, 2, 7, 0, 3, 6]
+    out_v1, out_v2, processor = run_both(keyring, [mixed_params(keyring, row) for row in range(batch)], base, slots)
+    assert processor._steps, "float32 CPU logits should reach the C++ op for the companion slots"
+
+    # a single-scheme gumbel worker: the same secrets and the primary's parameters (the same keys)
+    gumbel = WorkerKeyring.from_variables(
+        {ENV_SECRETS: ",".join(f"{k}:{v}" for k, v in WORKER_SECRETS.items()), ENV_SCHEME: "gumbel"}
+    )
+    assert [k.fingerprint for k in gumbel.keys] == [k.fingerprint for k in keyring.keys[:2]]
+    serve_keyring(gumbel)
+    gumbel_v1, gumbel_v2, _ = run_both(
+        gumbel, [mixed_params(gumbel, row, encoders=("primary",)) for row in range(batch)], base, slots
+    )
+    # a single-scheme xmark worker holding the companions' keys
+    xmark = WorkerKeyring(KeyVersionSpec(companion), keyring.names, keyring.keys[len(keyring.names) :])
+    serve_keyring(xmark)
+    xmark_v1, xmark_v2, _ = run_both(
+        xmark, [mixed_params(xmark, row, encoders=("companion",)) for row in range(batch)], base, slots
+    )
+    assert torch.equal(gumbel_v1, gumbel_v2) and torch.equal(xmark_v1, xmark_v2)
+
+    histories = [p + o for p, o in HISTORIES]
+    reference = base.clone()
+    for position, name in enumerate(keyring.names):  # the transformers adapter with each companion key
+        own = [
+            m if e == "companion" and v == name else None
+            for m, e, v in zip(MESSAGES, MIXED_ENCODERS, MIXED_VERSIONS, strict=True)
+        ]
+        reference = hf_step(keyring.keys[len(keyring.names) + position], own, histories, reference)
+    assert torch.equal(xmark_v1, reference)
+
+    for out in (out_v1, out_v2):
+        for row, encoder in enumerate(MIXED_ENCODERS):
+            if encoder == "companion":
+                assert torch.equal(out[row], xmark_v1[row]), row
+                changed = out[row] != base[row]
+                assert torch.allclose(out[row][changed] - base[row][changed], torch.tensor(companion.delta))
+                assert abs(changed.float().mean().item() - 0.75**companion.num_keys) < 0.06
+            elif encoder == "primary":
+                assert torch.equal(out[row], gumbel_v1[row]), row
+                assert int(torch.isfinite(out[row]).sum()) == 1
+            else:
+                assert torch.equal(out[row], base[row]), row
+
+
+def test_v1_mixed_rows_keep_their_encoders_through_moves_and_swaps(auto_keyring: WorkerKeyring) -> None:
+    """The blocks of rows of different widths (an 8-bit-block primary, a 2-bit-block companion) move
+    with their rows; a gumbel row keeps the contexts its answer used."""
+    keyring = auto_keyring
+    batch = len(HISTORIES)
+    params = [mixed_params(keyring, row) for row in range(batch)]
+    outputs = [list(o) for _, o in HISTORIES]
+    processor = v1_processor()
+    added = [(row, params[row], list(p), outputs[row]) for row, (p, _) in enumerate(HISTORIES)]
+    processor.update_state(BatchUpdate(batch_size=batch, removed=[], added=added, moved=[]))
+    # swap a primary row with a companion row; row 3 (unwatermarked) leaves, row 5 moves into it
+    processor.update_state(
+        BatchUpdate(
+            batch_size=5,
+            removed=[3],
+            added=[],
+            moved=[(0, 1, MoveDirectionality.SWAP), (5, 3, MoveDirectionality.UNIDIRECTIONAL)],
+        )
+    )
+    layout = [1, 0, 2, 5, 4]  # original row in each row now
+    base = logits_for(5, seed=41)
+    out = processor.apply(base.clone())
+    # a fresh processor holds the rows in their original order: the same logits, row by row
+    wide = torch.zeros(batch, VOCAB)
+    for now, original in enumerate(layout):
+        wide[original] = base[now]
+    expected = v1_with(params).apply(wide.clone())
+    for now, original in enumerate(layout):
+        assert torch.equal(out[now], expected[original]), (now, original)
+    # next step: row 1 (originally 0, primary) goes on with a context its answer used: sampled normally
+    assert MIXED_ENCODERS[0] == "primary"
+    prompt = HISTORIES[0][0]
+    outputs[0].extend([prompt[-2], prompt[-1]])  # the context (x[-2], x[-1]) of its first token again
+    again = processor.apply(base.clone())
+    assert torch.equal(again[1], base[1])
+    assert not torch.equal(again[0], base[0])  # the companion row is still biased
+
+
+def test_an_auto_worker_admits_a_companion_request_whatever_its_sampling(auto_keyring: WorkerKeyring) -> None:
+    """At admission (V1 and V2 validators): a request for the companion takes greedy decoding,
+    penalties, logit_bias and n > 1; the same request for the primary is refused by name; the
+    companion of a single-scheme version, an unknown encoder and a salt with the companion are
+    refused by name."""
+    validate_v2 = build_custom_logits_processors_params_validator([V2_FQCN])
+    keyring = auto_keyring
+    primary = {
+        "xmark_message": MESSAGES[0],
+        "xmark_key_version": "v1",
+        "xmark_fingerprint": keyring.keys[0].fingerprint,
+    }
+    slot = keyring.index("v1", "companion")
+    assert slot is not None
+    companion = {**primary, "xmark_encoder": "companion", "xmark_fingerprint": keyring.keys[slot].fingerprint}
+    for fields, match in (
+        ({"temperature": 0.0}, "temperature must be above 0"),
+        ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
+        ({"logit_bias": {5: 1.0}}, "logit_bias is not supported"),
+        ({"n": 2}, "n above 1 is not supported"),
+    ):
+        ok = SamplingParams(**{"max_tokens": 8, "temperature": 0.7, "extra_args": companion, **fields})
+        validate_logits_processors_parameters([V1_FQCN], ok)
+        validate_v2(ok)
+        bad = SamplingParams(**{"max_tokens": 8, "temperature": 0.7, "extra_args": primary, **fields})
+        for validate in (lambda p: validate_logits_processors_parameters([V1_FQCN], p), validate_v2):
+            with pytest.raises(VLLMValidationError, match=match):
+                validate(bad)
+    for extra, match in (
+        ({**companion, "xmark_encoder": "biasing"}, "xmark_encoder must be one of"),
+        ({**companion, "xmark_salt": 0}, "xmark_salt applies to a salted gumbel encoder only"),
+        ({**companion, "xmark_fingerprint": keyring.keys[0].fingerprint}, "xmark_fingerprint differs"),
+    ):
+        bad = SamplingParams(max_tokens=8, extra_args=extra)
+        for validate in (lambda p: validate_logits_processors_parameters([V1_FQCN], p), validate_v2):
+            with pytest.raises(VLLMValidationError, match=match):
+                validate(bad)
+
+
+def test_a_single_scheme_worker_refuses_the_companion(keyring: WorkerKeyring) -> None:
+    bad = SamplingParams(max_tokens=8, extra_args={**(xargs(MESSAGES[0]) or {}), "xmark_encoder": "companion"})
+    with pytest.raises(VLLMValidationError, match="has no companion encoder"):
+        validate_logits_processors_parameters([V1_FQCN], bad)
+    with pytest.raises(VLLMValidationError, match="has no companion encoder"):
+        build_custom_logits_processors_params_validator([V2_FQCN])(bad)
 
 
 # -- V1: the persistent batch ----------------------------------------------------------------

@@ -335,6 +335,42 @@ def test_a_salted_key_versions_requests_carry_their_salt() -> None:
     }
 
 
+def test_a_per_request_versions_companion_is_named_to_the_worker_and_carries_no_salt() -> None:
+    """A per-request (auto) version: a stamp of its companion sends xmark_encoder "companion" and the
+    companion's fingerprint, no salt; one of its primary the salt and no xmark_encoder. An auto
+    worker holding the same secret reads each to its own key slot."""
+    from xmark_core.encoders import encoder_keys, spec_for
+    from xmark_core.vllm_common import ENV_SCHEME, ENV_SECRETS, WorkerKeyring, parse_request
+
+    secret = "gateway-test-secret-4c1d9e8a7b"
+    spec = spec_for("auto")
+    assert spec.companion is not None
+    primary, companion = encoder_keys(secret, spec)
+    bits = "01101100000110111001001101100100"
+    assert VllmBackend.encoders_per_request
+    worker = WorkerKeyring.from_variables({ENV_SECRETS: f"v4:{secret}", ENV_SCHEME: "auto"})
+    stamp = WatermarkStamp(companion, Message.from_bits(bits, spec.companion), "v4", salt=5, companion=True)
+    xargs = upstream_body(REQUEST, stamp, MODEL)["vllm_xargs"]
+    assert xargs == {
+        "xmark_message": bits,
+        "xmark_key_version": "v4",
+        "xmark_fingerprint": companion.fingerprint,
+        "xmark_encoder": "companion",
+    }
+    mark = parse_request(xargs, worker)
+    assert mark is not None and mark.key_index == worker.index("v4", "companion")
+    stamp = WatermarkStamp(primary, Message.from_bits(bits, spec.primary), "v4", salt=5)
+    xargs = upstream_body(REQUEST, stamp, MODEL)["vllm_xargs"]
+    assert xargs == {
+        "xmark_message": bits,
+        "xmark_key_version": "v4",
+        "xmark_fingerprint": primary.fingerprint,
+        "xmark_salt": 5,
+    }
+    mark = parse_request(xargs, worker)
+    assert mark is not None and mark.key_index == worker.index("v4") and mark.salt == 5
+
+
 def tool_call_events() -> list[bytes]:
     """vLLM's stream of one tool call whose arguments arrive in three pieces, with logprobs."""
 

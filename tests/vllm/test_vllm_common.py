@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from xmark_core import Message, WatermarkKey, WatermarkParams, vllm_common
+from xmark_core.encoders import DEFAULT_CONFIGURED_SCHEME, KeyVersionSpec, encoder_keys, spec_for
 from xmark_core.errors import RequestArgumentError
 from xmark_core.vllm_common import (
     ENV_BITS,
@@ -22,12 +23,14 @@ from xmark_core.vllm_common import (
     ENV_SCHEME,
     ENV_SECRETS,
     ENV_SECRETS_FILE,
+    XARG_ENCODER,
     XARG_FINGERPRINT,
     XARG_KEY_VERSION,
     XARG_MESSAGE,
     XARG_SALT,
     WorkerConfigError,
     WorkerKeyring,
+    check_keyed_sampling,
     count_loads,
     last_two,
     parse_request,
@@ -44,14 +47,18 @@ SECRET_B = "bravo-secret-fedcba9876543210"
 
 def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
     from service.config import Settings
-    from service.keyring import params_from_settings
+    from service.keyring import params_from_settings, spec_from_settings
 
     keyring = WorkerKeyring.from_variables({ENV_SECRETS: f"v2:{SECRET_B}, v1:{SECRET_A}"})
     assert keyring.names == ("v1", "v2")
     # unset parameters default to the gateway's defaults: one env file (or none) configures both.
-    # The defaults: the distortion-free scheme in 8-bit blocks, 1 key, 16 salts
+    # The defaults: the configured scheme auto, a distortion-free primary in 8-bit blocks, 1 key,
+    # 16 salts, and a biasing companion
     fields = Settings.model_fields
-    gateway = params_from_settings(Settings.model_construct(**{n: f.default for n, f in fields.items()}))
+    defaults = Settings.model_construct(**{n: f.default for n, f in fields.items()})
+    gateway = params_from_settings(defaults)
+    assert keyring.spec == spec_from_settings(defaults) == spec_for(DEFAULT_CONFIGURED_SCHEME)
+    assert keyring.spec.scheme == DEFAULT_CONFIGURED_SCHEME == "auto"
     assert keyring.params == gateway
     assert gateway == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
     # the biasing scheme named alone takes its own defaults, in both
@@ -96,7 +103,10 @@ def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "15"}, "invalid watermark parameters"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_BITS: "sixteen"}, "must be an integer"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark", ENV_MIN_ENTROPY: "-1"}, "invalid watermark parameters"),
-        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "0.5"}, "invalid watermark parameters"),
+        # the entropy rule of a biasing encoder: not for gumbel, the companion's under auto
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "gumbel", ENV_MIN_ENTROPY: "0.5"}, "invalid watermark parameters"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "auto", ENV_NUM_KEYS: "9"}, "invalid watermark parameters"),
+        ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "auto", ENV_BLOCK_BITS: "9"}, "invalid watermark parameters"),
         ({ENV_SECRETS: f"v1:{SECRET_A}", ENV_MIN_ENTROPY: "high"}, "must be a number"),
         ({ENV_SECRETS_FILE: "/nonexistent/xmark-secrets"}, "cannot read"),
     ],
@@ -113,6 +123,150 @@ def test_keyring_description_shows_fingerprint_prefixes_only() -> None:
     text = keyring.describe() + repr(keyring)
     assert "v1 (" in text and keyring.keys[0].fingerprint[:12] in text
     assert SECRET_A not in text and keyring.keys[0].fingerprint not in text
+    both = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "auto"})
+    text = both.describe() + repr(both)
+    assert f"v1 ({both.keys[0].fingerprint[:12]})" in text and f"v1 companion ({both.keys[1].fingerprint[:12]})" in text
+    assert SECRET_A not in text and not any(key.fingerprint in text for key in both.keys)
+
+
+# -- key versions of two encoders (configured scheme auto) ---------------------------------
+
+
+def test_an_auto_keyring_derives_the_gateways_keys_of_both_encoders() -> None:
+    """XMARK_WATERMARK_SCHEME=auto: each version has a gumbel primary slot and a biasing companion
+    slot, keyed as the gateway keys them (xmark_core.encoders.encoder_keys), fingerprints included;
+    the parameter variables configure both as spec_for reads them, empty ones taking the default."""
+    secrets = {"v1": SECRET_A, "v2": SECRET_B}
+    variables = {ENV_SECRETS: ",".join(f"{k}:{v}" for k, v in secrets.items()), ENV_SCHEME: "auto"}
+    for settings, spec in (
+        ({}, spec_for("auto")),
+        ({ENV_BITS: "", ENV_BLOCK_BITS: " ", ENV_NUM_KEYS: "", ENV_SALTS: "", ENV_DELTA: ""}, spec_for("auto")),
+        (
+            {
+                ENV_BITS: "24",
+                ENV_BLOCK_BITS: "4",
+                ENV_SALTS: "8",
+                ENV_NUM_KEYS: "2",
+                ENV_DELTA: "3",
+                ENV_MIN_ENTROPY: "0.3",
+            },
+            spec_for("auto", bits=24, block_bits=4, salts=8, num_keys=2, delta=3.0, min_entropy=0.3),
+        ),
+    ):
+        keyring = WorkerKeyring.from_variables({**variables, **settings})
+        assert keyring.spec == spec and spec.companion is not None
+        assert keyring.slots == (("v1", "primary"), ("v2", "primary"), ("v1", "companion"), ("v2", "companion"))
+        assert keyring.params == spec.primary
+        for position, name in enumerate(keyring.names):
+            primary, companion = encoder_keys(secrets[name], spec)
+            assert keyring.index(name) == keyring.index(name, "primary") == position
+            assert keyring.keys[position].fingerprint == primary.fingerprint
+            slot = keyring.index(name, "companion")
+            assert slot == len(keyring.names) + position
+            assert slot is not None and keyring.keys[slot].fingerprint == companion.fingerprint
+            assert keyring.params_of(slot) == spec.companion and keyring.params_of(position) == spec.primary
+        assert len({key.fingerprint for key in keyring.keys}) == 4
+    # the default configured scheme is auto, the gateway's too
+    assert WorkerKeyring.from_variables({ENV_SECRETS: variables[ENV_SECRETS]}).spec == spec_for("auto")
+    # a version of a single scheme has one encoder: no companion slot
+    single = WorkerKeyring.from_variables({**variables, ENV_SCHEME: "xmark"})
+    assert single.spec == KeyVersionSpec(spec_for("xmark").primary) and single.slots == (
+        ("v1", "primary"),
+        ("v2", "primary"),
+    )
+    assert single.index("v1", "companion") is None and single.index("v3", "companion") is None
+
+
+@pytest.fixture
+def auto_keys() -> WorkerKeyring:
+    return WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}", ENV_SCHEME: "auto"})
+
+
+BITS_32 = "01101100000110111001001101100100"
+
+
+def test_a_request_selects_its_versions_companion_or_primary(auto_keys: WorkerKeyring) -> None:
+    """xmark_encoder "companion" names the version's companion slot (its own blocks and fingerprint);
+    "primary" or no xmark_encoder its primary (salted as before)."""
+    companion = auto_keys.spec.companion
+    assert companion is not None
+    slot = auto_keys.index("v2", "companion")
+    assert slot is not None
+    fingerprint = auto_keys.keys[slot].fingerprint
+    mark = parse_request(
+        {XARG_MESSAGE: BITS_32, XARG_KEY_VERSION: "v2", XARG_ENCODER: "companion", XARG_FINGERPRINT: fingerprint},
+        auto_keys,
+    )
+    assert mark is not None and mark.key_index == slot and mark.salt == 0
+    np.testing.assert_array_equal(mark.blocks, Message.from_bits(BITS_32, companion).blocks)
+    assert mark.blocks.shape == (companion.num_blocks,) == (16,)
+    primary_blocks = Message.from_bits(BITS_32, auto_keys.params).blocks
+    for extra in ({}, {XARG_ENCODER: "primary"}):
+        mark = parse_request({XARG_MESSAGE: BITS_32, XARG_KEY_VERSION: "v2", XARG_SALT: 3, **extra}, auto_keys)
+        assert mark is not None and mark.key_index == auto_keys.index("v2") == 1 and mark.salt == 3
+        np.testing.assert_array_equal(mark.blocks, primary_blocks + 3 * 256)
+    # each encoder's fingerprint is its own: the primary's does not pass for the companion, nor back
+    primary_fingerprint = auto_keys.keys[1].fingerprint
+    with pytest.raises(RequestArgumentError, match=r"xmark_fingerprint differs .* v2 \(companion encoder\)"):
+        parse_request(
+            {
+                XARG_MESSAGE: BITS_32,
+                XARG_KEY_VERSION: "v2",
+                XARG_ENCODER: "companion",
+                XARG_FINGERPRINT: primary_fingerprint,
+            },
+            auto_keys,
+        )
+    with pytest.raises(RequestArgumentError, match="xmark_fingerprint differs"):
+        parse_request({XARG_MESSAGE: BITS_32, XARG_KEY_VERSION: "v2", XARG_FINGERPRINT: fingerprint}, auto_keys)
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "fragment"),
+    [
+        ({XARG_ENCODER: "biasing"}, "xmark_encoder must be one of 'primary', 'companion'"),
+        ({XARG_ENCODER: 1}, "xmark_encoder must be one of"),
+        ({XARG_ENCODER: None}, "xmark_encoder must be one of"),
+        ({XARG_ENCODER: "companion", XARG_SALT: 0}, "xmark_salt applies to a salted gumbel encoder only"),
+        ({XARG_ENCODER: "companion", XARG_SALT: 3}, "xmark_salt applies to a salted gumbel encoder only"),
+        ({XARG_ENCODER: "companion", XARG_MESSAGE: "0" * 16}, "exactly 32 characters"),
+        ({XARG_ENCODER: "companion", XARG_KEY_VERSION: "v9"}, "not configured"),
+    ],
+)
+def test_malformed_encoder_arguments_are_rejected_by_name(
+    auto_keys: WorkerKeyring, extra_args: dict, fragment: str
+) -> None:
+    with pytest.raises(RequestArgumentError) as caught:
+        parse_request({XARG_MESSAGE: BITS_32, XARG_KEY_VERSION: "v1", **extra_args}, auto_keys)
+    assert fragment in str(caught.value)
+    assert "biasing" not in str(caught.value)  # the value is not echoed
+
+
+def test_the_companion_of_a_single_scheme_version_is_refused(two_keys: WorkerKeyring) -> None:
+    with pytest.raises(RequestArgumentError, match="key version v1 has no companion encoder") as caught:
+        parse_request({XARG_MESSAGE: "0" * 16, XARG_KEY_VERSION: "v1", XARG_ENCODER: "companion"}, two_keys)
+    assert "scheme xmark" in str(caught.value)
+    # "primary" is the one encoder of such a version
+    mark = parse_request({XARG_MESSAGE: "0" * 16, XARG_KEY_VERSION: "v1", XARG_ENCODER: "primary"}, two_keys)
+    assert mark is not None and mark.key_index == 0
+
+
+def test_keyed_sampling_rules_follow_the_chosen_encoder(auto_keys: WorkerKeyring) -> None:
+    """The refusals of a gumbel encoder (greedy, penalties, logit_bias, n > 1) apply to a request for
+    the primary; a request for the companion takes them all."""
+    companion = auto_keys.spec.companion
+    assert companion is not None
+    for fields in (
+        {"temperature": 0.0},
+        {"presence_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+        {"logit_bias": {5: 2.0}},
+        {"n": 3},
+    ):
+        request = SimpleNamespace(**{"temperature": 0.7, "n": 1, **fields})
+        check_keyed_sampling(request, companion)
+        with pytest.raises(RequestArgumentError, match="distortion-free"):
+            check_keyed_sampling(request, auto_keys.params)
 
 
 # -- per-request arguments -------------------------------------------------------------------
