@@ -42,6 +42,13 @@ class Detection:
     alpha: float
 
 
+def sigma_statistic(result: DecodeResult) -> float:
+    """The paper's false-positive statistic of a biasing scheme's reading: the mean over the cTMM's
+    rows of each row's standard deviation (large where a watermark concentrated the counts). Its
+    level depends on the text's length and block profile; ``detect`` calibrates a p-value for it."""
+    return float(result.matrix.std(axis=1).mean())
+
+
 def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bool = True) -> Detection:
     """Test the decoded cTMM against unwatermarked text at level alpha.
 
@@ -55,7 +62,7 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
         return _detect_gumbel(result, alpha)
     upper = params.scheme == "mpac"
     matrix = result.matrix
-    sigma = float(matrix.std(axis=1).mean())
+    sigma = sigma_statistic(result)
     present = [int(n) for n in result.row_counts if n > 0]
     if not present:
         return Detection(False, 1.0, 0.0, "min_shard_deficit", sigma, 1.0 if sigma_test else None, alpha)

@@ -151,10 +151,12 @@ function facts(report) {
   const rows = [
     ["Test", report.test],
     ["Key version", report.key_version || "–"],
+    ["Encoder", report.encoder || "–"],
     ["Scored tokens", report.scored_tokens],
     ["Decoded message", report.decoded_message],
     ["Confidence", formatNumber(report.confidence)],
   ];
+  if (report.sigma !== null && report.sigma !== undefined) rows.push(["Std-dev statistic (σ)", formatNumber(report.sigma, 3)]);
   if (report.temperature !== null && report.temperature !== undefined) rows.push(["Assumed temperature", formatNumber(report.temperature, 2)]);
   if (report.edit_rate !== null && report.edit_rate !== undefined) rows.push(["Assumed edit rate", formatNumber(report.edit_rate, 3)]);
   if (report.identity_level !== null && report.identity_level !== undefined) {

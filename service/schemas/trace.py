@@ -109,8 +109,9 @@ class TraceReport(BaseModel):
     # the scheme of the key version's encoder whose reading decided ("gumbel": the distortion-free
     # encoder, "xmark": the biasing one; a per-request version is read under both)
     encoder: str | None = None
-    # the XMark reading's standard-deviation statistic (the paper's false-positive check: the mean
-    # of the cTMM rows' standard deviations), beside the calibrated p_value; None for other readings
+    # a biasing encoder's reading (either decoder): the paper's standard-deviation statistic (its
+    # false-positive check: the mean of the cTMM rows' standard deviations) beside the calibrated
+    # p_value; None for the distortion-free encoder's
     sigma: float | None = None
     decoded_message: str
     blocks: list[BlockReport]

@@ -55,6 +55,7 @@ from xmark_core import (
     score_gumbel_text,
     score_text,
 )
+from xmark_core.detect import sigma_statistic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -458,7 +459,7 @@ def analyze_counting(
         encoder=best.handle.encoder,
         # the paper's false-positive statistic (mean of the cTMM rows' standard deviations), biasing
         # encoders only; the decision rests on p_value, which is calibrated for this text's length
-        sigma=None if result.params.distortion_free else detection.sigma,
+        sigma=None if result.params.distortion_free else sigma_statistic(result),
         decoded_message=result.bits,
         blocks=_block_reports(result),
         attribution=None
@@ -578,6 +579,7 @@ def analyze_likelihood(
         scored_tokens=result.scored_tokens,
         key_version=handle.name,
         encoder=handle.encoder,
+        sigma=None if handle.key.params.distortion_free else sigma_statistic(counted),
         decoded_message=result.bits,
         blocks=_block_reports(counted, result.scores),
         attribution=None

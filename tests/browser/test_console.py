@@ -134,6 +134,9 @@ def test_admin_creates_a_user_and_traces_their_text_to_them(
     )
     # the text is the traced text, token by token
     assert page.locator(".token-text").text_content() == text
+    # the encoder whose reading decided (the suite's single-scheme xmark version) and its sigma
+    expect(page.locator(".facts")).to_contain_text(re.compile(r"Encoder\s*xmark"))
+    expect(page.locator(".facts")).to_contain_text("Std-dev statistic")
     page.screenshot(path=str(artifacts / "trace.png"), full_page=True)
 
     # the signed report downloads and verifies against the gateway's published key

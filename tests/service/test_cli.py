@@ -77,11 +77,11 @@ def test_create_admin_user_and_list(embedded: Settings, capsys: pytest.CaptureFi
         ("alice", "auditor", "active"),
     ]
     assert "api_key" not in out and admin["api_key"] not in out
-    # no key version is registered yet: alice holds an ID of the configured length, shown as message_id
-    bits = embedded.watermark_bits
-    assert [(m.bits, m.block_bits) for m in alice.message_ids] == [
-        (bits, embedded.watermark_block_bits_for(embedded.watermark_scheme))
-    ]
+    # no key version is registered yet: alice holds an ID of each configured encoder's length (one:
+    # the suite pins a single scheme), shown as message_id
+    assert [(m.bits, m.block_bits) for m in alice.message_ids] == sorted(
+        (p.bits, p.block_bits) for p in embedded.watermark_spec().encoders
+    )
     assert listing["data"][1]["message_id"] == alice.message_ids[0].message_id
     assert listing["data"][1]["message_ids"] == [m.model_dump() for m in alice.message_ids]
 

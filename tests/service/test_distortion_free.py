@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -29,7 +30,7 @@ from service.services.encoder_choice import check_keyed_sampling
 from service.services.users import UserService
 from tests.conftest import TEST_WATERMARK_SECRETS, make_test_settings
 from tests.fakes import FakeBackend
-from xmark_core import ParamsError, WatermarkKey, WatermarkParams
+from xmark_core import WatermarkKey, WatermarkParams
 
 GUMBEL = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
 MODEL = "smollm2-135m-instruct"
@@ -225,8 +226,8 @@ async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp
     params = params_from_settings(settings)
     assert params == GUMBEL  # 16 salts unless XMARK_WATERMARK_SALTS says otherwise
     assert params_from_settings(settings.model_copy(update={"watermark_salts": 1})).salts == 1
-    with pytest.raises(ParamsError, match="salts applies to scheme 'gumbel' only"):
-        params_from_settings(make_test_settings(tmp_path, watermark_salts=4))
+    with pytest.raises(ValidationError, match="salts applies to scheme 'gumbel' only"):  # at start-up
+        make_test_settings(tmp_path, watermark_salts=4)
     from service.schemas.chat import ChatCompletionRequest
 
     def body(**fields: Any) -> ChatCompletionRequest:

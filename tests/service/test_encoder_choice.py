@@ -295,8 +295,10 @@ async def test_every_temperature_is_answered_marked_and_traced_to_its_author(
             report["p_value"],
         )
         assert report["encoder"] == encoder and report["key_version"] == "v2"
-        if report["decoder"] == "counting" and encoder == "xmark":
+        if encoder == "xmark":
             assert report["sigma"] is not None and report["sigma"] > 0
+        else:
+            assert report["sigma"] is None
         document = (await client.get(f"/trace/{report['report_id']}", headers=_auth(auditor.api_key))).json()
         assert document["report"]["params"]["scheme"] == encoder
     # the biasing encoder at a temperature above 0: the same seed, the same answer; another seed, another
