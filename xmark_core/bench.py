@@ -100,9 +100,13 @@ def bench_encode(key: WatermarkKey) -> dict[str, float]:
     keys = [int(w) for w in key.words[:, 0]]
     naive = _best_time(lambda: naive_encode(logits, context, blocks, keys, params), repeat=3)
     return {
-        # the CPU serving path (vLLM CPU workers): one fused kernel, bit-identical to the eager op
+        # the CPU serving path (vLLM CPU workers): one fused pass, bit-identical to the eager op; for
+        # float32 logits the C++ op (xmark_core.cpu_op) where it builds (encode_cpp_op_fused)
         "encode_ms_per_step": 1e3 * fused,
         "encode_fused_kernel": float(fused_marker.fused(logits.device)),
+        "encode_cpp_op_fused": float(fused_marker.uses_cpp_op()),
+        # what tests/core/test_encode_speed.py bounds (there on one thread): the fused step against the eager op
+        "encode_speedup_vs_eager": fast / fused,
         "encode_ms_per_step_int64_kernel": 1e3 * wide,
         "encode_speedup_vs_int64_kernel": wide / fused,
         "encode_ms_per_step_eager": 1e3 * fast,

@@ -32,6 +32,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -47,6 +48,23 @@ inline uint64_t mix32(uint64_t x) {
   x = (x * kMul) & kMask32;
   x ^= x >> 16;
   return x;
+}
+
+// x + delta where boost is 1, x bit for bit where it is 0, as a select of the two values' bits. The
+// plain `x[v] = boost ? x[v] + delta : x[v]` stores x[v] back unchanged where boost is 0, which the
+// compiler turns into a conditional store; GCC vectorises that only as an AVX-512 masked store, so
+// on AVX2 (or SSE) the loop runs scalar, tens of times slower (tests/core/test_encode_speed.py).
+// This form stores every element and vectorises (compare, and-not, or) on every vector width.
+inline float add_where(float x, float delta, uint32_t boost) {
+  const float y = x + delta;
+  uint32_t keep, add;
+  std::memcpy(&keep, &x, sizeof keep);
+  std::memcpy(&add, &y, sizeof add);
+  const uint32_t mask = 0u - boost;  // all ones where boosted
+  const uint32_t bits = (keep & ~mask) | (add & mask);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
 }
 
 template <int K>
@@ -69,21 +87,20 @@ void rows(float* logits, int64_t row_stride, int64_t begin, int64_t end, int64_t
       multiplier[j] = static_cast<uint32_t>((h & kMask31) | 1);
     }
     float* x = logits + b * row_stride;
+    // one pass over the row in 32-bit lanes, branch-free (see add_where)
     if (match) {  // mpac: the token's shard is the block value
-      #pragma omp simd
       for (int64_t v = 0; v < vocab; ++v) {
-        bool boost = true;
+        uint32_t boost = 1;
         for (int j = 0; j < K; ++j)
           boost &= (((multiplier[j] * static_cast<uint32_t>(codes[j * code_stride + v])) >> shift) & low) == value;
-        x[v] = boost ? x[v] + delta : x[v];
+        x[v] = add_where(x[v], delta, boost);
       }
     } else {  // xmark, loso: the token's shard differs from the block value under every key
-      #pragma omp simd
       for (int64_t v = 0; v < vocab; ++v) {
-        bool boost = true;
+        uint32_t boost = 1;
         for (int j = 0; j < K; ++j)
           boost &= (((multiplier[j] * static_cast<uint32_t>(codes[j * code_stride + v])) >> shift) & low) != value;
-        x[v] = boost ? x[v] + delta : x[v];
+        x[v] = add_where(x[v], delta, boost);
       }
     }
   }
