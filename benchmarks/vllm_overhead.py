@@ -5,9 +5,10 @@ with the XMark V1 logits processor loaded and ``--max-num-seqs`` equal to the co
 then sends ``--rounds`` pairs of rounds, each round ``--concurrency`` simultaneous chat
 completions of exactly ``--max-tokens`` tokens (``ignore_eos``): one round without XMark
 arguments (watermark off: the processor sees no watermarked row and returns at once) and one with
-them (watermark on: every row is watermarked, by keyed sampling under the default scheme
-``gumbel`` or by the bias under ``--scheme xmark``), the order alternating from pair to pair so that drift
-falls on both modes alike. Reported per concurrency:
+them (watermark on: every row is watermarked; under the default scheme ``auto`` every other row
+asks for the key version's biasing encoder, so each step is a mixed batch of keyed-sampling and
+biased rows; ``--scheme gumbel`` / ``xmark``: every row by that one encoder), the order
+alternating from pair to pair so that drift falls on both modes alike. Reported per concurrency:
 
 * tokens/s with the watermark off and on, their ratio (on/off, from the summed tokens and
   seconds), and a 95 % interval on it: a bootstrap over the pairs (``scipy.stats.bootstrap``,
@@ -46,7 +47,7 @@ import numpy as np
 from scipy import stats
 
 from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
-from xmark_core.params import DEFAULT_SCHEME
+from xmark_core.encoders import DEFAULT_CONFIGURED_SCHEME, PER_REQUEST
 from xmark_core.vllm_common import read_processor_profile
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "var" / "models" / MODEL_NAME
@@ -117,7 +118,13 @@ async def wait_healthy(base: str, process: subprocess.Popen[bytes], timeout_s: f
 
 
 async def run_round(
-    client: httpx.AsyncClient, *, watermark: bool, concurrency: int, max_tokens: int, profile: Path
+    client: httpx.AsyncClient,
+    *,
+    watermark: bool,
+    concurrency: int,
+    max_tokens: int,
+    profile: Path,
+    scheme: str = DEFAULT_CONFIGURED_SCHEME,
 ) -> Round:
     async def one(i: int) -> int:
         body: dict[str, Any] = {
@@ -129,6 +136,8 @@ async def run_round(
         }
         if watermark:
             body["vllm_xargs"] = {"xmark_message": MESSAGE_BITS, "xmark_key_version": KEY_VERSION}
+            if scheme == PER_REQUEST and i % 2:  # a mixed batch: every other row by the biasing encoder
+                body["vllm_xargs"]["xmark_encoder"] = "companion"
         response = await client.post("/v1/chat/completions", json=body)
         response.raise_for_status()
         return int(response.json()["usage"]["completion_tokens"])
@@ -145,7 +154,7 @@ async def run_round(
 
 async def measure(args: argparse.Namespace, base: str, concurrency: int, profile: Path) -> list[Round]:
     rounds: list[Round] = []
-    common = {"concurrency": concurrency, "profile": profile}
+    common = {"concurrency": concurrency, "profile": profile, "scheme": args.scheme}
     async with httpx.AsyncClient(base_url=base, timeout=900.0) as client:
         for warm in (False, True, False, True):  # the first requests pay for lazy initialisation
             await run_round(client, watermark=warm, max_tokens=16, **common)
@@ -272,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
         "--scheme",
-        default=DEFAULT_SCHEME,
-        choices=["xmark", "gumbel"],
+        default=DEFAULT_CONFIGURED_SCHEME,
+        choices=[PER_REQUEST, "xmark", "gumbel"],
         help="the workers' watermark scheme, with its default parameters (default: the product's)",
     )
     args = parser.parse_args(argv)
