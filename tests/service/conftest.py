@@ -6,17 +6,20 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Table
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy import Table, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings, parse_secret_entries
 from service.db import create_engine, upgrade_database
+from service.models import KeyVersion
+from xmark_core.encoders import KeyVersionSpec, encoder_keys
 
 
 @asynccontextmanager
@@ -89,3 +92,32 @@ def fresh_registry(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test rolls back its users; make the registry cache look at the table on every trace
     (modules that trace use it with ``pytest.mark.usefixtures``)."""
     monkeypatch.setattr(app.state.resources.registry_cache, "check_interval", 0.0)
+
+
+async def make_only_active_version(db_session: AsyncSession, name: str, secret: bytes, spec: KeyVersionSpec) -> None:
+    """The configured secret ``name`` becomes the only active key version, with ``spec``'s encoders:
+    its row is changed, or added, inside the test's transaction, and every other version is retired
+    there (all rolled back with the test). The caller refreshes the keyring."""
+    now = datetime.now(UTC)
+    await db_session.execute(
+        update(KeyVersion).where(KeyVersion.name != name).values(status="retired", retired_at=now),
+        execution_options={"synchronize_session": False},
+    )
+    db_session.expire_all()
+    row = (await db_session.scalars(select(KeyVersion).where(KeyVersion.name == name))).one_or_none()
+    if row is None:
+        row = KeyVersion(name=name, created_at=now)
+        db_session.add(row)
+    primary, *companion_key = encoder_keys(secret, spec)
+    p = spec.primary
+    row.bits, row.block_bits, row.num_keys, row.delta, row.scheme = p.bits, p.block_bits, p.num_keys, p.delta, p.scheme
+    row.min_entropy, row.salts, row.fingerprint = p.min_entropy, p.salts, primary.fingerprint
+    c = spec.companion
+    row.companion_scheme = None if c is None else c.scheme
+    row.companion_block_bits = None if c is None else c.block_bits
+    row.companion_num_keys = None if c is None else c.num_keys
+    row.companion_delta = None if c is None else c.delta
+    row.companion_min_entropy = None if c is None else c.min_entropy
+    row.companion_fingerprint = companion_key[0].fingerprint if companion_key else None
+    row.status, row.activated_at, row.retired_at = "active", now, None
+    await db_session.flush()

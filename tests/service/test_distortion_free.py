@@ -8,13 +8,12 @@ backend that cannot sample with the key is refused at start-up and per request."
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 from pydantic import ValidationError
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.backends import build_backend
@@ -30,7 +29,9 @@ from service.services.encoder_choice import check_keyed_sampling
 from service.services.users import UserService
 from tests.conftest import TEST_WATERMARK_SECRETS, make_test_settings
 from tests.fakes import FakeBackend
-from xmark_core import WatermarkKey, WatermarkParams
+from tests.service.conftest import make_only_active_version
+from xmark_core import WatermarkParams
+from xmark_core.encoders import KeyVersionSpec
 
 GUMBEL = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
 MODEL = "smollm2-135m-instruct"
@@ -51,26 +52,11 @@ async def gumbel_users(
     and one still reading there would roll its savepoint, and these writes in it, back."""
     resources = app.state.resources
     monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)  # sees this transaction's users
-    now = datetime.now(UTC)
-    # the configured secret v2 becomes the only active version, as a ``gumbel`` one (its row is
-    # changed, or added, inside the test's transaction; every other version is retired there)
-    retired = await db_session.execute(
-        update(KeyVersion).where(KeyVersion.name != "v2").values(status="retired", retired_at=now),
-        execution_options={"synchronize_session": False},
-    )
-    db_session.expire_all()
-    row = (await db_session.scalars(select(KeyVersion).where(KeyVersion.name == "v2"))).one_or_none()
-    if row is None:
-        row = KeyVersion(name="v2", created_at=now)
-        db_session.add(row)
-    row.bits, row.block_bits, row.num_keys, row.delta, row.scheme = 32, 8, 1, 2.0, "gumbel"
-    row.min_entropy, row.salts = 0.0, 16
-    row.fingerprint = WatermarkKey.from_secret(S2, GUMBEL).fingerprint
-    row.status, row.activated_at, row.retired_at = "active", now, None
-    await db_session.flush()
+    # the configured secret v2 becomes the only active version, as a ``gumbel`` one
+    await make_only_active_version(db_session, "v2", S2, KeyVersionSpec(GUMBEL))
     rows = [(r.name, r.status, r.scheme) for r in (await db_session.scalars(select(KeyVersion))).all()]
     await resources.keyring.refresh(db_session)
-    assert sorted(rows) == [("v1", "retired", "xmark"), ("v2", "active", "gumbel")], (retired.rowcount, rows)
+    assert sorted(rows) == [("v1", "retired", "xmark"), ("v2", "active", "gumbel")], rows
     assert [(h.name, h.key.params) for h in resources.keyring.usable()] == [("v2", GUMBEL)]
     users = UserService(db_session, GUMBEL, resources.api_key_hasher)
     author = await users.create_user("gumbel-author", "user")

@@ -7,7 +7,6 @@ each answer, and ``/trace`` reads both encoders and names the author whichever w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -27,6 +26,7 @@ from service.services.trace_analysis import LengthGroup, analyze_counting_by_len
 from service.services.trace_fanout import CandidateScope, CandidateSet, FanoutPlan
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from tests.conftest import TEST_WATERMARK_SECRETS
+from tests.service.conftest import make_only_active_version
 from xmark_core import CandidateSet as Candidates
 from xmark_core import MessageAllocator, WatermarkKey
 from xmark_core.encoders import KeyVersionSpec, companion_key, encoder_keys, spec_for
@@ -232,24 +232,7 @@ async def auto_users(
     with the test (the keyring is reloaded then)."""
     resources = app.state.resources
     monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)
-    now = datetime.now(UTC)
-    await db_session.execute(
-        update(KeyVersion).where(KeyVersion.name != "v2").values(status="retired", retired_at=now),
-        execution_options={"synchronize_session": False},
-    )
-    db_session.expire_all()
-    row = (await db_session.scalars(select(KeyVersion).where(KeyVersion.name == "v2"))).one_or_none()
-    if row is None:
-        row = KeyVersion(name="v2", created_at=now)
-        db_session.add(row)
-    primary, companion = encoder_keys(S2, SPEC)
-    row.bits, row.block_bits, row.num_keys, row.delta, row.scheme = 32, 8, 1, 2.0, "gumbel"
-    row.min_entropy, row.salts, row.fingerprint = 0.0, 16, primary.fingerprint
-    row.companion_scheme, row.companion_block_bits, row.companion_num_keys = "xmark", 2, 4
-    row.companion_delta, row.companion_min_entropy = 2.0, 0.0
-    row.companion_fingerprint = companion.fingerprint
-    row.status, row.activated_at, row.retired_at = "active", now, None
-    await db_session.flush()
+    await make_only_active_version(db_session, "v2", S2, SPEC)
     await resources.keyring.refresh(db_session)
     assert [(h.name, h.per_request) for h in resources.keyring.usable()] == [("v2", True)]
     from service.services.users import UserService
