@@ -225,6 +225,23 @@ GUMBEL8_SALTED = replace(
     ),
 )
 
+# Where the distortion-free encoder stops carrying its message: the default scheme's keyed sampler
+# (8-bit blocks, 16 salts) at temperatures 0.3 and 0.5, below the sweep above; a per-request key
+# version's rule (XMARK_WATERMARK_SAMPLING_MIN_TEMPERATURE) sends requests below its threshold to the
+# biasing encoder (service.services.encoder_choice).
+GUMBEL8_LOW_TEMPERATURE = replace(
+    GUMBEL8,
+    settings=(
+        Setting(32, 1, 0.3, 200, headline=True, scheme="gumbel", block_bits=8, salts=16),
+        Setting(32, 1, 0.5, 200, headline=True, scheme="gumbel", block_bits=8, salts=16),
+        Setting(0, 0, 0.3, 100),
+        Setting(0, 0, 0.5, 100),
+    ),
+    null_keys={0.3: 29, 0.5: 29},
+    attack_authors=0,
+    scaling_sizes={},
+)
+
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -242,6 +259,7 @@ PRESETS = {
     "gumbel": GUMBEL,
     "gumbel8": GUMBEL8,
     "gumbel8s16": GUMBEL8_SALTED,
+    "gumbel8s16-low": GUMBEL8_LOW_TEMPERATURE,
     "small": SMALL,
 }
 
