@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
+.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
 
 # Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -76,7 +76,7 @@ browser:
 # Seconds, not minutes: the tests that need no model checkpoint, vLLM, GPU or long statistical
 # simulation (the tiers are markers, see pyproject.toml); the app runs on a fake backend.
 test-fast: venv check-postgres
-	$(BIN)/pytest tests -q -m "not model and not vllm and not gpu and not slow"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests -q -m "not model and not vllm and not gpu and not slow"
 
 bench-service: venv model
 	$(BIN)/python -m benchmarks.service_bench --json
@@ -156,6 +156,13 @@ eval-gumbel: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --preset gumbel --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --preset gumbel8s16 --max-num-seqs 128
 	$(VLLM_BIN)/python -m benchmarks.evaluation.quality --frontier-only
+
+# The default key version's two encoders across temperatures 0-1.3, penalties and logit_bias, each cell's
+# encoder chosen by the gateway's per-request rule, the other encoder beside it, and the
+# unwatermarked answers of the same prompts (docs/results/TEMPERATURE.md, temperature_frontier.png);
+# answers cached in var/eval/forensic-temperature-seed0 (those of gumbel8s16-low copied where the same).
+eval-temperature: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset temperature --max-num-seqs 128
 
 # The provenance evaluation (docs/results/PROVENANCE.md): answers and the model's own rewrites on the
 # vLLM CPU engine (cached in var/eval/provenance-seed0), then /trace with the generation log as

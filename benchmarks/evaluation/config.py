@@ -2,12 +2,54 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from xmark_core import WatermarkParams
 
 UNWATERMARKED = "none"
+
+# Sampling options a generation setting may pass to the engine (``vllm.SamplingParams`` fields, as
+# the OpenAI request fields of the same names), each with the short label it adds to the setting's
+# name. A ``logit_bias`` value is a tuple of (token id, bias) pairs.
+SamplingOptions = tuple[tuple[str, Any], ...]
+OPTION_LABELS: Mapping[str, str] = {
+    "frequency_penalty": "fp",
+    "presence_penalty": "pp",
+    "repetition_penalty": "rp",
+    "logit_bias": "lb",
+}
+
+
+def options_label(options: SamplingOptions) -> str:
+    """The part of a setting's name its sampling options make ("" without any): a penalty by its
+    value (``-fp0.5``), a ``logit_bias`` by a digest of its entries (``-lb`` and 8 hex digits)."""
+    out = []
+    for name, value in sorted(options):
+        if name not in OPTION_LABELS:
+            raise ValueError(f"unknown sampling option {name!r} (one of {', '.join(OPTION_LABELS)})")
+        if name == "logit_bias":
+            digest = hashlib.sha256(json.dumps(sorted((int(t), float(b)) for t, b in value)).encode()).hexdigest()
+            out.append(f"-lb{digest[:8]}")
+        else:
+            out.append(f"-{OPTION_LABELS[name]}{float(value):g}")
+    return "".join(out)
+
+
+def engine_options(options: SamplingOptions) -> dict[str, Any]:
+    """The options as ``vllm.SamplingParams`` keyword arguments (``logit_bias``: token id -> bias)."""
+    return {name: ({int(t): float(b) for t, b in value} if name == "logit_bias" else value) for name, value in options}
+
+
+def request_options(options: SamplingOptions) -> dict[str, Any]:
+    """The options as the fields of a chat request would carry them (``logit_bias``: JSON object,
+    token ids as strings), the form the gateway's encoder rule reads."""
+    return {
+        name: ({str(int(t)): float(b) for t, b in value} if name == "logit_bias" else value) for name, value in options
+    }
 
 
 @dataclass(frozen=True)
@@ -27,15 +69,24 @@ class GenSpec:
     min_entropy: float = 0.0  # the entropy rule (WatermarkParams.min_entropy); 0: every position biased
     block_bits: int = 2  # d (``gumbel`` allows up to 8)
     salts: int = 1  # S (``gumbel``: WatermarkParams.salts)
+    # the biasing companion of a per-request key version (xmark_core.encoders): its key derives
+    # from the version's secret under the companion's label (``companion_key``)
+    companion: bool = False
+    options: SamplingOptions = ()  # sampling options the engine applies (penalties, logit_bias)
 
     @property
     def name(self) -> str:
+        options = options_label(self.options)
         if self.scheme == UNWATERMARKED:
-            return f"none-t{self.temperature:g}"
+            return f"none{options}-t{self.temperature:g}"
         rule = f"-h{self.min_entropy:g}" if self.min_entropy else ""
         blocks = f"-bb{self.block_bits}" if self.block_bits != 2 else ""
         salts = f"-s{self.salts}" if self.salts != 1 else ""
-        return f"{self.scheme}-b{self.bits}{blocks}-k{self.num_keys}-d{self.delta:g}{rule}{salts}-t{self.temperature:g}"
+        companion = "-companion" if self.companion else ""
+        return (
+            f"{self.scheme}-b{self.bits}{blocks}-k{self.num_keys}-d{self.delta:g}{rule}{salts}{companion}{options}"
+            f"-t{self.temperature:g}"
+        )
 
     @property
     def watermarked(self) -> bool:

@@ -23,6 +23,13 @@ Protocol (``FORENSIC``):
   that never touched a text, each (text, key) pair a separate trace with one key version.
 * Robustness at T = 300: copy-paste (30 % of the tokens replaced by the same span of the
   unwatermarked answer to the same prompt), word deletion and token substitution (20 %).
+* A preset with a per-request key version (``ForensicConfig.key_version``, the ``temperature``
+  preset: the gateway's default ``spec_for("auto")``) writes each cell with one of its encoders,
+  chosen by the gateway's own rule (``encoder_choice.companion_reason``) or set to the other one
+  for comparison, and traces every text, the null texts included, under both encoders: two
+  readings of one fan-out, each one test of its count, as ``/trace`` reads such a version. Its
+  cells may carry sampling options (penalties, ``logit_bias``) that the engine applies, and its
+  null texts are per temperature and options; it writes ``TEMPERATURE.md`` (``report.render_temperature``).
 
 Every rate comes with its count and a Wilson 95 % interval. Writes ``docs/results/FORENSIC.md``
 and ``docs/results/forensic.json``; completions and model scores are cached under
@@ -45,13 +52,22 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xmark_core import DEFAULT_EDIT_RATE, CandidateSet, Message, MessageAllocator, ModelScores, WatermarkParams
+from xmark_core import (
+    DEFAULT_EDIT_RATE,
+    CandidateSet,
+    Message,
+    MessageAllocator,
+    ModelScores,
+    WatermarkKey,
+    WatermarkParams,
+)
+from xmark_core.encoders import PER_REQUEST, KeyVersionSpec, encoder_keys, spec_for
 
 from .attacks import copy_paste, delete_words, substitute_tokens
-from .config import UNWATERMARKED, GenSpec
-from .generation import RowJob
+from .config import UNWATERMARKED, GenSpec, SamplingOptions, request_options
+from .generation import RowJob, RowResult
 from .metrics import rate_cell
-from .population import evaluation_key, null_keys
+from .population import evaluation_key, evaluation_secret, null_keys
 from .prompts import Prompt, load_prompts
 from .store import GenerationStore
 
@@ -59,8 +75,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from service.keyring import KeyVersionHandle
+    from service.services.encoder_choice import EncoderRule
     from service.services.registry_cache import RegistrySnapshot
-    from service.services.trace_analysis import TraceOutcome
+    from service.services.trace_analysis import LengthGroup, TraceOutcome
+    from service.services.trace_fanout import FanoutPlan
 
 DECODERS = ("counting", "likelihood", "auto")
 ATTACKS = ("copy_paste", "word_deletion", "token_substitution")
@@ -80,11 +98,18 @@ class Setting:
     scheme: str = "xmark"
     block_bits: int = 2
     salts: int = 1  # WatermarkParams.salts (``gumbel``): each author's answer under a salt drawn at random
+    # a per-request key version's biasing encoder (ForensicConfig.key_version): its companion key
+    companion: bool = False
+    # sampling options of the requests (penalties, logit_bias), as the engine applies them
+    options: SamplingOptions = ()
+    # the encoder the gateway's rule chooses for this cell's requests (False: the version's other
+    # encoder, measured beside it to show what the rule's choice buys)
+    by_rule: bool = False
 
     @property
     def spec(self) -> GenSpec:
         if self.bits == 0:
-            return GenSpec(UNWATERMARKED, temperature=self.temperature)
+            return GenSpec(UNWATERMARKED, temperature=self.temperature, options=self.options)
         return GenSpec(
             self.scheme,
             self.bits,
@@ -94,6 +119,8 @@ class Setting:
             min_entropy=self.min_entropy,
             block_bits=self.block_bits,
             salts=self.salts,
+            companion=self.companion,
+            options=self.options,
         )
 
     @property
@@ -123,6 +150,16 @@ class ForensicConfig:
     # larger registries (beyond registry_size: random IDs), per message length
     scaling_sizes: dict[int, tuple[int, ...]] = field(default_factory=lambda: {16: (65_536,), 32: (100_000, 1_000_000)})
     seed: int = 0
+    # a per-request key version (configured scheme ``auto``): each watermarked setting is written by
+    # one of its encoders (``Setting.companion``), and every text is traced under both, as /trace
+    # reads a version (two readings, each one test of the count); None: one key version per setting
+    key_version: KeyVersionSpec | None = None
+    decoders: tuple[str, ...] = DECODERS
+    # presets whose caches hold answers this one would generate identically (same seed, registry,
+    # answer length and setting names: each row's seed is its own): copied instead of generated
+    reuse: tuple[str, ...] = ()
+    # the stem of the files written (``temperature``: temperature.json and TEMPERATURE.md); "": forensic
+    report: str = ""
 
     def null_key_count(self, temperature: float) -> int:
         return (self.null_keys or {}).get(temperature, 9)
@@ -242,6 +279,150 @@ GUMBEL8_LOW_TEMPERATURE = replace(
     scaling_sizes={},
 )
 
+
+@dataclass(frozen=True)
+class _EvaluationEngine:
+    """What the gateway's encoder rule reads of a backend: the evaluation's engine writes every
+    answer as a request of its own (n = 1) and serves both encoders of a per-request version."""
+
+    salts_per_answer: bool = True
+    encoders_per_request: bool = True
+
+
+def encoder_rule() -> EncoderRule:
+    """The gateway's encoder rule at its default thresholds (``service.config.Settings``' defaults)."""
+    from service.config import Settings
+    from service.services.encoder_choice import EncoderRule
+
+    fields = Settings.model_fields
+    return EncoderRule(
+        min_temperature=fields["watermark_sampling_min_temperature"].default,
+        min_top_p=fields["watermark_sampling_min_top_p"].default,
+    )
+
+
+def companion_reason_of(temperature: float, options: SamplingOptions = (), rule: EncoderRule | None = None) -> str:
+    """The request field that sends a request at ``temperature`` with ``options`` (full vocabulary:
+    top_p 1, top_k off, n = 1, as the evaluation samples) to a per-request version's companion
+    encoder, "" for the primary: the gateway's own rule (``encoder_choice.companion_reason``)."""
+    from service.fleet import ServedModel
+    from service.schemas.chat import SamplingRequest
+    from service.services.encoder_choice import companion_reason
+
+    body = SamplingRequest(model="evaluation", temperature=temperature, top_p=1.0)
+    served = ServedModel("evaluation", _EvaluationEngine())  # type: ignore[arg-type]  # the rule's view of a backend
+    return companion_reason(body, request_options(options), served=served, rule=rule or encoder_rule())
+
+
+def encoder_setting(
+    version: KeyVersionSpec,
+    temperature: float,
+    authors: int,
+    *,
+    companion: bool,
+    by_rule: bool,
+    options: SamplingOptions = (),
+) -> Setting:
+    """A cell written by one encoder of ``version`` (its primary, or with ``companion`` its companion)."""
+    params = version.companion if companion else version.primary
+    if params is None:
+        raise ValueError("a companion cell needs a key version with a companion encoder")
+    return Setting(
+        params.bits,
+        params.num_keys,
+        temperature,
+        authors,
+        headline=True,
+        delta=params.delta,
+        min_entropy=params.min_entropy,
+        scheme=params.scheme,
+        block_bits=params.block_bits,
+        salts=params.salts,
+        companion=companion,
+        options=options,
+        by_rule=by_rule,
+    )
+
+
+# The issue's temperature sweep, and what else a client sends that the keyed sampler cannot honour:
+# at OPTIONS_TEMPERATURE, a frequency penalty, a presence penalty and a logit_bias list. The list's
+# token ids are SmolLM2's (the evaluated model's tokenizer): -100 (banned) on " the" (260), " a"
+# (253), " and" (284) and " very" (1035), +5 on " indeed" (6392), " truly" (5416) and
+# " remarkable" (7155).
+SWEEP_TEMPERATURES = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3)
+OPTIONS_TEMPERATURE = 0.7
+LOGIT_BIAS = ((260, -100.0), (253, -100.0), (284, -100.0), (1035, -100.0), (6392, 5.0), (5416, 5.0), (7155, 5.0))
+SAMPLING_OPTIONS: tuple[SamplingOptions, ...] = (
+    (("frequency_penalty", 0.5),),
+    (("presence_penalty", 0.5),),
+    (("logit_bias", LOGIT_BIAS),),
+)
+
+
+def temperature_config(
+    *,
+    authors: int = 200,
+    option_authors: int = 100,
+    null_texts: int = 100,
+    keys_per_text: int = 10,
+    neighbours: int | None = None,
+    registry_size: int = 10_000,
+) -> ForensicConfig:
+    """The temperature sweep on the gateway's default key version (``spec_for("auto")``): at each
+    temperature, the cell of the encoder the gateway's rule chooses (``companion_reason_of``, at
+    the default thresholds); beside it, the other encoder at the ``neighbours`` temperatures on
+    each side of the rule's switch (None: at every temperature; the keyed sampler never at a
+    greedy temperature, where it cannot run), so that both encoders' naming and perplexity stand
+    side by side wherever the switch could be; the option cells at OPTIONS_TEMPERATURE.
+    Unwatermarked answers of the same prompts at every temperature and with every option set, each
+    traced under ``keys_per_text`` key versions (the evaluation's and independent ones), both
+    encoders read every time."""
+    from service.backends.base import GREEDY_TEMPERATURE
+
+    version = spec_for(PER_REQUEST)
+    rule = encoder_rule()
+    settings = []
+    below, above = [], []
+    for temperature in SWEEP_TEMPERATURES:
+        companion = bool(companion_reason_of(temperature, (), rule))
+        settings.append(encoder_setting(version, temperature, authors, companion=companion, by_rule=True))
+        if not companion:
+            above.append(temperature)
+        elif temperature >= GREEDY_TEMPERATURE:
+            below.append(temperature)
+    for temperature in below if neighbours is None else below[len(below) - neighbours :]:
+        settings.append(encoder_setting(version, temperature, authors, companion=False, by_rule=False))
+    for temperature in above if neighbours is None else above[:neighbours]:
+        settings.append(encoder_setting(version, temperature, authors, companion=True, by_rule=False))
+    for options in SAMPLING_OPTIONS:
+        companion = bool(companion_reason_of(OPTIONS_TEMPERATURE, options, rule))
+        settings.append(
+            encoder_setting(
+                version, OPTIONS_TEMPERATURE, option_authors, companion=companion, by_rule=True, options=options
+            )
+        )
+    settings += [Setting(0, 0, temperature, null_texts) for temperature in SWEEP_TEMPERATURES]
+    settings += [Setting(0, 0, OPTIONS_TEMPERATURE, null_texts, options=options) for options in SAMPLING_OPTIONS]
+    return ForensicConfig(
+        settings=tuple(settings),
+        t_grid=(150,),
+        max_tokens=200,
+        registry_size=registry_size,
+        null_keys=dict.fromkeys(SWEEP_TEMPERATURES, keys_per_text - 1),
+        attack_authors=0,
+        scaling_sizes={},
+        key_version=version,
+        decoders=("auto",),
+        reuse=("gumbel8s16-low",),
+        report="temperature",
+    )
+
+
+# Where the per-request rule switches encoders and why (``make eval-temperature``, TEMPERATURE.md).
+TEMPERATURE = temperature_config()
+# The same cells with 4 authors and texts each and a registry of 1,000 (a check of the pipeline).
+TEMPERATURE_SMALL = temperature_config(authors=4, option_authors=4, null_texts=4, keys_per_text=2, registry_size=1_000)
+
 SMALL = ForensicConfig(
     settings=(Setting(32, 4, 0.7, 8, headline=True), Setting(0, 0, 0.7, 8)),
     t_grid=(150, 300),
@@ -260,6 +441,8 @@ PRESETS = {
     "gumbel8": GUMBEL8,
     "gumbel8s16": GUMBEL8_SALTED,
     "gumbel8s16-low": GUMBEL8_LOW_TEMPERATURE,
+    "temperature": TEMPERATURE,
+    "temperature-small": TEMPERATURE_SMALL,
     "small": SMALL,
 }
 
@@ -317,11 +500,39 @@ def prompt_of(prompts: Sequence[Prompt], seed: int, author: int) -> Prompt:
     return order[author % len(order)]
 
 
+def version_secret(seed: int, version: int = 0) -> str:
+    """The secret of the evaluation's key version ``version``: 0 is the one every answer is written
+    under, j >= 1 the j-th independent one that never touched a text (``population.null_keys``)."""
+    return evaluation_secret(seed) if version == 0 else f"{evaluation_secret(seed)}/null-{version - 1}"
+
+
+def version_keys(config: ForensicConfig, version: int = 0) -> tuple[WatermarkKey, ...]:
+    """The keys of each encoder of the per-request key version ``version`` (primary first), as the
+    gateway derives them from a version's secret (``xmark_core.encoders.encoder_keys``)."""
+    if config.key_version is None:
+        raise ValueError("the preset has no per-request key version")
+    return encoder_keys(version_secret(config.seed, version), config.key_version)
+
+
+def setting_key(config: ForensicConfig, setting: Setting) -> WatermarkKey:
+    """The key a watermarked setting's answers are written under: the evaluation key of its
+    parameters, or under a per-request key version the key of its encoder."""
+    params = setting.spec.params()
+    if config.key_version is None:
+        if setting.companion:
+            raise ValueError(f"{setting.name}: a companion cell needs the preset's key_version")
+        return evaluation_key(params, config.seed)
+    key = version_keys(config)[1 if setting.companion else 0]
+    if key.params != params:
+        raise ValueError(f"{setting.name}: not an encoder of the preset's key version ({key.params})")
+    return key
+
+
 def jobs(config: ForensicConfig, population: Population, prompts: Sequence[Prompt]) -> list[RowJob]:
     out = []
     for setting in config.settings:
         spec = setting.spec
-        key = evaluation_key(spec.params(), config.seed) if spec.watermarked else None
+        key = setting_key(config, setting) if spec.watermarked else None
         registry = population.registry(setting.bits) if spec.watermarked else None
         authors = population.authors(setting.bits) if spec.watermarked else None
         for author in range(setting.authors):
@@ -332,8 +543,78 @@ def jobs(config: ForensicConfig, population: Population, prompts: Sequence[Promp
                 if setting.block_bits != message.params.block_bits:  # the same ID read in the setting's blocks
                     message = Message(message.bits, spec.params())
             salt = random.Random(f"salt/{config.seed}/{spec.name}/{author}").randrange(setting.salts)
-            out.append(RowJob(spec.name, author, 0, prompt.id, prompt.text, setting.temperature, key, message, salt))
+            out.append(
+                RowJob(
+                    spec.name,
+                    author,
+                    0,
+                    prompt.id,
+                    prompt.text,
+                    setting.temperature,
+                    key,
+                    message,
+                    salt,
+                    companion=setting.companion,
+                    options=setting.options,
+                )
+            )
     return out
+
+
+def cache_dir_of(preset: str, seed: int) -> Path:
+    """A preset's default cache directory."""
+    suffix = "" if preset == "forensic" else f"-{preset}"
+    return Path("var/eval") / f"forensic{suffix}-seed{seed}"
+
+
+def reused_caches(config: ForensicConfig) -> list[Path]:
+    """The cache directories of the presets of ``config.reuse`` whose answers this one would
+    generate identically: the same seed, registry size and answer length (a row's answer is a
+    function of the seed, its setting's name, its author, its prompt and the registry)."""
+    out = []
+    for name in config.reuse:
+        other = PRESETS[name]
+        if (other.seed, other.registry_size, other.max_tokens) == (
+            config.seed,
+            config.registry_size,
+            config.max_tokens,
+        ):
+            out.append(cache_dir_of(name, other.seed))
+    return out
+
+
+def adopt_registries(config: ForensicConfig, cache_dir: Path) -> None:
+    """Copy the allocated registries of the reused caches (allocating 10,000 IDs takes minutes;
+    the allocation is a function of the seed and the size alone)."""
+    import shutil
+
+    for source in reused_caches(config):
+        for registry in source.glob("registry-b*.txt"):
+            if not (cache_dir / registry.name).is_file():
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(registry, cache_dir / registry.name)
+
+
+def adopt(config: ForensicConfig, pending: list[RowJob], store: GenerationStore) -> list[RowJob]:
+    """Copy into ``store`` the pending answers a reused cache holds (``reused_caches``); returns
+    the answers still to generate."""
+    left = pending
+    for source in reused_caches(config):
+        if not (source / "generations.jsonl").is_file():
+            continue
+        theirs = GenerationStore(source / "generations.jsonl")
+        found, still = [], []
+        for job in left:
+            row = theirs.get(job.spec_name, job.user, job.slot)
+            if row is not None and row.prompt_id == job.prompt_id and len(row.token_ids) == config.max_tokens:
+                found.append(RowResult(job, row.token_ids, row.nll, row.text))
+            else:
+                still.append(job)
+        if found:
+            store.add(found)
+            _log(f"{len(found)} answers copied from {source}")
+        left = still
+    return left
 
 
 def generate(config: ForensicConfig, pending: list[RowJob], store: GenerationStore, args: argparse.Namespace) -> float:
@@ -375,6 +656,19 @@ class Scorer:
         self.seconds = 0.0
         self.tokens = 0
 
+    def adopt(self, path: Path, texts: dict[str, str]) -> None:
+        """Take the scores of ``texts`` (by name) that another cache of the same model and dtype
+        holds, where the text re-tokenizes to the same ids."""
+        if not path.is_file():
+            return
+        taken = 0
+        for name, (ids, own, top_ids, top_lp, vocab) in pickle.loads(path.read_bytes()).items():
+            if name in texts and name not in self.cache and self.tokenize(texts[name]) == ids:
+                self.cache[name] = Scored(ids, ModelScores(own, top_ids, top_lp, vocab))
+                taken += 1
+        if taken:
+            _log(f"{taken} texts' scores taken from {path}")
+
     def tokenize(self, text: str) -> list[int]:
         from service.services.trace_analysis import tokenize
 
@@ -410,22 +704,45 @@ class Scorer:
         self.path.write_bytes(pickle.dumps(plain))
 
 
+def setting_fields(setting: Setting) -> dict[str, Any]:
+    """A watermarked setting as the result rows name it."""
+    out: dict[str, Any] = {
+        "setting": setting.name,
+        "bits": setting.bits,
+        "num_keys": setting.num_keys,
+        "delta": setting.delta,
+        "min_entropy": setting.min_entropy,
+        "scheme": setting.scheme,
+        "block_bits": setting.block_bits,
+        "salts": setting.salts,
+        "temperature": setting.temperature,
+    }
+    if setting.companion or setting.options or setting.by_rule:  # a per-request version's cell
+        out.update(companion=setting.companion, options=request_options(setting.options), by_rule=setting.by_rule)
+    return out
+
+
+def trace_plan(decoder: str, groups: Sequence[LengthGroup]) -> FanoutPlan:
+    """The fan-out /trace runs for a text of one model read under ``groups`` (each message length's
+    key versions and registry snapshot; a per-request version is two readings, one per encoder)."""
+    from service.services.trace_fanout import decoders_for, plan_for
+    from service.vocabulary import TraceDecoder
+
+    return plan_for(groups, [], decoders_for(TraceDecoder(decoder), scorer_available=True))
+
+
 def trace(
     decoder: str,
     scored: Scored,
     tokenizer: PreTrainedTokenizerBase,
-    versions: Sequence[KeyVersionHandle],
-    snapshot: RegistrySnapshot,
+    groups: Sequence[LengthGroup],
     config: ForensicConfig,
 ) -> TraceOutcome:
     """The gateway's reading of one text with one decoder, or ``auto`` as ``TracingService`` runs
     it: the same fan-out (``service.services.trace_fanout``), its count included."""
-    from service.services.trace_analysis import LengthGroup
-    from service.services.trace_fanout import TextReading, TraceFanout, decoders_for, plan_for
-    from service.vocabulary import TraceDecoder
+    from service.services.trace_fanout import TextReading, TraceFanout
 
-    decoders = decoders_for(TraceDecoder(decoder), scorer_available=True)
-    plan = plan_for([LengthGroup(tuple(versions), snapshot)], [], decoders)
+    plan = trace_plan(decoder, groups)
     reading = TextReading(
         scored.ids,
         tokenizer,
@@ -457,14 +774,18 @@ class Evaluation:
         assert isinstance(text, str)
         return text
 
-    def null_setting(self, temperature: float) -> Setting | None:
-        return next((s for s in self.config.settings if s.bits == 0 and s.temperature == temperature), None)
+    def null_setting(self, temperature: float, options: SamplingOptions = ()) -> Setting | None:
+        """The unwatermarked cell of the same temperature and sampling options (the paired texts)."""
+        return next(
+            (s for s in self.config.settings if s.bits == 0 and s.temperature == temperature and s.options == options),
+            None,
+        )
 
     def attacked(self, setting: Setting, author: int, attack: str) -> str:
         own = self.completion(setting, author)
         rng = random.Random(f"xmark-forensic/{self.config.seed}/{attack}/{setting.name}/{author}")
         if attack == "copy_paste":
-            base = self.null_setting(setting.temperature)
+            base = self.null_setting(setting.temperature, setting.options)
             assert base is not None
             return self.decode(copy_paste(own, self.completion(base, author), self.config.copy_paste_level, rng))
         if attack == "word_deletion":
@@ -480,7 +801,7 @@ class Evaluation:
                 out[f"{setting.name}/{author}"] = self.decode(self.completion(setting, author))
                 if setting.bits and author < self.attack_count(setting):
                     for attack in ATTACKS:
-                        if attack == "copy_paste" and self.null_setting(setting.temperature) is None:
+                        if attack == "copy_paste" and self.null_setting(setting.temperature, setting.options) is None:
                             continue
                         out[f"{setting.name}/{author}/{attack}"] = self.attacked(setting, author, attack)
         return out
@@ -532,33 +853,18 @@ class Evaluation:
         larger registries, and the headline null texts against them (T = 150)."""
         cfg = self.config
         rows = []
-        for setting, params, versions, authors in self.watermarked():
-            base = self.null_setting(setting.temperature)
+        for setting, params, _, authors in self.watermarked():
+            base = self.null_setting(setting.temperature, setting.options)
             for size in cfg.scaling_sizes.get(setting.bits, ()):
-                snapshot = self.snapshot(params, size)
+                groups = self.reading(params, size=size)
                 for t in (150, max(cfg.t_grid)):
                     named = wrong = 0
                     for author in range(setting.authors):
-                        outcome = trace(
-                            "auto",
-                            self.prefix(setting, author, t),
-                            self.tokenizer,
-                            versions,
-                            snapshot,
-                            cfg,
-                        )
+                        outcome = trace("auto", self.prefix(setting, author, t), self.tokenizer, groups, cfg)
                         named += outcome.attributed_user_id == authors[author]
                         wrong += outcome.named and outcome.attributed_user_id != authors[author]
                     row = {
-                        "setting": setting.name,
-                        "bits": setting.bits,
-                        "num_keys": setting.num_keys,
-                        "delta": setting.delta,
-                        "min_entropy": setting.min_entropy,
-                        "scheme": setting.scheme,
-                        "block_bits": setting.block_bits,
-                        "salts": setting.salts,
-                        "temperature": setting.temperature,
+                        **setting_fields(setting),
                         "registry": size,
                         "T": t,
                         "decoder": "auto",
@@ -566,49 +872,65 @@ class Evaluation:
                         "wrong": rate_cell(wrong, setting.authors),
                     }
                     if t == 150 and setting.headline and base is not None:
-                        keys = [evaluation_key(params, cfg.seed), *null_keys(params, cfg.seed, cfg.other_t_keys - 1)]
+                        readings = [self.reading(params, version, size) for version in range(cfg.other_t_keys)]
                         false = pairs = 0
                         for author in range(base.authors):
                             text = self.prefix(base, author, t)
-                            for key in keys:
+                            for reading in readings:
                                 pairs += 1
-                                versions_of = self.versions(key)
-                                decoder = "auto"
-                                false += trace(decoder, text, self.tokenizer, versions_of, snapshot, cfg).named
+                                false += trace("auto", text, self.tokenizer, reading, cfg).named
                         row["null_named"] = rate_cell(false, pairs)
                     rows.append(row)
             _log(f"scaling: {setting.name} done")
         return rows
 
     @staticmethod
-    def versions(key: Any) -> list[KeyVersionHandle]:
+    def versions(key: Any, companion: WatermarkKey | None = None) -> list[KeyVersionHandle]:
         from service.keyring import KeyVersionHandle
         from service.vocabulary import KeyVersionStatus
 
-        return [KeyVersionHandle(id=1, name="v1", key=key, status=KeyVersionStatus.ACTIVE)]
+        return [KeyVersionHandle(id=1, name="v1", key=key, status=KeyVersionStatus.ACTIVE, companion=companion)]
 
-    def watermarked(self) -> Iterator[tuple[Setting, WatermarkParams, list[KeyVersionHandle], list[int]]]:
-        """Each watermarked setting with its parameters, its one key version and its authors' registry indices."""
+    def reading(self, params: WatermarkParams, version: int = 0, size: int | None = None) -> list[LengthGroup]:
+        """What /trace reads a text under, each message length with its registry (``size``: of that
+        size): key version ``version`` (0: the evaluation's, j: the j-th independent one). One key
+        version of ``params``, or the preset's per-request version, one reading per encoder, each
+        encoder's message length against its registry (``Keyring.readings``, ``group_by_length``)."""
+        from service.services.trace_analysis import LengthGroup, group_by_length
+
+        if self.config.key_version is None:
+            key = (
+                evaluation_key(params, self.config.seed)
+                if version == 0
+                else null_keys(params, self.config.seed, version)[-1]
+            )
+            return [LengthGroup(tuple(self.versions(key)), self.snapshot(params, size))]
+        primary, companion = version_keys(self.config, version)
+        handles = self.versions(primary, companion)[0].encoders()
+        return [LengthGroup(group, self.snapshot(group[0].key.params, size)) for group in group_by_length(handles)]
+
+    def watermarked(self) -> Iterator[tuple[Setting, WatermarkParams, list[LengthGroup], list[int]]]:
+        """Each watermarked setting with its parameters, what /trace reads its texts under (the
+        evaluation's key version) and its authors' registry indices."""
         for setting in self.config.settings:
             if setting.bits:
                 params = setting.spec.params()
-                versions = self.versions(evaluation_key(params, self.config.seed))
-                yield setting, params, versions, self.population.authors(setting.bits)
+                yield setting, params, self.reading(params), self.population.authors(setting.bits)
 
     # -- sections ----------------------------------------------------------------------------
     def attribution(self) -> list[dict[str, Any]]:
         cfg = self.config
         rows = []
-        for setting, params, versions, authors in self.watermarked():
-            snapshot = self.snapshot(params)
+        for setting, _, groups, authors in self.watermarked():
             for t in cfg.t_grid:
-                for decoder in DECODERS:
+                for decoder in cfg.decoders:
                     named = wrong = top1 = by_likelihood = 0
                     lengths, confidences, seconds = [], [], []
+                    by_encoder: dict[str, int] = {}  # names, by the encoder whose reading named
                     for author in range(setting.authors):
                         text = self.prefix(setting, author, t)
                         t0 = time.perf_counter()
-                        outcome = trace(decoder, text, self.tokenizer, versions, snapshot, cfg)
+                        outcome = trace(decoder, text, self.tokenizer, groups, cfg)
                         seconds.append(time.perf_counter() - t0)
                         truth = authors[author]
                         report = outcome.report
@@ -617,20 +939,14 @@ class Evaluation:
                         named += outcome.attributed_user_id == truth
                         wrong += outcome.named and outcome.attributed_user_id != truth
                         by_likelihood += outcome.named and report.decoder == "likelihood"
+                        if outcome.named:
+                            by_encoder[str(report.encoder)] = by_encoder.get(str(report.encoder), 0) + 1
                         if report.confidence is not None:
                             confidences.append(report.confidence)
                     n = setting.authors
                     rows.append(
                         {
-                            "setting": setting.name,
-                            "bits": setting.bits,
-                            "num_keys": setting.num_keys,
-                            "delta": setting.delta,
-                            "min_entropy": setting.min_entropy,
-                            "scheme": setting.scheme,
-                            "block_bits": setting.block_bits,
-                            "salts": setting.salts,
-                            "temperature": setting.temperature,
+                            **setting_fields(setting),
                             "T": t,
                             "decoder": decoder,
                             "authors": n,
@@ -639,6 +955,7 @@ class Evaluation:
                             "wrong": rate_cell(wrong, n),
                             "top1": rate_cell(top1, n),
                             "named_by_likelihood": by_likelihood,
+                            "named_by_encoder": by_encoder,
                             "median_confidence": round(statistics.median(confidences), 4) if confidences else None,
                             "analysis_ms_p50": round(1000 * statistics.median(seconds), 2),
                         }
@@ -647,85 +964,88 @@ class Evaluation:
         return rows
 
     def null(self) -> list[dict[str, Any]]:
-        """False attribution: unwatermarked texts (at each watermarked setting's temperature) traced
-        under keys of that setting's parameters that never marked them. At T = 150 every decoder
-        reads every (text, key) pair; at other T, ``auto`` reads the pairs of ``other_t_keys`` keys."""
+        """False attribution: unwatermarked texts (at each watermarked setting's temperature and
+        sampling options) traced under key versions that never marked them: the evaluation's and
+        independent ones, of that setting's parameters or the preset's per-request version (read
+        under both encoders). At T = 150 every decoder reads every (text, key) pair; at other T,
+        ``auto`` reads the pairs of ``other_t_keys`` keys."""
         cfg = self.config
         rows = []
-        done: set[tuple[WatermarkParams, float]] = set()
+        done: set[tuple[WatermarkParams | KeyVersionSpec, str]] = set()
         for setting in cfg.settings:
-            base = self.null_setting(setting.temperature)
+            base = self.null_setting(setting.temperature, setting.options)
             if not setting.bits or base is None:
                 continue
             params = setting.spec.params()
-            if (params, base.temperature) in done:
+            reads: WatermarkParams | KeyVersionSpec = params if cfg.key_version is None else cfg.key_version
+            if (reads, base.name) in done:
                 continue
-            done.add((params, base.temperature))
+            done.add((reads, base.name))
             texts = base.authors if setting.headline else min(base.authors, cfg.attack_authors)
-            others = null_keys(params, cfg.seed, cfg.null_key_count(base.temperature))
-            keys = [evaluation_key(params, cfg.seed), *others]
-            snapshot = self.snapshot(params)
+            readings = [self.reading(params, version) for version in range(1 + cfg.null_key_count(base.temperature))]
             for t in cfg.t_grid:
-                decoders = DECODERS if t == 150 else ("auto",)
-                used = keys if t == 150 else keys[: cfg.other_t_keys]
+                decoders = cfg.decoders if t == 150 else ("auto",)
+                used = readings if t == 150 else readings[: cfg.other_t_keys]
                 counts = dict.fromkeys(decoders, 0)
+                by_encoder: dict[str, dict[str, int]] = {decoder: {} for decoder in decoders}
                 pairs = 0
                 for author in range(texts):
                     text = self.prefix(base, author, t)
-                    for key in used:
+                    for reading in used:
                         pairs += 1
                         for decoder in decoders:
-                            outcome = trace(decoder, text, self.tokenizer, self.versions(key), snapshot, cfg)
+                            outcome = trace(decoder, text, self.tokenizer, reading, cfg)
                             counts[decoder] += outcome.named
+                            if outcome.named:
+                                encoder = str(outcome.report.encoder)
+                                by_encoder[decoder][encoder] = by_encoder[decoder].get(encoder, 0) + 1
                 for decoder in decoders:
-                    rows.append(
-                        {
-                            "texts_temperature": base.temperature,
-                            "bits": params.bits,
-                            "num_keys": params.num_keys,
-                            "delta": params.delta,
-                            "scheme": params.scheme,
-                            "block_bits": params.block_bits,
-                            "salts": params.salts,
-                            "T": t,
-                            "decoder": decoder,
-                            "pairs": pairs,
-                            "named": rate_cell(counts[decoder], pairs),
-                        }
-                    )
-            _log(f"null: texts at {base.temperature:g} under b={params.bits} k={params.num_keys} done")
+                    row: dict[str, Any] = {
+                        "texts_temperature": base.temperature,
+                        "bits": params.bits,
+                        "num_keys": params.num_keys,
+                        "delta": params.delta,
+                        "scheme": params.scheme,
+                        "block_bits": params.block_bits,
+                        "salts": params.salts,
+                        "T": t,
+                        "decoder": decoder,
+                        "pairs": pairs,
+                        "named": rate_cell(counts[decoder], pairs),
+                    }
+                    if cfg.key_version is not None:  # both encoders read every pair
+                        row.update(
+                            scheme=PER_REQUEST,
+                            texts_setting=base.name,
+                            options=request_options(base.options),
+                            named_by_encoder=by_encoder[decoder],
+                        )
+                    rows.append(row)
+            under = f"b={params.bits} k={params.num_keys}" if cfg.key_version is None else "both encoders"
+            _log(f"null: {base.name} under {under} done")
         return rows
 
     def robustness(self) -> list[dict[str, Any]]:
         cfg = self.config
         rows = []
         t = max(cfg.t_grid)
-        for setting, params, versions, authors in self.watermarked():
-            snapshot = self.snapshot(params)
+        for setting, _, groups, authors in self.watermarked():
             count = self.attack_count(setting)
             for attack in ATTACKS:
                 name = f"{setting.name}/0/{attack}"
                 if name not in self.scorer.cache:
                     continue
                 level = cfg.copy_paste_level if attack == "copy_paste" else cfg.attack_level
-                for decoder in DECODERS:
+                for decoder in cfg.decoders:
                     named = wrong = 0
                     for author in range(count):
                         text = self.scorer.cache[f"{setting.name}/{author}/{attack}"]
-                        outcome = trace(decoder, text, self.tokenizer, versions, snapshot, cfg)
+                        outcome = trace(decoder, text, self.tokenizer, groups, cfg)
                         named += outcome.attributed_user_id == authors[author]
                         wrong += outcome.named and outcome.attributed_user_id != authors[author]
                     rows.append(
                         {
-                            "setting": setting.name,
-                            "bits": setting.bits,
-                            "num_keys": setting.num_keys,
-                            "delta": setting.delta,
-                            "min_entropy": setting.min_entropy,
-                            "scheme": setting.scheme,
-                            "block_bits": setting.block_bits,
-                            "salts": setting.salts,
-                            "temperature": setting.temperature,
+                            **setting_fields(setting),
                             "T": t,
                             "attack": attack,
                             "level": level,
@@ -737,19 +1057,39 @@ class Evaluation:
                     )
         return rows
 
+    def answer_nll(self, setting: Setting) -> list[float]:
+        """Each answer's mean NLL per token under the unmodified model (raw log-probs from generation)."""
+        out = []
+        for author in range(setting.authors):
+            row = self.store.get(setting.name, author, 0)
+            assert row is not None
+            out.append(statistics.fmean(row.nll[: self.config.max_tokens]))
+        return out
+
     def quality(self) -> list[dict[str, Any]]:
-        """Perplexity of each setting's answers under the same model (raw log-probs from generation)."""
+        """Perplexity of each setting's answers under the same model (raw log-probs from generation);
+        a watermarked setting's paired ratio against the unwatermarked answers to the same prompts
+        (``quality.paired_ppl_ratio``: over the authors both have, bootstrap interval over them)."""
         import math
+
+        from .quality import paired_ppl_ratio
 
         rows = []
         for setting in self.config.settings:
-            values = []
-            for author in range(setting.authors):
-                row = self.store.get(setting.name, author, 0)
-                assert row is not None
-                values.append(math.exp(statistics.fmean(row.nll[: self.config.max_tokens])))
+            nll = self.answer_nll(setting)
+            values = [math.exp(x) for x in nll]
+            base = self.null_setting(setting.temperature, setting.options) if setting.bits else None
+            ratio = None
+            if base is not None:
+                plain = self.answer_nll(base)
+                pairs = min(len(nll), len(plain))
+                ratio = paired_ppl_ratio(nll[:pairs], plain[:pairs], seed=self.config.seed)
+            extra: dict[str, Any] = {}
+            if setting.companion or setting.options or setting.by_rule:
+                extra = {"companion": setting.companion, "options": request_options(setting.options)}
             rows.append(
                 {
+                    **extra,
                     "setting": setting.name,
                     "bits": setting.bits or None,
                     "num_keys": setting.num_keys or None,
@@ -762,9 +1102,78 @@ class Evaluation:
                     "texts": len(values),
                     "ppl_mean": round(statistics.fmean(values), 3),
                     "ppl_median": round(statistics.median(values), 3),
+                    "ppl_ratio": ratio,
                 }
             )
         return rows
+
+
+def rule_summary(config: ForensicConfig) -> dict[str, Any]:
+    """The per-request rule the cells were chosen by: its thresholds and, per cell, its choice."""
+    rule = encoder_rule()
+    version = config.key_version
+    assert version is not None and version.companion is not None
+    choices = []
+    for setting in config.settings:
+        if setting.bits:
+            reason = companion_reason_of(setting.temperature, setting.options, rule)
+            chosen = version.companion if reason else version.primary
+            choices.append({"setting": setting.name, "encoder": chosen.scheme, "reason": reason})
+    return {
+        "min_temperature": rule.min_temperature,
+        "min_top_p": rule.min_top_p,
+        "primary": asdict(version.primary),
+        "companion": asdict(version.companion),
+        "choices": choices,
+    }
+
+
+def temperature_cells(config: ForensicConfig, results: dict[str, Any], t: int = 150) -> list[dict[str, Any]]:
+    """One row per watermarked cell at ``t`` tokens (``auto``, as /trace): its encoder and the
+    rule's choice, naming, wrong names, its unwatermarked texts' false names and its paired
+    perplexity ratio."""
+    choices = {c["setting"]: c for c in results["rule"]["choices"]}
+    quality = {row["setting"]: row for row in results["quality"]}
+    out = []
+    for setting in config.settings:
+        if not setting.bits:
+            continue
+        row = next(r for r in results["attribution"] if r["setting"] == setting.name and r["T"] == t)
+        base = next(
+            s
+            for s in config.settings
+            if s.bits == 0 and (s.temperature, s.options) == (setting.temperature, setting.options)
+        )
+        null = next(
+            (
+                r
+                for r in results["null"]
+                if r.get("texts_setting") == base.name and r["T"] == t and r["decoder"] == "auto"
+            ),
+            None,
+        )
+        out.append(
+            {
+                "setting": setting.name,
+                "temperature": setting.temperature,
+                "options": request_options(setting.options),
+                "encoder": setting.scheme,
+                "companion": setting.companion,
+                "by_rule": setting.by_rule,
+                "rule": choices[setting.name],
+                "T": t,
+                "authors": row["authors"],
+                "named": row["named"],
+                "wrong": row["wrong"],
+                "named_by_encoder": row.get("named_by_encoder", {}),
+                "null_setting": base.name,
+                "null_named": None if null is None else null["named"],
+                "ppl_ratio": quality[setting.name]["ppl_ratio"],
+                "ppl_median": quality[setting.name]["ppl_median"],
+                "null_ppl_median": quality[base.name]["ppl_median"],
+            }
+        )
+    return out
 
 
 def trace_cost(evaluation: Evaluation, setting: Setting, count: int = 40, t: int = 150) -> dict[str, Any]:
@@ -773,16 +1182,14 @@ def trace_cost(evaluation: Evaluation, setting: Setting, count: int = 40, t: int
 
     scorer = evaluation.scorer
     assert scorer.model is not None
-    params = setting.spec.params()
-    versions = evaluation.versions(evaluation_key(params, evaluation.config.seed))
-    snapshot = evaluation.snapshot(params)
+    groups = evaluation.reading(setting.spec.params())
     forward, analysis = [], []
     for author in range(min(count, setting.authors)):
         text = evaluation.prefix(setting, author, t)
         t0 = time.perf_counter()
         scores = score_texts(scorer.model, int(scorer.tokenizer.pad_token_id), [text.ids], scorer.top_k)[0]
         t1 = time.perf_counter()
-        trace("likelihood", Scored(text.ids, scores), scorer.tokenizer, versions, snapshot, evaluation.config)
+        trace("likelihood", Scored(text.ids, scores), scorer.tokenizer, groups, evaluation.config)
         forward.append(t1 - t0)
         analysis.append(time.perf_counter() - t1)
     total = [a + b for a, b in zip(forward, analysis, strict=True)]
@@ -806,7 +1213,8 @@ def _threads() -> int:
 def main(argv: list[str] | None = None) -> int:
     from service.backends.scoring import resolve_scorer_dtype, scoring_model
 
-    from .report import render_forensic
+    from .plots import temperature_frontier
+    from .report import render_forensic, render_temperature
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation.forensic", description=__doc__)
     parser.add_argument("--model-path", type=Path, default=Path("var/models/smollm2-135m-instruct"))
@@ -818,8 +1226,10 @@ def main(argv: list[str] | None = None) -> int:
         default="forensic",
         help="forensic: the gateway's settings (FORENSIC.md); strength: stronger watermarks at temperature 0.7 "
         "(FORENSIC-STRENGTH.md); entropy: the entropy rule (FORENSIC-ENTROPY.md); gumbel: the distortion-free "
-        "scheme (FORENSIC-GUMBEL.md); gumbel8: the same with 8-bit blocks (FORENSIC-GUMBEL8.md); small: a few authors "
-        "(a check of the pipeline, not a result)",
+        "scheme (FORENSIC-GUMBEL.md); gumbel8: the same with 8-bit blocks (FORENSIC-GUMBEL8.md); temperature: the "
+        "default key version's two encoders across temperatures, penalties and logit_bias, each cell's encoder chosen "
+        "by the gateway's rule (TEMPERATURE.md); small, temperature-small: a few authors (a check of the pipeline, "
+        "not a result)",
     )
     parser.add_argument("--small", action="store_true", help="the same as --preset small")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="vLLM engine: rows decoded together")
@@ -857,16 +1267,19 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.0 < args.alpha < 1.0:
             parser.error("--alpha must be in (0, 1)")
         config = replace(config, alpha=args.alpha)
-    cache_dir = args.cache_dir or Path("var/eval") / f"forensic{suffix}-seed{config.seed}"
+    cache_dir = args.cache_dir or cache_dir_of(preset, config.seed)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     from .generation import load_model
 
     torch.set_num_threads(args.threads)
+    adopt_registries(config, cache_dir)
     population = Population(config, cache_dir)
     store = GenerationStore(cache_dir / "generations.jsonl")
     pending = [j for j in jobs(config, population, load_prompts()) if (j.spec_name, j.user, j.slot) not in store]
+    if pending and config.reuse:
+        pending = adopt(config, pending, store)
     generation_s = None
     if pending and not args.report_only:
         _log(f"generating {len(pending)} answers of {config.max_tokens} tokens")
@@ -884,6 +1297,8 @@ def main(argv: list[str] | None = None) -> int:
     scorer = Scorer(None if args.report_only else model, tokenizer, scores_path, config.top_k)
     evaluation = Evaluation(config, population, store, scorer)
     texts = evaluation.texts()
+    for source in reused_caches(config):
+        scorer.adopt(source / scores_path.name, texts)
     _log(f"scoring {sum(name not in scorer.cache for name in texts)} texts ({len(texts)} in all)")
     scorer.score_all(texts)
     started = time.monotonic()
@@ -911,6 +1326,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    if config.report:
+        results["rule"] = rule_summary(config)
+        results["cells"] = temperature_cells(config, results)
+        stem = config.report + ("" if args.alpha is None else f"-alpha{args.alpha:g}")
+        plot = out / f"{stem}_frontier.png"
+        results["frontier_plot"] = plot.name if temperature_frontier(results, plot) else None
+        (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        (out / f"{stem.upper()}.md").write_text(render_temperature(results), encoding="utf-8")
+        _log(f"wrote {out / f'{stem.upper()}.md'}")
+        return 0
     name = suffix + ("" if args.alpha is None else f"-alpha{args.alpha:g}")  # the cache is the preset's
     (out / f"forensic{name}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     (out / f"FORENSIC{name.upper()}.md").write_text(render_forensic(results), encoding="utf-8")

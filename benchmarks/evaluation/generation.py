@@ -29,6 +29,8 @@ from transformers import __version__ as transformers_version
 from xmark_core import Message, WatermarkKey
 from xmark_core.hf import XMarkLogitsProcessor
 
+from .config import SamplingOptions
+
 
 @dataclass(frozen=True)
 class RowJob:
@@ -43,6 +45,9 @@ class RowJob:
     key: WatermarkKey | None
     message: Message | None
     salt: int = 0  # a salted ``gumbel`` key: the salt the answer is written under
+    # ``key`` is a per-request key version's companion key (``xmark_core.encoders.companion_key``)
+    companion: bool = False
+    options: SamplingOptions = ()  # sampling options the engine applies (``config.engine_options``)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,10 @@ def generate_rows(
     seed: int,
 ) -> list[RowResult]:
     """Generate exactly max_new_tokens tokens for every job in one batched generate call."""
+    if any(job.options for job in jobs):
+        raise ValueError(
+            "the transformers path applies no sampling options (penalties, logit_bias): use the vLLM engine"
+        )
     prompts = [chat_prompt(tokenizer, job.prompt) for job in jobs]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     by_spec: dict[str, list[int]] = {}

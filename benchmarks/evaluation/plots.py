@@ -161,3 +161,84 @@ def draw_all(results: dict[str, Any], out_dir: Path) -> dict[str, str]:
         else:
             (out_dir / name).unlink(missing_ok=True)
     return made
+
+
+ENCODER_STYLE = {"gumbel": "tab:blue", "xmark": "tab:red"}
+
+
+def temperature_frontier(results: dict[str, Any], path: Path) -> bool:
+    """The temperature sweep (TEMPERATURE.md): left, authors named against the paired perplexity
+    ratio, one line per encoder through its temperatures; right, both against the temperature with
+    the rule's switch. Filled: the rule's cells; hollow: the other encoder; triangles: option cells."""
+    cells = [c for c in results.get("cells", []) if c.get("ppl_ratio") and c["named"]["rate"] is not None]
+    if not cells:
+        return False
+    switch = results["rule"]["min_temperature"]
+    fig, (frontier, sweep) = plt.subplots(1, 2, figsize=(11, 4.4))
+    ratio_axis = sweep.twinx()
+    for encoder, colour in ENCODER_STYLE.items():
+        line = sorted(
+            (c for c in cells if c["encoder"] == encoder and not c["options"]), key=lambda c: c["temperature"]
+        )
+        if not line:
+            continue
+        frontier.plot(
+            [c["ppl_ratio"]["ratio"] for c in line],
+            [100 * c["named"]["rate"] for c in line],
+            "-",
+            color=colour,
+            alpha=0.5,
+        )
+        temperatures = [c["temperature"] for c in line]
+        sweep.plot(temperatures, [100 * c["named"]["rate"] for c in line], "-", color=colour, label=f"{encoder}: named")
+        ratio_axis.plot(
+            temperatures, [c["ppl_ratio"]["ratio"] for c in line], ":", color=colour, label=f"{encoder}: PPL ratio"
+        )
+        for c in line:
+            rate, (lo, hi) = c["named"]["rate"], c["named"]["ci95"]
+            face = colour if c["by_rule"] else "white"
+            frontier.errorbar(
+                c["ppl_ratio"]["ratio"],
+                100 * rate,
+                yerr=[[100 * (rate - lo)], [100 * (hi - rate)]],
+                fmt="o",
+                color=colour,
+                markerfacecolor=face,
+            )
+            frontier.annotate(
+                f"τ={c['temperature']:g}",
+                (c["ppl_ratio"]["ratio"], 100 * rate),
+                fontsize=7,
+                xytext=(4, -10),
+                textcoords="offset points",
+            )
+            sweep.plot(c["temperature"], 100 * rate, "o", color=colour, markerfacecolor=face)
+    for c in (c for c in cells if c["options"]):
+        colour = ENCODER_STYLE.get(c["encoder"], "tab:gray")
+        label = ", ".join(name.split("_")[0] if name != "logit_bias" else "logit_bias" for name in c["options"])
+        frontier.plot(c["ppl_ratio"]["ratio"], 100 * c["named"]["rate"], "^", color=colour)
+        frontier.annotate(
+            label,
+            (c["ppl_ratio"]["ratio"], 100 * c["named"]["rate"]),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    frontier.axhline(95, color="gray", linestyle=":", linewidth=1)
+    frontier.set_xlabel("perplexity, watermarked / unwatermarked (paired)")
+    frontier.set_ylabel(f"authors named at T = {cells[0]['T']} (%)")
+    frontier.set_title("Naming against quality, per encoder")
+    frontier.grid(alpha=0.3)
+    sweep.axvline(switch, color="black", linestyle="--", linewidth=1)
+    sweep.text(switch, 50, f" companion below τ = {switch:g} ", rotation=90, fontsize=8, ha="right", va="center")
+    sweep.set_xlabel("sampling temperature τ")
+    sweep.set_ylabel("authors named (%)")
+    ratio_axis.set_ylabel("PPL ratio (dotted)")
+    sweep.set_ylim(0, 102)
+    sweep.set_title("Both encoders across temperatures")
+    sweep.grid(alpha=0.3)
+    handles, labels = sweep.get_legend_handles_labels()
+    more, more_labels = ratio_axis.get_legend_handles_labels()
+    sweep.legend(handles + more, labels + more_labels, loc="lower right", fontsize=7)
+    _save(fig, path)
+    return True

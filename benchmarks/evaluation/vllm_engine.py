@@ -15,6 +15,10 @@ What matches the transformers path (``generation.py``):
 * every special token is suppressed (set to -inf) and EOS is ignored, so each completion has
   exactly ``max_new_tokens`` tokens (the paper's min = max);
 * multinomial sampling over the full vocabulary (top-k and top-p off), a seed per row;
+* a row's sampling options (``RowJob.options``: ``frequency_penalty``, ``presence_penalty``,
+  ``logit_bias``) go to ``SamplingParams``, which applies them itself: ``logit_bias`` as a builtin
+  processor and the penalties after every processor, all before the temperature; on the biasing
+  schemes' logits every one of them is a sum, so the order does not matter;
 * the NLL of each sampled token under the unmodified model comes from vLLM's ``raw_logprobs``
   (log-softmax of the model's logits before any processor), in float32.
 
@@ -34,14 +38,16 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from xmark_core import WatermarkParams
+from xmark_core import WatermarkKey, WatermarkParams
 from xmark_core.encoder import TorchWatermarker
+from xmark_core.encoders import companion_key
 from xmark_core.gumbel import salted
 from xmark_core.message import bits_to_blocks
 from xmark_core.vllm_common import last_two, refuse_speculative_decoding
 
+from .config import engine_options
 from .generation import RowJob, RowResult, chat_prompt
-from .population import evaluation_key
+from .population import evaluation_key, evaluation_secret
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,8 +58,16 @@ XARG = "xmark_eval"
 PROCESSOR = "benchmarks.evaluation.vllm_engine:EvalLogitsProcessor"
 
 
+def row_key(params: WatermarkParams, seed: int, companion: bool) -> WatermarkKey:
+    """The key a row is written under: the evaluation key of ``params``, or with ``companion`` the
+    companion key of the evaluation secret (a per-request key version's biasing encoder, as
+    ``xmark_core.encoders.encoder_keys`` derives it)."""
+    return companion_key(evaluation_secret(seed), params) if companion else evaluation_key(params, seed)
+
+
 def request_args(job: RowJob, seed: int, suppress: Sequence[int]) -> dict[str, Any]:
-    """The ``extra_args`` of one row: its setting (scheme, b, k, δ, run seed), message and suppressed ids."""
+    """The ``extra_args`` of one row: its setting (scheme, b, k, δ, run seed, companion), message and
+    suppressed ids."""
     args: dict[str, Any] = {"suppress": list(suppress)}
     if job.key is not None and job.message is not None:
         p = job.key.params
@@ -68,6 +82,7 @@ def request_args(job: RowJob, seed: int, suppress: Sequence[int]) -> dict[str, A
             message=job.message.bits,
             salts=p.salts,
             salt=job.salt,
+            companion=job.companion,
         )
     return {XARG: args}
 
@@ -89,7 +104,7 @@ def _setting(args: dict[str, Any]) -> tuple[tuple[Any, ...], np.ndarray] | None:
     if len(message) != params.bits or message.strip("01"):
         raise ValueError(f"{XARG}.message must be {params.bits} characters '0' or '1'")
     blocks = salted(bits_to_blocks([message], params)[0], int(args.get("salt", 0)), params)
-    return (params, int(args["seed"])), blocks
+    return (params, int(args["seed"]), bool(args.get("companion", False))), blocks
 
 
 class EvalLogitsProcessor(LogitsProcessor):
@@ -149,8 +164,8 @@ class EvalLogitsProcessor(LogitsProcessor):
             else:
                 setting, blocks = found
                 if setting not in self._markers:
-                    setting_params, seed = setting
-                    self._markers[setting] = TorchWatermarker(evaluation_key(setting_params, seed))
+                    setting_params, seed, companion = setting
+                    self._markers[setting] = TorchWatermarker(row_key(setting_params, seed, companion))
                 self._setting[index], self._blocks[index] = setting, blocks
             self._prompt[index], self._output[index] = prompt, output
             self._temperature[index] = float(params.temperature)
@@ -299,12 +314,14 @@ class VllmGenerator:
         return cls(model_path, tokenizer, max_model_len=max_len, max_num_seqs=max_num_seqs)
 
     def _check_key(self, job: RowJob, run_seed: int) -> None:
-        """The worker derives each setting's key from (parameters, run seed): it must be the job's key."""
+        """The worker derives each setting's key from (parameters, run seed, companion): it must be
+        the job's key."""
         assert job.key is not None
         if job.spec_name in self._checked:
             return
-        if evaluation_key(job.key.params, run_seed).fingerprint != job.key.fingerprint:
-            raise ValueError(f"setting {job.spec_name}: its key is not the evaluation key of seed {run_seed}")
+        if row_key(job.key.params, run_seed, job.companion).fingerprint != job.key.fingerprint:
+            kind = "companion key" if job.companion else "evaluation key"
+            raise ValueError(f"setting {job.spec_name}: its key is not the {kind} of seed {run_seed}")
         self._checked.add(job.spec_name)
 
     def describe(self) -> str:
@@ -356,6 +373,7 @@ class VllmGenerator:
                 logprobs=0,
                 detokenize=False,
                 extra_args=request_args(job, run_seed, suppress),
+                **engine_options(job.options),
             )
             for job in jobs
         ]
