@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .metrics import rate_cell
+
 Row = dict[str, Any]
 
 MAIN_METHODS = ("MPAC", "LoSo", "XMark- (k=2)", "XMark (k=2)")
@@ -613,7 +615,7 @@ def render_temperature(results: dict[str, Any]) -> str:
     bias = next((c["options"]["logit_bias"] for c in cells if "logit_bias" in c["options"]), None)
     command = f"`{results['command']}`"
     if results["command"].endswith("--preset temperature"):
-        command = f"`make eval-temperature` ({command} --max-num-seqs 128)"
+        command = f"`make eval-temperature` (`{results['command']} --max-num-seqs 128`)"
     out = [
         "# Temperature: where the per-request rule switches encoders, and why",
         "",
@@ -690,19 +692,38 @@ def render_temperature(results: dict[str, Any]) -> str:
     false = sum(n["count"] for n in nulls.values())
     traces = sum(n["of"] for n in nulls.values())
     worst = max(nulls.values(), key=lambda n: n["count"] / n["of"], default=None)
-    null_met = worst is not None and worst["count"] * 1000 <= worst["of"]
+    over = [n for n in nulls.values() if n["count"] * 1000 > n["of"]]
+    total = rate_cell(false, traces)
 
     def where(cell: Row) -> str:
         options = f" with {_options_label(cell['options'])}" if cell["options"] else ""
         return f"τ = {cell['temperature']:g}{options} ({_rate_cell(cell['named'])})"
 
+    wrong_cells = [c for c in cells if c["wrong"]["count"]]
     out += [
         "",
-        "Goals, in the rule's cells: named ≥ 95 % at every temperature and with every option set: "
-        + ("met in every cell." if not short else "missed at " + ", ".join(where(c) for c in short) + ".")
-        + f" No wrong name: {wrong} wrong names in all cells. Unwatermarked answers named at most 1 in 1,000 "
-        + f"traces per cell: {'met' if null_met else 'missed'}, {false} of {traces:,} traces in all"
-        + ("" if worst is None else f" (the most in one cell: {worst['count']} of {worst['of']:,})")
+        "Goals:",
+        "",
+        "- named ≥ 95 % in the rule's cells, at every temperature and with every option set: "
+        + ("met in every cell." if not short else "missed at " + ", ".join(where(c) for c in short) + "."),
+        f"- no wrong name: {'met' if not wrong else 'missed'}, {wrong} wrong names in "
+        f"{sum(c['authors'] for c in cells):,} traces of watermarked answers"
+        + (
+            ""
+            if not wrong_cells
+            else " ("
+            + ", ".join(f"{c['wrong']['count']} at τ = {c['temperature']:g}, {c['encoder']}" for c in wrong_cells)
+            + ")"
+        )
+        + ".",
+        "- unwatermarked answers named at most 1 in 1,000 traces per cell: "
+        + ("met in every cell" if not over else f"missed in {len(over)} of {len(nulls)} cells")
+        + (
+            ""
+            if worst is None
+            else f" (the most in one cell: {worst['count']} of {worst['of']:,}); {_rate_cell(total)} in all, "
+            f"against /trace's level α = {cfg['alpha']:g} per trace"
+        )
         + ".",
     ]
     out += ["", "## Where the rule switches, and why", ""]
@@ -716,9 +737,21 @@ def render_temperature(results: dict[str, Any]) -> str:
             for c in sorted(pair, key=lambda c: c["encoder"])
         ]
         lines.append(f"- τ = {temperature:g}: " + "; ".join(parts) + ".")
+    floors = []
+    for encoder in sorted({c["encoder"] for c in cells}):
+        line = sorted(
+            (c for c in cells if c["encoder"] == encoder and not c["options"]), key=lambda c: c["temperature"]
+        )
+        from_here = [c["temperature"] for i, c in enumerate(line) if all(d["named"]["rate"] >= 0.95 for d in line[i:])]
+        floors.append(
+            f"{encoder} names ≥ 95 % from τ = {from_here[0]:g} up"
+            if from_here
+            else f"{encoder} names < 95 % at the highest temperature"
+        )
     out += [
         f"The rule sends a request below temperature {rule['min_temperature']:g} to the biasing companion and "
-        "keeps the distortion-free primary above it. Both encoders at the temperatures next to the switch:",
+        "keeps the distortion-free primary from it up. Both encoders at every temperature where both were "
+        f"measured ({'; '.join(floors)}):",
         "",
         *lines,
     ]
