@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,6 +332,12 @@ class LocalBackend:
     async def prompt_token_bound(self, request: GenerationRequest) -> int:
         """The exact count: ``stream`` needs the prompt's ids anyway (and reuses these)."""
         return await self.count_prompt_tokens(request)
+
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        """Raise the 400 ``invalid_value`` a request's penalties or ``logit_bias`` earn
+        (``sampling_penalties``); the gateway calls it before the request is admitted."""
+        self._check_ready()
+        sampling_penalties(options, self._vocab_size)
 
     async def stream(self, request: GenerationRequest, stamp: WatermarkStamp) -> LocalStream:
         self._check_ready()

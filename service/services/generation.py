@@ -78,6 +78,7 @@ from service.services.provenance import sketch_columns
 from service.services.request_fields import (
     DEFAULT_HONOURED,
     TEXT_COMPLETION_FIELDS,
+    TEXT_COMPLETION_OPTIONS,
     check_logprobs,
     refuse_message_extras,
     refuse_tool_turns,
@@ -313,12 +314,16 @@ class GenerationService:
     def prepare_text(self, principal: Principal, body: CompletionRequest) -> PreparedCompletion:
         """``prepare`` for ``/v1/completions``: a raw text prompt, continued without the chat template."""
         served = self._fleet.resolve(body.model)
-        refuse_unhonoured(sent_fields(body), TEXT_COMPLETION_FIELDS, served.limits(self._settings).backend)
+        # the sampling options the backend honours on chat act on the logits alike here
+        backend_options = getattr(served.backend, "honoured_fields", DEFAULT_HONOURED) & TEXT_COMPLETION_OPTIONS
+        sent = sent_fields(body)
+        refuse_unhonoured(sent, TEXT_COMPLETION_FIELDS | backend_options, served.limits(self._settings).backend)
+        options = {name: value for name, value in sent.items() if name in backend_options}
         prompt = body.prompt_text()
         self._check_prompt_chars(len(prompt), "prompt")
         # OpenAI's default for this endpoint is 16 tokens
         max_tokens = self._max_tokens(served, body, default=TEXT_COMPLETION_DEFAULT_MAX_TOKENS)
-        return self._prepared(principal, served, body, "cmpl", prompt=prompt, max_tokens=max_tokens)
+        return self._prepared(principal, served, body, "cmpl", prompt=prompt, max_tokens=max_tokens, options=options)
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self._settings.max_prompt_chars:
@@ -342,6 +347,9 @@ class GenerationService:
     ) -> PreparedCompletion:
         if not served.backend.ready:
             raise ServiceUnavailableError(f"The model '{served.name}' is still loading; retry shortly")
+        check_options = getattr(served.backend, "check_options", None)
+        if options and check_options is not None:  # a bad value is a 400 before admission, never queued
+            check_options(options)
         handle = self._keyring.active()
         choice = choose_encoder(handle, served, body, options or {}, rule=self._encoder_rule)
         params = choice.key.params

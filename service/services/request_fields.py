@@ -37,6 +37,12 @@ TEXT_COMPLETION_FIELDS = frozenset(
     {"model", "prompt", "echo", "stream", "stream_options"} | (SAMPLING_FIELDS - {"max_completion_tokens"})
 )
 
+# Sampling options /v1/completions honours where the serving backend honours them on chat (the
+# penalties, logit_bias and vLLM's top_k / min_p): they act on the logits alike for either prompt.
+TEXT_COMPLETION_OPTIONS = frozenset(
+    {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p"}
+)
+
 # Accepted with any value: they label the request, they do not change what is generated.
 WITHOUT_EFFECT = frozenset({"user", "metadata"})
 

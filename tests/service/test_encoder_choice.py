@@ -294,6 +294,34 @@ async def test_every_temperature_is_answered_marked_and_traced_to_its_author(
     assert answers[0] == answers[1] != answers[2]
 
 
+async def test_text_completions_honour_the_penalties_under_the_biasing_encoder(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, auto_users: tuple[CreatedUser, CreatedUser]
+) -> None:
+    """/v1/completions takes the penalties and logit_bias the local backend honours on chat: answered
+    at temperature 1.0 by the biasing encoder (the penalties send it there), the record says so; a
+    bad value is a 400 naming the field before anything is admitted or recorded."""
+    author, _ = auto_users
+    assert await app.state.resources.backend.wait_ready(180)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0}
+    sent = {**body, "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"42": -100}}
+    response = await client.post("/v1/completions", json=sent, headers=_auth(author.api_key))
+    assert response.status_code == 200, response.text
+    row = (await db_session.scalars(select(Generation).where(Generation.request_id == response.json()["id"]))).one()
+    assert row.encoder == "xmark"
+    plain = await client.post("/v1/completions", json=body, headers=_auth(author.api_key))
+    assert plain.status_code == 200, plain.text
+    row = (await db_session.scalars(select(Generation).where(Generation.request_id == plain.json()["id"]))).one()
+    assert row.encoder == "gumbel"
+    before = len((await db_session.scalars(select(Generation))).all())
+    for name, value in (("presence_penalty", 2.5), ("logit_bias", {"-1": 3})):
+        refused = await client.post("/v1/completions", json={**body, name: value}, headers=_auth(author.api_key))
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == (name, "invalid_value")
+    assert len((await db_session.scalars(select(Generation))).all()) == before
+    assert app.state.resources.backend._inbox.empty()
+
+
 async def test_the_admin_api_shows_both_encoders(
     client: httpx.AsyncClient, admin_key: str, auto_users: tuple[CreatedUser, CreatedUser]
 ) -> None:
