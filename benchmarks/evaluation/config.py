@@ -21,6 +21,7 @@ OPTION_LABELS: Mapping[str, str] = {
     "presence_penalty": "pp",
     "repetition_penalty": "rp",
     "logit_bias": "lb",
+    "top_p": "tp",  # the nucleus (the engine's default 1.0: the full vocabulary)
 }
 
 

@@ -309,9 +309,10 @@ def companion_reason_of(temperature: float, options: SamplingOptions = (), rule:
     from service.schemas.chat import SamplingRequest
     from service.services.encoder_choice import companion_reason
 
-    body = SamplingRequest(model="evaluation", temperature=temperature, top_p=1.0)
+    fields = dict(options)
+    body = SamplingRequest(model="evaluation", temperature=temperature, top_p=fields.pop("top_p", 1.0))
     served = ServedModel("evaluation", _EvaluationEngine())  # type: ignore[arg-type]  # the rule's view of a backend
-    return companion_reason(body, request_options(options), served=served, rule=rule or encoder_rule())
+    return companion_reason(body, request_options(tuple(fields.items())), served=served, rule=rule or encoder_rule())
 
 
 def encoder_setting(
@@ -356,6 +357,7 @@ SAMPLING_OPTIONS: tuple[SamplingOptions, ...] = (
     (("frequency_penalty", 0.5),),
     (("presence_penalty", 0.5),),
     (("logit_bias", LOGIT_BIAS),),
+    (("top_p", 0.9),),  # the smallest nucleus the rule leaves to the keyed sampler
 )
 
 
@@ -367,6 +369,12 @@ def temperature_config(
     keys_per_text: int = 10,
     neighbours: int | None = None,
     registry_size: int = 10_000,
+    delta: float | None = None,
+    temperatures: tuple[float, ...] = SWEEP_TEMPERATURES,
+    option_sets: tuple[SamplingOptions, ...] = SAMPLING_OPTIONS,
+    others: bool = True,
+    reuse: tuple[str, ...] = ("gumbel8s16-low", "companion-d3", "companion-d4"),
+    report: str = "temperature",
 ) -> ForensicConfig:
     """The temperature sweep on the gateway's default key version (``spec_for("auto")``): at each
     temperature, the cell of the encoder the gateway's rule chooses (``companion_reason_of``, at
@@ -376,50 +384,80 @@ def temperature_config(
     side by side wherever the switch could be; the option cells at OPTIONS_TEMPERATURE.
     Unwatermarked answers of the same prompts at every temperature and with every option set, each
     traced under ``keys_per_text`` key versions (the evaluation's and independent ones), both
-    encoders read every time."""
+    encoders read every time.
+
+    ``delta`` sets the companion's bias (None: the gateway's default), ``temperatures`` and
+    ``option_sets`` the cells, ``others`` False leaves the other encoder's cells out (a study of the
+    rule's cells alone); ``reuse`` and ``report`` as ForensicConfig's."""
     from service.backends.base import GREEDY_TEMPERATURE
 
-    version = spec_for(PER_REQUEST)
+    version = spec_for(PER_REQUEST) if delta is None else spec_for(PER_REQUEST, delta=delta)
     rule = encoder_rule()
     settings = []
     below, above = [], []
-    for temperature in SWEEP_TEMPERATURES:
+    for temperature in temperatures:
         companion = bool(companion_reason_of(temperature, (), rule))
         settings.append(encoder_setting(version, temperature, authors, companion=companion, by_rule=True))
         if not companion:
             above.append(temperature)
         elif temperature >= GREEDY_TEMPERATURE:
             below.append(temperature)
+    if not others:
+        below, above = [], []
     for temperature in below if neighbours is None else below[len(below) - neighbours :]:
         settings.append(encoder_setting(version, temperature, authors, companion=False, by_rule=False))
     for temperature in above if neighbours is None else above[:neighbours]:
         settings.append(encoder_setting(version, temperature, authors, companion=True, by_rule=False))
-    for options in SAMPLING_OPTIONS:
+    for options in option_sets:
         companion = bool(companion_reason_of(OPTIONS_TEMPERATURE, options, rule))
         settings.append(
             encoder_setting(
                 version, OPTIONS_TEMPERATURE, option_authors, companion=companion, by_rule=True, options=options
             )
         )
-    settings += [Setting(0, 0, temperature, null_texts) for temperature in SWEEP_TEMPERATURES]
-    settings += [Setting(0, 0, OPTIONS_TEMPERATURE, null_texts, options=options) for options in SAMPLING_OPTIONS]
+    settings += [Setting(0, 0, temperature, null_texts) for temperature in temperatures]
+    settings += [Setting(0, 0, OPTIONS_TEMPERATURE, null_texts, options=options) for options in option_sets]
     return ForensicConfig(
         settings=tuple(settings),
         t_grid=(150,),
         max_tokens=200,
         registry_size=registry_size,
-        null_keys=dict.fromkeys(SWEEP_TEMPERATURES, keys_per_text - 1),
+        null_keys=dict.fromkeys((*temperatures, OPTIONS_TEMPERATURE), keys_per_text - 1),
         attack_authors=0,
         scaling_sizes={},
         key_version=version,
         decoders=("auto",),
-        reuse=("gumbel8s16-low",),
-        report="temperature",
+        reuse=reuse,
+        report=report,
     )
 
 
 # Where the per-request rule switches encoders and why (``make eval-temperature``, TEMPERATURE.md).
 TEMPERATURE = temperature_config()
+# The companion's bias on its frontier (docs/results/COMPANION-STRENGTH.md): the cells the gateway's
+# rule sends to the biasing encoder where it named least at the default bias (temperatures 0, 0.3 and
+# 0.5, and the logit_bias list), 100 authors each, at a larger bias than the default; the
+# unwatermarked answers of the same prompts are the same in every one of these presets (shared
+# cache). ``companion-d0.6`` is the bias added after temperature scaling (logits / T + 2 equals
+# (logits + 2 T) / T: δ = 0.6 before it at T = 0.3), the other way the issue asked to weigh.
+COMPANION_TEMPERATURES = (0.0, 0.3, 0.5)
+COMPANION_OPTIONS: tuple[SamplingOptions, ...] = ((("logit_bias", LOGIT_BIAS),),)
+
+
+def companion_config(delta: float, temperatures: tuple[float, ...] = COMPANION_TEMPERATURES) -> ForensicConfig:
+    """The companion-strength study at bias ``delta`` (see COMPANION_TEMPERATURES)."""
+    return temperature_config(
+        authors=100,
+        option_authors=100,
+        delta=delta,
+        temperatures=temperatures,
+        option_sets=COMPANION_OPTIONS if temperatures == COMPANION_TEMPERATURES else (),
+        others=False,
+        reuse=("companion-d3", "companion-d4", "temperature"),
+        report=f"companion-d{delta:g}",
+    )
+
+
 # The same cells with 4 authors and texts each and a registry of 1,000 (a check of the pipeline).
 TEMPERATURE_SMALL = temperature_config(authors=4, option_authors=4, null_texts=4, keys_per_text=2, registry_size=1_000)
 
@@ -443,6 +481,9 @@ PRESETS = {
     "gumbel8s16-low": GUMBEL8_LOW_TEMPERATURE,
     "temperature": TEMPERATURE,
     "temperature-small": TEMPERATURE_SMALL,
+    "companion-d3": companion_config(3.0),
+    "companion-d4": companion_config(4.0),
+    "companion-d0.6": companion_config(0.6, temperatures=(0.3,)),
     "small": SMALL,
 }
 
@@ -574,6 +615,8 @@ def reused_caches(config: ForensicConfig) -> list[Path]:
     out = []
     for name in config.reuse:
         other = PRESETS[name]
+        if other.settings == config.settings:  # the preset itself
+            continue
         if (other.seed, other.registry_size, other.max_tokens) == (
             config.seed,
             config.registry_size,

@@ -364,8 +364,6 @@ class VllmGenerator:
             SamplingParams(
                 n=1,
                 temperature=job.temperature,
-                top_k=0,
-                top_p=1.0,
                 seed=row_seed(run_seed, job) if seed_of is None else seed_of(job),
                 max_tokens=max_new_tokens,
                 min_tokens=0 if stop_at_eos else max_new_tokens,
@@ -373,7 +371,7 @@ class VllmGenerator:
                 logprobs=0,
                 detokenize=False,
                 extra_args=request_args(job, run_seed, suppress),
-                **engine_options(job.options),
+                **{"top_k": 0, "top_p": 1.0, **engine_options(job.options)},
             )
             for job in jobs
         ]

@@ -46,7 +46,8 @@ def _rule_says_companion(temperature: float, options: dict) -> bool:
         min_top_p=fields["watermark_sampling_min_top_p"].default,
     )
     served = ServedModel("m", SimpleNamespace(salts_per_answer=True, encoders_per_request=True))  # type: ignore[arg-type]
-    body = SamplingRequest(model="m", temperature=temperature, top_p=1.0)
+    options = dict(options)
+    body = SamplingRequest(model="m", temperature=temperature, top_p=options.pop("top_p", 1.0))
     return bool(companion_reason(body, options, served=served, rule=rule))
 
 
@@ -62,9 +63,12 @@ def test_every_cell_of_the_rule_has_the_encoder_the_gateways_rule_chooses() -> N
     # below the default threshold the companion writes, at and above it the distortion-free primary
     assert all(s.companion for s in ruled if s.temperature < threshold)
     assert not any(s.companion for s in ruled if s.temperature >= threshold and not s.options)
-    # a penalty or a logit_bias list goes to the companion whatever the temperature
+    # a penalty or a logit_bias list goes to the companion whatever the temperature; the nucleus of
+    # top_p 0.9, the rule's bound, stays with the keyed sampler
     options = [s for s in ruled if s.options]
-    assert [s.options for s in options] == list(SAMPLING_OPTIONS) and all(s.companion for s in options)
+    assert [s.options for s in options] == list(SAMPLING_OPTIONS)
+    assert [s.companion for s in options] == [dict(o).get("top_p") is None for o in SAMPLING_OPTIONS]
+    assert [s.options for s in options if not s.companion] == [(("top_p", 0.9),)]
     assert all(s.temperature >= threshold for s in options)
 
 
@@ -113,8 +117,9 @@ def test_the_gumbel_cells_are_the_low_temperature_presets_answers() -> None:
 
 
 def test_the_options_name_their_cells_and_reach_the_engine() -> None:
-    fp, pp, lb = SAMPLING_OPTIONS
-    assert options_label(fp) == "-fp0.5" and options_label(pp) == "-pp0.5"
+    fp, pp, lb, tp = SAMPLING_OPTIONS
+    assert options_label(fp) == "-fp0.5" and options_label(pp) == "-pp0.5" and options_label(tp) == "-tp0.9"
+    assert engine_options(tp) == {"top_p": 0.9}
     assert options_label(lb).startswith("-lb") and len(options_label(lb)) == 11
     assert options_label(()) == ""
     bias = engine_options(lb)["logit_bias"]
