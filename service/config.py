@@ -69,7 +69,9 @@ class Settings(BaseSettings):
     # distortion-free encoder's, the keys (and delta, min_entropy) its biasing encoder's.
     watermark_block_bits: int | None = None
     watermark_num_keys: int | None = None
-    watermark_delta: float = 2.0
+    # Unset (or empty): 2.0 for a single biasing scheme, COMPANION_DELTA (4.0) for scheme auto's
+    # biasing encoder (xmark_core.encoders; docs/results/TEMPERATURE.md).
+    watermark_delta: float | None = None
     # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
     # token's probability, nats) is below this are not biased; 0 biases every position.
     watermark_min_entropy: float = 0.0
@@ -272,10 +274,10 @@ class Settings(BaseSettings):
     # are drained into the database when it answers again, also after a restart.
     record_spool_drain_interval_s: float = 2.0
 
-    @field_validator("watermark_salts", "watermark_block_bits", "watermark_num_keys", mode="before")
+    @field_validator("watermark_salts", "watermark_block_bits", "watermark_num_keys", "watermark_delta", mode="before")
     @classmethod
     def _scheme_default_when_empty(cls, value: object) -> object:
-        """An empty XMARK_WATERMARK_SALTS, _BLOCK_BITS or _NUM_KEYS (a compose or ConfigMap default)
+        """An empty XMARK_WATERMARK_SALTS, _BLOCK_BITS, _NUM_KEYS or _DELTA (a compose or ConfigMap default)
         means unset: the scheme's own value."""
         return None if isinstance(value, str) and not value.strip() else value
 

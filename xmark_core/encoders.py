@@ -42,6 +42,12 @@ PRIMARY_SCHEME: Final[Scheme] = "gumbel"
 COMPANION_SCHEME: Final[Scheme] = "xmark"
 # the configured scheme of new key versions when none is set, the gateway's and the vLLM workers' alike
 DEFAULT_CONFIGURED_SCHEME: Final[ConfiguredScheme] = PER_REQUEST
+# the companion's bias when none is configured: the smallest point of its frontier (naming against
+# perplexity at temperatures 0-0.5 and under a logit_bias list) that names 150-token texts among 10^4
+# users >= 95 % in every cell the rule sends it (docs/results/TEMPERATURE.md; at δ = 2 and 3 in
+# COMPANION-D3.md and COMPANION-D4.md's comparison, δ = 3 misses under logit_bias); a single biasing
+# scheme's default stays the paper's 2.0 (docs/results/FORENSIC.md, at temperature 0.7 and above)
+COMPANION_DELTA: Final = 4.0
 # the companion's hash keys derive from HMAC-SHA256(secret, this label): independent of the primary's
 _COMPANION_LABEL: Final = b"xmark/v1/encoder/biasing"
 
@@ -111,7 +117,7 @@ def spec_for(
     bits: int = 32,
     block_bits: int | None = None,
     num_keys: int | None = None,
-    delta: float = 2.0,
+    delta: float | None = None,
     min_entropy: float = 0.0,
     salts: int | None = None,
 ) -> KeyVersionSpec:
@@ -121,7 +127,8 @@ def spec_for(
     ``xmark_core.params``). For ``auto``: ``block_bits`` and ``salts`` are the primary's (the
     distortion-free encoder: 8-bit blocks, 16 salts unless set), ``num_keys``, ``delta`` and
     ``min_entropy`` the companion's (the paper's XMark: 2-bit blocks, 4 keys unless set); both
-    carry ``bits``.
+    carry ``bits``. ``delta`` unset: 2.0 for a single biasing scheme, COMPANION_DELTA for the
+    companion of ``auto``.
     """
     from .params import default_salts
 
@@ -134,7 +141,7 @@ def spec_for(
                 bits=bits,
                 block_bits=default_block_bits(single) if block_bits is None else block_bits,
                 num_keys=default_num_keys(single) if num_keys is None else num_keys,
-                delta=delta,
+                delta=2.0 if delta is None else delta,
                 scheme=single,
                 min_entropy=min_entropy,
                 salts=default_salts(single) if salts is None else salts,
@@ -151,7 +158,7 @@ def spec_for(
         bits=bits,
         block_bits=default_block_bits(COMPANION_SCHEME),
         num_keys=default_num_keys(COMPANION_SCHEME) if num_keys is None else num_keys,
-        delta=delta,
+        delta=COMPANION_DELTA if delta is None else delta,
         scheme=COMPANION_SCHEME,
         min_entropy=min_entropy,
     )

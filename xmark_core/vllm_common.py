@@ -125,6 +125,12 @@ def _optional_int_setting(variables: Mapping[str, str], name: str) -> int | None
     return _int_setting(variables, name, 0)
 
 
+def _optional_float_setting(variables: Mapping[str, str], name: str) -> float | None:
+    """None when unset or empty (the scheme's own default)."""
+    raw = variables.get(name)
+    return None if raw is None or not raw.strip() else _float_setting(variables, name, 0.0)
+
+
 def _float_setting(variables: Mapping[str, str], name: str, default: float) -> float:
     raw = variables.get(name)
     if raw is None or not raw.strip():
@@ -193,7 +199,7 @@ class WorkerKeyring:
                 bits=_int_setting(variables, ENV_BITS, 32),
                 block_bits=_optional_int_setting(variables, ENV_BLOCK_BITS),
                 num_keys=_optional_int_setting(variables, ENV_NUM_KEYS),
-                delta=_float_setting(variables, ENV_DELTA, 2.0),
+                delta=_optional_float_setting(variables, ENV_DELTA),
                 min_entropy=_float_setting(variables, ENV_MIN_ENTROPY, 0.0),
                 salts=_optional_int_setting(variables, ENV_SALTS),
             )

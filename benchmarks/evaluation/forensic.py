@@ -432,8 +432,11 @@ def temperature_config(
     )
 
 
-# Where the per-request rule switches encoders and why (``make eval-temperature``, TEMPERATURE.md).
-TEMPERATURE = temperature_config()
+# Where the per-request rule switches encoders and why (``make eval-temperature``, TEMPERATURE.md):
+# the rule's cells, and the other encoder at the temperature on each side of the switch (the keyed
+# sampler below 0.7: docs/results/FORENSIC-GUMBEL8S16-LOW.md; the companion's bias: the
+# companion-strength presets).
+TEMPERATURE = temperature_config(neighbours=1)
 # The companion's bias on its frontier (docs/results/COMPANION-STRENGTH.md): the cells the gateway's
 # rule sends to the biasing encoder where it named least at the default bias (temperatures 0, 0.3 and
 # 0.5, and the logit_bias list), 100 authors each, at a larger bias than the default; the
@@ -453,7 +456,7 @@ def companion_config(delta: float, temperatures: tuple[float, ...] = COMPANION_T
         temperatures=temperatures,
         option_sets=COMPANION_OPTIONS if temperatures == COMPANION_TEMPERATURES else (),
         others=False,
-        reuse=("companion-d3", "companion-d4", "temperature"),
+        reuse=("companion-d3", "companion-d4", "companion-d2", "temperature"),
         report=f"companion-d{delta:g}",
     )
 
@@ -481,6 +484,7 @@ PRESETS = {
     "gumbel8s16-low": GUMBEL8_LOW_TEMPERATURE,
     "temperature": TEMPERATURE,
     "temperature-small": TEMPERATURE_SMALL,
+    "companion-d2": companion_config(2.0),
     "companion-d3": companion_config(3.0),
     "companion-d4": companion_config(4.0),
     "companion-d0.6": companion_config(0.6, temperatures=(0.3,)),

@@ -29,7 +29,7 @@ from tests.conftest import TEST_WATERMARK_SECRETS
 from tests.service.conftest import make_only_active_version
 from xmark_core import CandidateSet as Candidates
 from xmark_core import MessageAllocator, WatermarkKey
-from xmark_core.encoders import KeyVersionSpec, companion_key, encoder_keys, spec_for
+from xmark_core.encoders import COMPANION_DELTA, KeyVersionSpec, companion_key, encoder_keys, spec_for
 
 SPEC = spec_for("auto")
 GUMBEL, XMARK = SPEC.encoders
@@ -294,6 +294,7 @@ async def test_every_temperature_is_answered_marked_and_traced_to_its_author(
     assert answers[0] == answers[1] != answers[2]
 
 
+@pytest.mark.model
 async def test_text_completions_honour_the_penalties_under_the_biasing_encoder(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, auto_users: tuple[CreatedUser, CreatedUser]
 ) -> None:
@@ -334,7 +335,7 @@ async def test_the_admin_api_shows_both_encoders(
         "scheme": "xmark",
         "block_bits": 2,
         "num_keys": 4,
-        "delta": 2.0,
+        "delta": COMPANION_DELTA,
         "min_entropy": 0.0,
         "fingerprint": companion.fingerprint,
     }

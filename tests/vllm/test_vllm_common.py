@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from xmark_core import Message, WatermarkKey, WatermarkParams, vllm_common
-from xmark_core.encoders import DEFAULT_CONFIGURED_SCHEME, KeyVersionSpec, encoder_keys, spec_for
+from xmark_core.encoders import (
+    COMPANION_DELTA,
+    DEFAULT_CONFIGURED_SCHEME,
+    KeyVersionSpec,
+    encoder_keys,
+    spec_for,
+)
 from xmark_core.errors import RequestArgumentError
 from xmark_core.vllm_common import (
     ENV_BITS,
@@ -61,6 +67,10 @@ def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
     assert keyring.spec.scheme == DEFAULT_CONFIGURED_SCHEME == "auto"
     assert keyring.params == gateway
     assert gateway == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    # an empty XMARK_WATERMARK_DELTA (the compose and ConfigMap default) is unset: the companion's own bias
+    empty = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_DELTA: ""})
+    assert empty.spec == keyring.spec and empty.spec.companion is not None
+    assert empty.spec.companion.delta == COMPANION_DELTA != 2.0
     # the biasing scheme named alone takes its own defaults, in both
     biasing = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark"})
     assert biasing.params == WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
