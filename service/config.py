@@ -28,6 +28,8 @@ from xmark_core.secrets import parse_secret_entries as _parse_secret_entries
 
 WATERMARK_SECRETS_FILE = "watermark_secrets"
 API_KEY_PEPPER_FILE = "api_key_pepper"
+# the folder name of the local sentence-embedding checkpoint `xmark fetch-embedding-model` builds
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 class ConfigurationError(Exception):
@@ -218,6 +220,38 @@ class Settings(BaseSettings):
     # Prompt tokens (after the chat template) a request may carry; checked before the model runs.
     max_prompt_tokens: int = 8192
 
+    # -- embeddings (docs/service.md, "Embedding models") ----------------------------------------
+    embedding_model: str | None = Field(
+        default=None,
+        description=(
+            "Without XMARK_MODELS_FILE: serve the local sentence-embedding checkpoint at POST "
+            "/v1/embeddings under this name (e.g. all-minilm-l6-v2; `xmark fetch-embedding-model` "
+            "builds it). Unset: no embedding model. With a models file, list it there "
+            '(kind = "embedding").'
+        ),
+    )
+    embedding_model_path: Path | None = Field(
+        default=None,
+        description=(
+            "The local embedding checkpoint (default <XMARK_MODELS_DIR>/<XMARK_EMBEDDING_MODEL>, or "
+            "<XMARK_MODELS_DIR>/all-minilm-l6-v2 for `xmark fetch-embedding-model` when no name is set)."
+        ),
+    )
+    embedding_max_inputs: int = Field(
+        default=256, ge=1, le=2048, description="The most texts one /v1/embeddings request may carry in `input`."
+    )
+    embedding_max_input_chars: int = Field(
+        default=32_000, ge=1, description="The most characters one text of a /v1/embeddings `input` may have."
+    )
+    embedding_max_input_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description=(
+            "The most tokens one text of a /v1/embeddings `input` may have (the model's own context "
+            "bounds it further: 256 for all-MiniLM-L6-v2); a longer text is refused, never cut."
+        ),
+    )
+
     # -- slow and hostile clients ------------------------------------------------------------
     # The whole request body must arrive within this many seconds of the request head.
     body_read_timeout_s: float = 10.0
@@ -281,7 +315,7 @@ class Settings(BaseSettings):
         means unset: the scheme's own value."""
         return None if isinstance(value, str) and not value.strip() else value
 
-    @field_validator("models_file", "models_dir", mode="before")
+    @field_validator("models_file", "models_dir", "embedding_model", "embedding_model_path", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # a deployment file passes an optional path as an empty variable (${VAR:-})
@@ -479,6 +513,11 @@ class Settings(BaseSettings):
                     f"XMARK_MODELS_FILE describes every served model: unset {' and '.join(clashing)} "
                     "(give each model's checkpoint or workers in the file)"
                 )
+        if self.models_file is not None and (self.embedding_model or self.embedding_model_path):
+            raise ValueError(
+                "XMARK_MODELS_FILE describes every served model: unset XMARK_EMBEDDING_MODEL and "
+                'XMARK_EMBEDDING_MODEL_PATH (list the embedding model in the file, with kind = "embedding")'
+            )
         try:
             self.watermark_spec()
         except ValueError as exc:
@@ -512,6 +551,13 @@ class Settings(BaseSettings):
         if self.model_path is not None:
             return self.model_path
         return self.resolved_models_dir / self.model_name
+
+    def resolved_embedding_model_path(self) -> Path:
+        """Where the local embedding checkpoint lives: ``XMARK_EMBEDDING_MODEL_PATH``, else
+        ``<models dir>/<embedding_model>`` (``<models dir>/all-minilm-l6-v2`` when no name is set)."""
+        if self.embedding_model_path is not None:
+            return self.embedding_model_path
+        return self.resolved_models_dir / (self.embedding_model or DEFAULT_EMBEDDING_MODEL)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.backends import Backend
 from service.config import Settings
 from service.db import session_scope
-from service.errors import PermissionDeniedError
+from service.errors import PermissionDeniedError, speaks_anthropic
 from service.keyring import Keyring
 from service.metrics import Metrics
 from service.resources import Resources
 from service.schemas.common import Principal, Role
 from service.security import ApiKeyHasher
 from service.services.auth_edge import AuthEdge
+from service.services.keys import parse_api_key_headers, parse_bearer
 
 __all__ = [
     "AdminDep",
@@ -97,13 +98,19 @@ def client_address(request: Request, edge: AuthEdge | None) -> str | None:
 
 
 async def resolve_principal(request: Request) -> Principal:
-    """Authenticate the request once (cached on ``request.state``)."""
+    """Authenticate the request once (cached on ``request.state``). The key comes as a bearer
+    token; on the routes of Anthropic's Messages API also as ``x-api-key``, as its clients send it."""
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None:
         resources: Resources = request.app.state.resources
         with resources.telemetry.span("auth") as span:
             client = client_address(request, resources.authenticator.edge)
-            principal = await resources.authenticator.authenticate(request.headers.get("authorization"), client)
+            authorization = request.headers.get("authorization")
+            if speaks_anthropic(request.scope):
+                key = parse_api_key_headers(request.headers.get("x-api-key"), authorization)
+            else:
+                key = parse_bearer(authorization)
+            principal = await resources.authenticator.authenticate_key(key, client)
             span.set_attribute("enduser.id", str(principal.user_id))
             span.set_attribute("enduser.role", str(principal.role))
         request.state.principal = principal

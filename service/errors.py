@@ -1,6 +1,9 @@
-"""Domain exceptions and the one mapping from them to the OpenAI error envelope.
+"""Domain exceptions and the one mapping from them to the error envelopes.
 
-Envelope: ``{"error": {"message", "type", "param", "code"}}``. Messages never carry request
+Envelope: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's), on every route but those
+of Anthropic's Messages API (``ANTHROPIC_PATHS``), whose errors take Anthropic's envelope
+``{"type": "error", "error": {"type", "message"}}`` and its status codes (``anthropic_status``):
+the same error, in the shape the route's clients parse. Messages never carry request
 values: validation errors name the field and the rule, not the input, and whatever a message or
 parameter name still echoes (a number in a range check, a name the client chose) is cut to a short
 excerpt.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -169,6 +173,68 @@ def envelope(message: str, *, type_: str, code: str | None, param: str | None = 
     }
 
 
+# The routes of Anthropic's Messages API (``service.routers.messages``): their errors, and theirs
+# only, are answered in Anthropic's envelope.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+# The gateway's status -> Anthropic's status and error type. Anthropic has no 422: a body that does
+# not match the schema is a 400 ``invalid_request_error`` there. A 503 (the gateway's "retry
+# shortly": the model loading, the workers or the database unavailable) keeps its status, with
+# the type of Anthropic's 529 (``overloaded_error``); any other 5xx is a 500 ``api_error``.
+ANTHROPIC_STATUSES: Mapping[int, tuple[int, str]] = {
+    400: (400, "invalid_request_error"),
+    401: (401, "authentication_error"),
+    403: (403, "permission_error"),
+    404: (404, "not_found_error"),
+    405: (405, "invalid_request_error"),
+    408: (408, "invalid_request_error"),
+    409: (409, "invalid_request_error"),
+    413: (413, "request_too_large"),
+    422: (400, "invalid_request_error"),
+    429: (429, "rate_limit_error"),
+    500: (500, "api_error"),
+    503: (503, "overloaded_error"),
+    504: (504, "timeout_error"),
+}
+
+
+def anthropic_status(status: int) -> tuple[int, str]:
+    """The status and Anthropic error type that answer an error of the gateway's ``status``."""
+    known = ANTHROPIC_STATUSES.get(status)
+    if known is not None:
+        return known
+    return (500, "api_error") if status >= 500 else (status, "invalid_request_error")
+
+
+def speaks_anthropic(scope: Mapping[str, Any]) -> bool:
+    """Whether the request of an ASGI ``scope`` is on a route of Anthropic's Messages API."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", ""))
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path in ANTHROPIC_PATHS
+
+
+def anthropic_envelope(message: str, *, status: int, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error body for an error of the gateway's ``status``. Its envelope has no
+    ``param``: a field the message does not name already leads it (``max_tokens: ...``), as
+    Anthropic words its own."""
+    if param is not None and f"'{param}'" not in message:
+        message = f"{_excerpt(scrub(param), MAX_PARAM_CHARS)}: {message}"
+    _, type_ = anthropic_status(status)
+    return {"type": "error", "error": {"type": type_, "message": _excerpt(scrub(message), MAX_MESSAGE_CHARS)}}
+
+
+def error_body(
+    scope: Mapping[str, Any], status: int, message: str, *, type_: str, code: str | None, param: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The status and body that answer an error to the request of ``scope``: Anthropic's on its
+    routes, OpenAI's everywhere else."""
+    if speaks_anthropic(scope):
+        return anthropic_status(status)[0], anthropic_envelope(message, status=status, param=param)
+    return status, envelope(message, type_=type_, code=code, param=param)
+
+
 def _location(loc: tuple[Any, ...] | list[Any]) -> tuple[str, str | None]:
     parts = list(loc)
     source = str(parts[0]) if parts else "body"
@@ -233,16 +299,25 @@ def redact_known_secrets(request: Request, body: dict[str, Any]) -> dict[str, An
 
 async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
-    body = envelope(exc.message, type_=exc.type, code=exc.code, param=exc.param)
-    return JSONResponse(redact_known_secrets(request, body), status_code=exc.status_code, headers=exc.headers)
+    status, body = error_body(
+        request.scope, exc.status_code, exc.message, type_=exc.type, code=exc.code, param=exc.param
+    )
+    return JSONResponse(redact_known_secrets(request, body), status_code=status, headers=exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(redact_known_secrets(request, validation_envelope(exc)), status_code=422)
+    body = validation_envelope(exc)
+    status = 422
+    if speaks_anthropic(request.scope):
+        detail = body["error"]
+        status, body = error_body(
+            request.scope, status, detail["message"], type_=detail["type"], code=detail["code"], param=detail["param"]
+        )
+    return JSONResponse(redact_known_secrets(request, body), status_code=status)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     type_, code = HTTP_ERROR_TYPES.get(exc.status_code, ("invalid_request_error", "http_error"))
     if exc.status_code == 404:
@@ -251,11 +326,13 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
         message = "Method not allowed"
     else:
         message = str(exc.detail) if isinstance(exc.detail, str) else "Request failed"
-    return JSONResponse(
-        envelope(message, type_=type_, code=code),
-        status_code=exc.status_code,
-        headers=getattr(exc, "headers", None),
-    )
+    status, body = error_body(request.scope, exc.status_code, message, type_=type_, code=code)
+    return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+
+
+def _internal_error(request: Request) -> JSONResponse:
+    status, body = error_body(request.scope, 500, "Internal server error", type_="server_error", code="internal_error")
+    return JSONResponse(body, status_code=status)
 
 
 async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -272,7 +349,7 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     if is_database_fault(exc):
         return await _database_unavailable(request, exc)
     logger.error("unhandled database error", extra={"error_type": type(exc).__name__})
-    return JSONResponse(envelope("Internal server error", type_="server_error", code="internal_error"), status_code=500)
+    return _internal_error(request)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -282,15 +359,13 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         response = await _database_unavailable(request, exc)
     else:
         logger.error("unhandled error", extra={"error_type": type(exc).__name__})
-        response = JSONResponse(
-            envelope("Internal server error", type_="server_error", code="internal_error"), status_code=500
-        )
+        response = _internal_error(request)
     response.headers["Connection"] = "close"
     return response
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every exception the app can raise to the OpenAI error envelope.
+    """Map every exception the app can raise to its error envelope (``error_body``).
 
     Database errors are handled inside the app (the connection stays usable after a 503); the
     handler of ``Exception`` runs in Starlette's outermost middleware, which re-raises so that the

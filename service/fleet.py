@@ -21,6 +21,14 @@ always has. With it, the TOML file lists every served model::
     max_completion_tokens = 512
     max_queued_requests = 32
 
+An entry with ``kind = "embedding"`` is an embedding model, served at ``POST /v1/embeddings`` only
+(``service.embeddings``): ``backend = "local"`` runs a sentence-embedding checkpoint in-process,
+``backend = "vllm"`` forwards to workers running a pooling model (``path``: their tokenizer, with
+which the gateway counts input tokens). Chat (the default kind) is every other route's. A file
+lists at least one chat model; the chat routes answer 404 for an embedding model and
+``/v1/embeddings`` for a chat model. Without a models file, ``XMARK_EMBEDDING_MODEL`` serves the
+local checkpoint beside the one chat model.
+
 Each model gets a copy of the process settings with its own fields (:meth:`ModelEntry.settings_for`),
 so a backend and the generation service read a model's limits where they always read them.
 Relative paths are read from the file's folder. Anything wrong in the file (not TOML, an unknown
@@ -62,6 +70,8 @@ class ModelEntry(BaseModel):
 
     name: str = Field(pattern=MODEL_NAME_PATTERN)
     aliases: tuple[str, ...] = ()
+    # chat: the generation routes; embedding: POST /v1/embeddings only
+    kind: Literal["chat", "embedding"] = "chat"
     backend: Literal["local", "vllm"] = "local"
     path: Path | None = None
     urls: tuple[str, ...] = ()
@@ -160,20 +170,60 @@ def load_models_file(path: Path) -> list[ModelEntry]:
             raise ConfigurationError(f"{source}: {label}, field 'api_key_env': only a vllm model has workers")
         if entry.timeout_s is not None and entry.backend != "vllm":
             raise ConfigurationError(f"{source}: {label}, field 'timeout_s': only a vllm model has workers")
+        if entry.kind == "embedding":
+            for field in ("max_prompt_tokens", "max_completion_tokens"):
+                if getattr(entry, field) is not None:
+                    raise ConfigurationError(
+                        f"{source}: {label}, field '{field}': an embedding model generates nothing "
+                        "(its inputs' limits are XMARK_EMBEDDING_MAX_INPUT_TOKENS and _CHARS)"
+                    )
         if entry.api_key_env is not None and not os.environ.get(entry.api_key_env):
             raise ConfigurationError(
                 f"{source}: {label}, field 'api_key_env': the variable {entry.api_key_env} is not set"
             )
+    if not any(entry.kind == "chat" for entry in parsed.models):
+        raise ConfigurationError(f"{source}: no chat model (every entry has kind = 'embedding')")
     return parsed.models
 
 
 def model_settings(settings: Settings) -> list[tuple[Settings, tuple[str, ...]]]:
-    """Each served model's settings and aliases, the default model first."""
+    """Each served chat model's settings and aliases, the default model first."""
     if settings.models_file is None:
         return [(settings, ())]
+    return _entries_settings(settings, "chat")
+
+
+def embedding_model_settings(settings: Settings) -> list[tuple[Settings, tuple[str, ...]]]:
+    """Each served embedding model's settings (``backend``, ``model_name``, ``model_path`` and
+    ``vllm_*`` describe it) and aliases: the models file's ``kind = "embedding"`` entries, or
+    without a models file the local checkpoint ``XMARK_EMBEDDING_MODEL`` names (none when unset)."""
+    if settings.models_file is not None:
+        return _entries_settings(settings, "embedding")
+    name = settings.embedding_model
+    if name is None:
+        return []
+    if not re.match(MODEL_NAME_PATTERN, name):
+        raise ConfigurationError(f"XMARK_EMBEDDING_MODEL: {name!r} is not a valid model name")
+    if name == settings.model_name:
+        raise ConfigurationError(f"XMARK_EMBEDDING_MODEL: {name!r} is already the chat model's name (XMARK_MODEL_NAME)")
+    path = settings.resolved_embedding_model_path()
+    if not (path / "config.json").is_file():
+        raise ConfigurationError(
+            f"XMARK_EMBEDDING_MODEL: no checkpoint at {path} (run `xmark fetch-embedding-model`, "
+            "or set XMARK_EMBEDDING_MODEL_PATH)"
+        )
+    own = settings.model_copy(update={"backend": "local", "model_name": name, "model_path": path, "vllm_urls": []})
+    return [(own, ())]
+
+
+def _entries_settings(settings: Settings, kind: str) -> list[tuple[Settings, tuple[str, ...]]]:
+    """The settings and aliases of the models file's entries of ``kind``, their checkpoints checked."""
+    assert settings.models_file is not None
     folder = settings.models_file.parent
     served: list[tuple[Settings, tuple[str, ...]]] = []
     for index, entry in enumerate(load_models_file(settings.models_file)):
+        if entry.kind != kind:
+            continue
         own = entry.settings_for(settings, folder)
         checkpoint = own.resolved_model_path()
         if not any((checkpoint / name).is_file() for name in ("config.json", "tokenizer.json")):
@@ -203,9 +253,13 @@ class ServedModel:
 
 
 class Fleet:
-    """Every served model, by name and alias; the first is the default (listed first)."""
+    """Every served chat model, by name and alias; the first is the default (listed first).
 
-    def __init__(self, models: Sequence[ServedModel]) -> None:
+    ``embedding``: the names and aliases of the embedding models served beside them
+    (``service.embeddings``): listed by ``names`` after the chat models, and a chat route naming
+    one gets 404 saying so. Iterating the fleet yields the chat models only."""
+
+    def __init__(self, models: Sequence[ServedModel], *, embedding: Sequence[tuple[str, tuple[str, ...]]] = ()) -> None:
         if not models:
             raise ValueError("a fleet serves at least one model")
         self._models = list(models)
@@ -215,6 +269,13 @@ class Fleet:
                 if name in self._names:
                     raise ValueError(f"model name {name!r} is used twice")
                 self._names[name] = index
+        self._embedding_names = [name for name, _ in embedding]
+        self._embedding: dict[str, str] = {}
+        for name, aliases in embedding:
+            for other in (name, *aliases):
+                if other in self._names or other in self._embedding:
+                    raise ValueError(f"model name {other!r} is used twice")
+                self._embedding[other] = name
 
     @classmethod
     def single(cls, backend: Backend) -> Fleet:
@@ -240,11 +301,22 @@ class Fleet:
         """The model a request names (by its name or an alias); 404 ``model_not_found`` otherwise."""
         index = self._names.get(name)
         if index is None:
+            if name in self._embedding:
+                raise NotFoundError(
+                    f"The model '{name}' is an embedding model: it serves POST /v1/embeddings only",
+                    param=param,
+                    code="model_not_found",
+                )
             raise NotFoundError(f"The model '{name}' does not exist", param=param, code="model_not_found")
         return self._models[index]
 
+    def is_chat_model(self, name: str) -> bool:
+        """Whether ``name`` is a served chat model's name or alias."""
+        return name in self._names
+
     def names(self) -> list[str]:
-        return [model.name for model in self._models]
+        """Every served model's name (what /v1/models lists): the chat models, then the embedding models."""
+        return [model.name for model in self._models] + self._embedding_names
 
 
 # tokenizer object -> its fingerprint (tokenizers live as long as their backend: a few per process)

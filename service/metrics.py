@@ -39,7 +39,7 @@ class Metrics:
         )
         self.tokens_generated = Counter(
             "xmark_tokens",
-            "Tokens processed by a served model's backend (kind=prompt|completion).",
+            "Tokens processed by a served model's backend (kind=prompt|completion; embedding: /v1/embeddings inputs).",
             ["kind", "model"],
             registry=self.registry,
         )

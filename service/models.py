@@ -222,10 +222,30 @@ class Generation(Base):
     sketch_minhash: Mapped[list[int] | None] = mapped_column(IntArray(), nullable=True)
 
 
+class EmbeddingRecord(Base):
+    """One ``POST /v1/embeddings`` request (migration 0011): who asked, which model, how many texts
+    and tokens; never the texts. Embeddings are not generated text: they have no generations row.
+    A trigger adds each row to its user's ``usage_daily`` embedding columns."""
+
+    __tablename__ = "embedding_records"
+    __table_args__ = (Index("ix_embedding_records_user_id_created_at", "user_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # one row per request, however often its write is retried
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
+    model: Mapped[str] = mapped_column(String(200))
+    inputs: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
 class UsageDaily(Base):
     """Usage per user per UTC day, kept by the database itself as generation records are inserted
     (migration 0007's triggers), so the usage API reads one row per user and day instead of every
-    record of the period. ``requests`` and ``prompt_tokens`` count a request once (its choice 0)."""
+    record of the period. ``requests`` and ``prompt_tokens`` count a request once (its choice 0).
+    ``embedding_requests`` and ``embedding_tokens`` count ``/v1/embeddings`` requests and their
+    input tokens, from ``embedding_records`` (migration 0011's triggers)."""
 
     __tablename__ = "usage_daily"
     # and the index ix_usage_daily_day_user_id (day DESC, user_id), the usage API's order (migration only)
@@ -237,6 +257,8 @@ class UsageDaily(Base):
     completions: Mapped[int] = mapped_column(BigInteger)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger)
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    embedding_requests: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    embedding_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class UsageDayTotals(Base):

@@ -23,8 +23,10 @@ from service.backends import Backend, build_backend
 from service.config import ConfigurationError, Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, RowWriter, create_engine, create_sessionmaker, session_scope
 from service.db.spool import SpooledWriter, open_generation_records
+from service.embeddings.models import EmbeddingModel, EmbeddingModels, build_embedding_backend
+from service.embeddings.records import EmbeddingRecords, open_embedding_records
 from service.errors import ServiceUnavailableError
-from service.fleet import Fleet, ServedModel, model_settings
+from service.fleet import Fleet, ServedModel, embedding_model_settings, model_settings
 from service.keyring import Keyring, spec_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
@@ -77,6 +79,9 @@ class Resources:
     admission: Admission
     # signs trace reports (its public key is served at /.well-known/xmark-report-key)
     report_signer: ReportSigner
+    # the embedding models (POST /v1/embeddings; none unless configured) and their usage records
+    embeddings: EmbeddingModels
+    embedding_records: EmbeddingRecords
     # OpenTelemetry spans (a no-op tracer unless an OTLP endpoint is configured)
     telemetry: Telemetry = field(default_factory=Telemetry)
     # content sketches of completions and suspect texts (None: XMARK_PROVENANCE=off)
@@ -200,7 +205,7 @@ def freeze_start_up_heap_in_this_process() -> None:
     FREEZE_START_UP_HEAP = True
 
 
-async def _freeze_start_up_heap(fleet: Fleet, *warmers: asyncio.Task[None] | None) -> None:
+async def _freeze_start_up_heap(fleet: Fleet, embeddings: EmbeddingModels, *warmers: asyncio.Task[None] | None) -> None:
     """Once the start-up work is done (every model ready, the trace null distributions prepared, the
     trace registry loaded),
     move what it allocated out of the garbage collector's reach (``gc.freeze``).
@@ -211,6 +216,8 @@ async def _freeze_start_up_heap(fleet: Fleet, *warmers: asyncio.Task[None] | Non
     took 332 ms; frozen, 81 ms (docs/benchmarks.md)."""
     for served in fleet:
         await served.backend.wait_ready(None)
+    for embedding in embeddings:
+        await embedding.backend.wait_ready(None)
     for warmer in warmers:
         if warmer is not None:
             with contextlib.suppress(Exception):
@@ -293,7 +300,18 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             await backend.start()
             # without a models file the one model follows the process settings themselves
             served.append(ServedModel(own.model_name, backend, None if own is settings else own, aliases))
-        fleet = Fleet(served)
+        embedding_records = await stack.enter_async_context(open_embedding_records(settings, sessionmaker, metrics))
+        embedding_served = []
+        for own, aliases in embedding_model_settings(settings):
+            embedding_backend = build_embedding_backend(own)
+            stack.push_async_callback(embedding_backend.close)
+            await embedding_backend.start()
+            embedding_served.append(EmbeddingModel(own.model_name, embedding_backend, own, aliases))
+        embeddings = EmbeddingModels(embedding_served)
+        try:
+            fleet = Fleet(served, embedding=embeddings.names())
+        except ValueError as exc:  # a name of both kinds
+            raise ConfigurationError(f"the served models: {exc}") from None
         admission = await stack.enter_async_context(open_admission(settings, metrics))
         # the per-address budget of failed authentications, shared through the admission's Redis
         authenticator.edge = AuthEdge.from_settings(settings, metrics, admission.redis)
@@ -315,7 +333,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             stack, asyncio.create_task(registry_cache.warm([handle.key.params for handle in keyring.readings()]))
         )
         if FREEZE_START_UP_HEAP:
-            _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, warmer, registry_warmer)))
+            _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, embeddings, warmer, registry_warmer)))
         yield Resources(
             settings=settings,
             engine=engine,
@@ -333,6 +351,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             trace_null_warmer=warmer,
             admission=admission,
             report_signer=ReportSigner.from_secret(secrets.report_signing),
+            embeddings=embeddings,
+            embedding_records=embedding_records,
             telemetry=telemetry,
             sketcher=sketcher_for(settings, secrets.api_key_pepper),
         )

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.model_store import MANIFEST_NAME, ModelStoreError, _offline_env, _write_manifest, verify_checkpoint
+from service.model_store import MANIFEST_NAME, ModelStoreError, offline_env, verify_checkpoint, write_manifest
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -174,7 +174,7 @@ def _init_weights(model: Any) -> None:
 
 def write_test_model(directory: Path) -> None:
     """Write the tokenizer and the random-weight model into ``directory`` (which must exist)."""
-    _offline_env()
+    offline_env()
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
@@ -218,7 +218,7 @@ def _install(target: Path) -> None:
         staging = work_dir / "checkpoint"
         staging.mkdir()
         write_test_model(staging)
-        _write_manifest(staging, _recipe())
+        write_manifest(staging, _recipe())
         if target.exists():
             target.rename(work_dir / "previous")  # removed with the work directory
         staging.rename(target)

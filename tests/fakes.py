@@ -54,6 +54,7 @@ class PlannedChoice:
 
     tokens: tuple[str, ...]
     finish_reason: FinishReason
+    stop_sequence: str | None = None  # the stop string that cut it, if one did
 
 
 def plan_choice(request: GenerationRequest, stamp: WatermarkStamp | None, index: int) -> PlannedChoice:
@@ -74,12 +75,12 @@ def plan_choice(request: GenerationRequest, stamp: WatermarkStamp | None, index:
     tokens = [word if i == 0 else " " + word for i, word in enumerate(words)]
     finish = FinishReason.LENGTH if count == request.max_tokens else FinishReason.STOP
     text = "".join(tokens)
-    cuts = [position for position in (text.find(stop) for stop in request.stop) if position >= 0]
+    cuts = [(position, stop) for stop in request.stop if (position := text.find(stop)) >= 0]
     if cuts:  # the tokens that start before the first stop string, the last one cut at it
-        cut = min(cuts)
+        cut, stop = min(cuts, key=lambda item: item[0])
         starts = list(itertools.accumulate((len(token) for token in tokens), initial=0))[:-1]
         tokens = [token[: cut - start] for token, start in zip(tokens, starts, strict=True) if start < cut] or [""]
-        finish = FinishReason.STOP
+        return PlannedChoice(tuple(tokens), FinishReason.STOP, stop)
     return PlannedChoice(tuple(tokens), finish)
 
 
@@ -125,7 +126,13 @@ class FakeStream:
                 last = step >= len(plan.tokens) - 1
                 if last:
                     open_choices.discard(index)
-                yield ChoiceDelta(index, text, produced[index], plan.finish_reason if last else None)
+                yield ChoiceDelta(
+                    index,
+                    text,
+                    produced[index],
+                    plan.finish_reason if last else None,
+                    stop_sequence=plan.stop_sequence if last else None,
+                )
             step += 1
 
     def __aiter__(self) -> FakeStream:

@@ -119,7 +119,8 @@ class ChoiceDelta:
     one of them is covered by this and earlier deltas, except text held back at a stop string).
     ``finish_reason`` is set on the last delta of a choice. ``tool_calls``: OpenAI tool-call
     deltas (``{"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}``); ``logprobs``:
-    OpenAI ``logprobs.content`` entries of the tokens of this delta.
+    OpenAI ``logprobs.content`` entries of the tokens of this delta. ``stop_sequence``: on the
+    last delta of a choice that one of the request's ``stop`` strings ended, that string.
     """
 
     index: int
@@ -128,6 +129,7 @@ class ChoiceDelta:
     finish_reason: FinishReason | None = None
     tool_calls: tuple[dict[str, Any], ...] = ()
     logprobs: tuple[dict[str, Any], ...] = ()
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -138,6 +140,7 @@ class ChoiceResult:
     finish_reason: FinishReason | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # merged: whole calls
     logprobs: list[dict[str, Any]] | None = None  # OpenAI logprobs.content, when asked for
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
     def add(self, delta: ChoiceDelta) -> None:
         """Fold one delta of this choice in."""
@@ -149,6 +152,7 @@ class ChoiceResult:
             self.logprobs = [*(self.logprobs or ()), *delta.logprobs]
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+            self.stop_sequence = delta.stop_sequence
 
     def generated_text(self) -> str:
         """Everything the model generated for this choice, tool-call arguments included: what the

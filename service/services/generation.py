@@ -267,6 +267,16 @@ class GenerationService:
     def list_models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=name, created=0, owned_by=OWNED_BY) for name in self._fleet.names()])
 
+    def served_model(self, name: str) -> ServedModel:
+        """The model ``name`` (a served model's name or alias) is served by; 404 ``model_not_found``."""
+        return self._fleet.resolve(name)
+
+    def model_card(self, name: str) -> ModelCard:
+        """The model object of ``name``: a model ``list_models`` lists, or a served model's alias (its
+        model's object, under the model's own name); 404 ``model_not_found`` otherwise."""
+        listed = name if name in self._fleet.names() else self._fleet.resolve(name).name
+        return ModelCard(id=listed, created=0, owned_by=OWNED_BY)
+
     # -- validation --------------------------------------------------------------------------
 
     def _max_tokens(self, served: ServedModel, body: SamplingRequest, default: int | None = None) -> int:
@@ -282,6 +292,30 @@ class GenerationService:
 
     def prepare(self, principal: Principal, body: ChatCompletionRequest) -> PreparedCompletion:
         """Validate ``body`` against the gateway's limits; raises before anything is generated."""
+        served, turns, options = self._chat_prompt(body)
+        return self._prepared(
+            principal,
+            served,
+            body,
+            "chatcmpl",
+            messages=turns,
+            max_tokens=self._max_tokens(served, body),
+            options=options,
+        )
+
+    async def count_prompt_tokens(self, body: ChatCompletionRequest) -> int:
+        """The prompt tokens of ``body`` as its completion would count them (the served model's chat
+        template included, and on a backend that takes tools their definitions): validated as
+        ``prepare`` validates, and nothing is admitted, generated or recorded."""
+        served, turns, options = self._chat_prompt(body)
+        if not served.backend.ready:
+            raise ServiceUnavailableError(f"The model '{served.name}' is still loading; retry shortly")
+        limit = served.limits(self._settings).max_completion_tokens
+        return await served.backend.count_prompt_tokens(GenerationRequest(turns, limit, options=options))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[ServedModel, tuple[ChatTurn, ...], dict[str, object]]:
+        """The model ``body`` names, its turns and the options its backend honours; raises 400 for
+        a field that backend does not honour or a prompt over ``max_prompt_chars``."""
         served = self._fleet.resolve(body.model)
         honoured = getattr(served.backend, "honoured_fields", DEFAULT_HONOURED)
         sent = sent_fields(body)
@@ -292,7 +326,8 @@ class GenerationService:
         refuse_tool_turns(body.messages, honoured, served.name)
         turns = tuple(
             ChatTurn(
-                message.role,
+                # a developer message is a system message by another name
+                "system" if message.role == "developer" else message.role,
                 message.text(),
                 tool_calls=tuple(call.model_dump(mode="json") for call in message.tool_calls or ()),
                 tool_call_id=message.tool_call_id,
@@ -301,15 +336,7 @@ class GenerationService:
             for message in body.messages
         )
         self._check_prompt_chars(sum(len(turn.content) for turn in turns), "messages")
-        return self._prepared(
-            principal,
-            served,
-            body,
-            "chatcmpl",
-            messages=turns,
-            max_tokens=self._max_tokens(served, body),
-            options=options,
-        )
+        return served, turns, options
 
     def prepare_text(self, principal: Principal, body: CompletionRequest) -> PreparedCompletion:
         """``prepare`` for ``/v1/completions``: a raw text prompt, continued without the chat template."""
@@ -558,6 +585,7 @@ class GenerationService:
                     ),
                     finish_reason=choice.finish_reason,
                     logprobs=None if choice.logprobs is None else {"content": choice.logprobs},
+                    stop_sequence=choice.stop_sequence,
                 )
                 for choice in result.choices
             ],
@@ -675,6 +703,7 @@ class GenerationService:
                             delta=ChunkDelta(content=delta.text or None, tool_calls=list(delta.tool_calls) or None),
                             finish_reason=delta.finish_reason,
                             logprobs={"content": list(delta.logprobs)} if delta.logprobs else None,
+                            stop_sequence=delta.stop_sequence,
                         )
                         yield self._chunk(prepared, [entry])
                     tally[delta.index].add(delta)

@@ -59,6 +59,25 @@ def parse_bearer(authorization: str | None) -> ParsedKey:
         raise _unauthorized("Invalid API key") from None
 
 
+def parse_api_key_headers(x_api_key: str | None, authorization: str | None) -> ParsedKey:
+    """The well-formed key of a request that may send it as Anthropic's clients do,
+    ``x-api-key: <key>``, or as a bearer token (401 otherwise; no database). Both may be sent only
+    if they hold the same key."""
+    if x_api_key is None or not x_api_key.strip():
+        if not authorization or not authorization.strip():
+            raise _unauthorized("Missing API key: send it as 'x-api-key: <key>' or 'Authorization: Bearer <key>'")
+        return parse_bearer(authorization)
+    try:
+        key = parse_api_key(x_api_key.strip())
+    except ApiKeyFormatError:
+        raise _unauthorized("Invalid API key") from None
+    if authorization and authorization.strip():
+        bearer = parse_bearer(authorization)
+        if not hmac.compare_digest(bearer.plaintext.encode(), key.plaintext.encode()):
+            raise _unauthorized("The x-api-key and Authorization headers hold different keys; send one")
+    return key
+
+
 def principal_from_rows(rows: Sequence[Row[Any]], key_hash: str) -> tuple[Principal, datetime | None]:
     """The principal of a well-formed key, and when its use was last written, from the rows of
     ``service.repositories.api_keys.principal_rows`` for its prefix: 401 unknown or revoked, 403

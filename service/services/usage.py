@@ -1,4 +1,4 @@
-"""Usage per user per day (GET /admin/usage), from the generation records."""
+"""Usage per user per day (GET /admin/usage), from the generation and embedding records."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ class UsageService:
                 completions=r.completions,
                 prompt_tokens=r.prompt_tokens,
                 completion_tokens=r.completion_tokens,
+                embedding_requests=r.embedding_requests,
+                embedding_tokens=r.embedding_tokens,
             )
             for r in rows
         ]

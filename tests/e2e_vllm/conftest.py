@@ -288,3 +288,84 @@ def gumbel_gateway(
         "XMARK_MODEL_NAME": MODEL_NAME,
     }
     yield from _gateway(settings, var_dir, defaults=True)
+
+
+# the local sentence-embedding checkpoint `make model` builds (xmark fetch-embedding-model)
+EMBEDDING_CHECKPOINT = REPO_ROOT / "var" / "models" / "all-minilm-l6-v2"
+EMBEDDING_MODEL = "minilm-vllm"
+
+
+@pytest.fixture(scope="session")
+def embedding_worker(e2e_config: E2EConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    """A CPU vLLM worker running the embedding checkpoint as a pooling model (no watermark
+    processor: an embedding is not generated text)."""
+    if not (EMBEDDING_CHECKPOINT / "config.json").is_file():
+        pytest.skip(f"no embedding checkpoint at {EMBEDDING_CHECKPOINT} (run `make model`)")
+    port = free_port()
+    env = _base_environment()
+    env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(EMBEDDING_CHECKPOINT),
+        "--served-model-name",
+        EMBEDDING_MODEL,
+        "--runner",
+        "pooling",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+    ]
+    log = tmp_path_factory.mktemp("vllm-embedding") / "worker.log"
+    worker = ManagedProcess("vllm embedding worker", command, env, log, f"http://127.0.0.1:{port}/health")
+    worker.start()
+    try:
+        worker.wait_healthy(WORKER_START_TIMEOUT_S)
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="session")
+def embedding_gateway(
+    e2e_config: E2EConfig, embedding_worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
+    """A gateway whose models file lists a chat model (the test model, in-process), the embedding
+    worker's model (kind embedding, backend vllm) and the same checkpoint in-process."""
+    path = REPO_ROOT / "var" / "models" / TEST_MODEL_NAME
+    if not (path / "config.json").is_file():
+        pytest.skip(f"no test model at {path} (run `make model`)")
+    var_dir = tmp_path_factory.mktemp("embedding-gateway-var")
+    models = var_dir / "models.toml"
+    models.write_text(
+        f"""
+[[models]]
+name = "{TEST_MODEL_NAME}"
+path = "{path}"
+
+[[models]]
+name = "{EMBEDDING_MODEL}"
+kind = "embedding"
+backend = "vllm"
+urls = ["{embedding_worker.health_url.removesuffix("/health")}"]
+path = "{EMBEDDING_CHECKPOINT}"
+timeout_s = 30
+
+[[models]]
+name = "minilm-local"
+kind = "embedding"
+path = "{EMBEDDING_CHECKPOINT}"
+"""
+    )
+    for process in _gateway({**_gateway_settings(e2e_config), "XMARK_MODELS_FILE": str(models)}, var_dir):
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+        while set(httpx.get(process.health_url, timeout=5.0).json()["models"].values()) != {"ready"}:
+            assert time.monotonic() < deadline, f"a model never became ready:\n{process.log_tail()}"
+            time.sleep(0.5)
+        yield process

@@ -119,6 +119,8 @@ async def test_usage_per_user_per_day(client: httpx.AsyncClient, db_session: Asy
             "completions": 3,
             "prompt_tokens": 13,  # r1's prompt once, r2's
             "completion_tokens": 16,
+            "embedding_requests": 0,  # no /v1/embeddings request that day
+            "embedding_tokens": 0,
         },
         {
             "user_id": alice["user_id"],
@@ -128,6 +130,8 @@ async def test_usage_per_user_per_day(client: httpx.AsyncClient, db_session: Asy
             "completions": 1,
             "prompt_tokens": 8,
             "completion_tokens": 9,
+            "embedding_requests": 0,  # no /v1/embeddings request that day
+            "embedding_tokens": 0,
         },
     ]
     recent = (await client.get(f"/admin/usage?user_id={alice['user_id']}&days=1", headers=_auth(admin_key))).json()

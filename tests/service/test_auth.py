@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from service.errors import ANTHROPIC_PATHS
 from service.models import ApiKey, Generation, Trace, User
 from service.security import generate_api_key
 
@@ -37,9 +38,13 @@ ALL_ROLES = frozenset({"user", "auditor", "admin"})
 ADMIN = frozenset({"admin"})
 ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/models"): ALL_ROLES,
+    ("GET", "/v1/models/{model:path}"): ALL_ROLES,
     ("POST", "/v1/chat/completions"): ALL_ROLES,
     ("POST", "/v1/responses"): ALL_ROLES,
+    ("POST", "/v1/messages"): ALL_ROLES,
+    ("POST", "/v1/messages/count_tokens"): ALL_ROLES,
     ("POST", "/v1/completions"): ALL_ROLES,
+    ("POST", "/v1/embeddings"): ALL_ROLES,
     ("POST", "/trace"): frozenset({"auditor", "admin"}),
     ("GET", "/trace/{report_id}"): frozenset({"auditor", "admin"}),
     ("GET", "/traces"): frozenset({"auditor", "admin"}),
@@ -68,6 +73,13 @@ BODIES: dict[str, Any] = {
         "max_tokens": 1,
     },
     "/v1/completions": {"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 1},
+    "/v1/messages": {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    },
+    "/v1/messages/count_tokens": {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"model": "all-minilm-l6-v2", "input": "hi"},
     "/trace": {"text": "some suspect text"},
     "/admin/users": {"name": "mallory", "role": "admin"},
     "/admin/users/{user_id}": {"role": "admin", "requests_per_minute": 0},
@@ -96,12 +108,31 @@ async def _row_counts(session: AsyncSession) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def _anthropic(response: httpx.Response) -> bool:
+    """Whether ``response`` answers a route of Anthropic's Messages API (its own error envelope)."""
+    return response.request.url.path in ANTHROPIC_PATHS
+
+
 def _assert_envelope(response: httpx.Response, status: int, type_: str) -> None:
-    assert response.status_code == status, (response.status_code, response.text)
+    """The error envelope of the route: OpenAI's, or on Anthropic's Messages API Anthropic's (which
+    has no ``param`` or ``code``, and answers a body that does not match the schema with 400)."""
     body = response.json()
+    if _anthropic(response):
+        assert response.status_code == (400 if status == 422 else status), (response.status_code, response.text)
+        assert set(body) == {"type", "error"} and body["type"] == "error"
+        assert set(body["error"]) == {"message", "type"}
+        assert body["error"]["type"] == type_
+        return
+    assert response.status_code == status, (response.status_code, response.text)
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == type_
+
+
+def _assert_code(response: httpx.Response, code: str) -> None:
+    """The error's ``code`` (Anthropic's envelope has none: its ``type`` was checked)."""
+    if not _anthropic(response):
+        assert response.json()["error"]["code"] == code
 
 
 def test_every_route_is_classified(app: Any) -> None:
@@ -120,7 +151,7 @@ async def test_missing_key_is_401(client: httpx.AsyncClient, db_session: AsyncSe
     before = await _row_counts(db_session)
     response = await _call(client, method, path, {})
     _assert_envelope(response, 401, "authentication_error")
-    assert response.json()["error"]["code"] == "invalid_api_key"
+    _assert_code(response, "invalid_api_key")
     assert response.headers["www-authenticate"] == "Bearer"
     assert await _row_counts(db_session) == before
 
@@ -179,7 +210,7 @@ async def test_wrong_role_is_403(
         before = await _row_counts(db_session)
         response = await _call(client, method, path, {"Authorization": f"Bearer {key}"})
         _assert_envelope(response, 403, "permission_error")
-        assert response.json()["error"]["code"] == "insufficient_role"
+        _assert_code(response, "insufficient_role")
         assert await _row_counts(db_session) == before
 
 
@@ -194,7 +225,7 @@ async def test_disabled_user_is_403(
     assert disabled.status_code == 200
     response = await _call(client, method, path, {"Authorization": f"Bearer {key}"})
     _assert_envelope(response, 403, "permission_error")
-    assert response.json()["error"]["code"] == "user_disabled"
+    _assert_code(response, "user_disabled")
 
 
 @pytest.mark.parametrize(("method", "path"), PROTECTED)
@@ -244,7 +275,7 @@ async def test_authentication_is_checked_before_the_body_is_parsed(
         method, _concrete(path), content=raw, headers={**headers, "Authorization": f"Bearer {key}"}
     )
     _assert_envelope(authenticated, 422, "invalid_request_error")
-    assert authenticated.json()["error"]["code"] == "invalid_json"
+    _assert_code(authenticated, "invalid_json")
 
 
 async def test_validation_errors_still_name_the_field_for_authenticated_callers(

@@ -207,6 +207,32 @@ async def test_after_the_budget_bad_keys_cost_no_database_read(tmp_path: Path, d
             assert "xmark_auth_edge_refusals_total 30.0" in metrics
 
 
+async def test_keys_sent_as_x_api_key_spend_the_same_budget(tmp_path: Path, database: str, admin_key: str) -> None:
+    """Anthropic's clients send the key as ``x-api-key``: the budget, the back-off and the caches
+    know a key by its HMAC, whichever header carried it."""
+    flooder = an_address()
+    settings = gateway_settings(tmp_path, database, admin_key, auth_cache_ttl_s=0)
+    prompt = {"model": settings.model_name, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def message(http: httpx.AsyncClient, key: str) -> httpx.Response:
+        headers = {"x-api-key": key, "X-Forwarded-For": flooder}
+        return await http.post("/v1/messages/count_tokens", json=prompt, headers=headers)
+
+    with serve(settings) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=10) as http:
+            assert (await message(http, admin_key)).status_code == 200  # known valid from now on
+            assert (await call(http, bad_key(), flooder)).status_code == 401  # a bearer token
+            assert (await message(http, bad_key())).status_code == 401  # and two x-api-key ones
+            assert (await message(http, bad_key())).status_code == 401
+            gateway.statements.clear()
+            at_edge = [await message(http, bad_key()) for _ in range(10)]
+            assert gateway.key_reads == 0, "a backed-off address must not cost database reads"
+            for response in at_edge:
+                assert response.status_code == 401
+                assert response.json()["error"]["type"] == "authentication_error"
+            assert (await message(http, admin_key)).status_code == 200  # a valid key still passes
+
+
 async def test_a_new_valid_key_from_a_backed_off_address_passes_at_the_next_probe(
     tmp_path: Path, database: str, admin_key: str
 ) -> None:

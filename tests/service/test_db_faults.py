@@ -248,16 +248,19 @@ def test_sqlite_waits_for_a_lock_no_longer_than_the_database_timeout(tmp_path: P
 
 
 def _broken_authentication(app: Any, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
-    async def authenticate(authorization: str | None, client: str | None = None) -> Any:
+    async def authenticate_key(parsed: Any, client: str | None = None) -> Any:
         raise error
 
-    monkeypatch.setattr(app.state.resources.authenticator, "authenticate", authenticate)
+    # every route authenticates through authenticate_key (the bearer token or, on the Messages
+    # API, x-api-key, read from the headers first)
+    monkeypatch.setattr(app.state.resources.authenticator, "authenticate_key", authenticate_key)
 
 
 async def _get_models(app: Any) -> httpx.Response:
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        return await client.get("/v1/models", headers={"Authorization": "Bearer xm_anything"})
+        # a well-formed key (a malformed one is refused before any database read)
+        return await client.get("/v1/models", headers={"Authorization": f"Bearer {generate_api_key().plaintext}"})
 
 
 async def test_a_database_fault_anywhere_in_a_route_is_503(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:

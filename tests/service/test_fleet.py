@@ -4,6 +4,7 @@ model that wrote the text."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,42 @@ async def test_models_lists_every_served_model(client: httpx.AsyncClient, make_u
     response = await client.get("/v1/models", headers=_auth(key))
     assert response.status_code == 200
     assert [card["id"] for card in response.json()["data"]] == [DEFAULT, TEST_MODEL_NAME]
+
+
+async def test_a_model_is_retrieved_by_its_name_or_alias(client: httpx.AsyncClient, make_user: Any) -> None:
+    _, key = await make_user("user")
+    for name, served in ((DEFAULT, DEFAULT), ("smollm2", DEFAULT), (TEST_MODEL_NAME, TEST_MODEL_NAME)):
+        response = await client.get(f"/v1/models/{name}", headers=_auth(key))
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == served and response.json()["object"] == "model"
+    missing = await client.get("/v1/models/smollm3", headers=_auth(key))
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+async def test_messages_are_routed_by_name_and_alias(
+    client: httpx.AsyncClient, make_user: Any, db_session: AsyncSession
+) -> None:
+    """Anthropic's Messages API reaches every model of the fleet, each under its own limits."""
+    _, key = await make_user("user")
+    headers = {"x-api-key": key}
+    for name, served in (("smollm2", DEFAULT), (TEST_MODEL_NAME, TEST_MODEL_NAME)):
+        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        response = await client.post("/v1/messages", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == served
+        prompt = {"model": name, "messages": body["messages"]}
+        counted = await client.post("/v1/messages/count_tokens", json=prompt, headers=headers)
+        assert counted.status_code == 200 and counted.json()["input_tokens"] == response.json()["usage"]["input_tokens"]
+        for _ in range(100):
+            row = await db_session.scalar(select(Generation).where(Generation.request_id == response.json()["id"]))
+            if row is not None:
+                break
+            await asyncio.sleep(0.05)  # written as the response ends
+        assert row is not None and row.model == served
+    too_many = {"model": TEST_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 301}
+    response = await client.post("/v1/messages", json=too_many, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert "at most 300" in response.json()["error"]["message"]
 
 
 async def test_an_unknown_model_is_404_in_the_envelope(client: httpx.AsyncClient, make_user: Any) -> None:

@@ -551,6 +551,33 @@ async def test_whole_tool_calls_are_kept_with_their_arguments() -> None:
         await backend.close()
 
 
+async def test_the_stop_string_that_ended_a_choice_is_reported() -> None:
+    """vLLM's ``stop_reason`` names the stop string that ended a choice (None at the end of the turn,
+    a token id for a stop token): streamed and whole, the delta carries the string alone."""
+
+    def ended_by(stop_reason: Any) -> list[bytes]:
+        events = completion_events([["Cats", " are"]], finish="stop")
+        last = json.loads(events[-3].decode().removeprefix("data: "))
+        last["choices"][0]["stop_reason"] = stop_reason
+        events[-3] = sse(last)[0]
+        return events
+
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams)
+    try:
+        for stop_reason, expected in (("\n\n", "\n\n"), (None, None), (2, None)):
+            upstreams.workers["w1"].on_chat = lambda body, reason=stop_reason: ended_by(reason)
+            (choice,) = (await backend.generate(REQUEST, STAMP)).choices
+            assert choice.finish_reason == "stop" and choice.stop_sequence == expected
+            answer = whole_answer(["Cats are"], finish="stop")
+            answer["choices"][0]["stop_reason"] = stop_reason
+            upstreams.workers["w1"].on_whole = lambda body, answer=answer: answer
+            (choice,) = (await backend.generate(WHOLE, STAMP)).choices
+            assert choice.finish_reason == "stop" and choice.stop_sequence == expected
+    finally:
+        await backend.close()
+
+
 async def test_a_request_with_tools_keeps_the_upstream_stream() -> None:
     upstreams = Upstreams("w1")
     upstreams.workers["w1"].on_chat = lambda body: tool_call_events()
