@@ -78,9 +78,9 @@ def test_the_other_encoder_is_measured_next_to_the_switch_and_never_greedy() -> 
     gumbel = sorted(s.temperature for s in others if not s.companion)
     xmark = sorted(s.temperature for s in others if s.companion)
     assert gumbel and max(gumbel) < threshold and min(gumbel) > 0.0
-    below = [t for t in SWEEP_TEMPERATURES if 0.0 < t < threshold][-2:]  # the two next to the switch
-    above = [t for t in SWEEP_TEMPERATURES if t >= threshold][:2]
-    assert set(below) <= set(gumbel) and set(above) <= set(xmark) and min(xmark) >= threshold
+    below = [t for t in SWEEP_TEMPERATURES if 0.0 < t < threshold][-1:]  # the one on each side of the switch
+    above = [t for t in SWEEP_TEMPERATURES if t >= threshold][:1]
+    assert set(below) == set(gumbel) and set(above) == set(xmark) and min(xmark) >= threshold
     # every cell name is one of its own
     names = [s.name for s in TEMPERATURE.settings]
     assert len(names) == len(set(names))
@@ -106,7 +106,7 @@ def test_the_gumbel_cells_are_the_low_temperature_presets_answers() -> None:
     """The cached answers of gumbel8s16-low are reused: the same names, answer length, seed, registry."""
     low = {s.name for s in GUMBEL8_LOW_TEMPERATURE.settings}
     ours = {s.name for s in TEMPERATURE.settings}
-    assert {"gumbel-b32-bb8-k1-d2-s16-t0.3", "gumbel-b32-bb8-k1-d2-s16-t0.5", "none-t0.3", "none-t0.5"} <= low & ours
+    assert {"gumbel-b32-bb8-k1-d2-s16-t0.5", "none-t0.3", "none-t0.5"} <= low & ours
     other = PRESETS["gumbel8s16-low"]
     assert "gumbel8s16-low" in TEMPERATURE.reuse
     assert (other.seed, other.registry_size, other.max_tokens) == (
@@ -191,13 +191,13 @@ def _results() -> dict:
             }
         )
         if setting.bits:
-            named = 120 if setting.scheme == "gumbel" and setting.temperature < 0.5 else setting.authors - 1
+            named = 120 if setting.scheme == "gumbel" and setting.temperature < 0.7 else setting.authors - 1
             attribution.append(
                 {"setting": setting.name, "T": 150, "authors": setting.authors, "named": _rate(named, setting.authors)}
                 | {"wrong": _rate(0, setting.authors), "named_by_encoder": {setting.scheme: named}}
             )
-            reason = "temperature" if setting.temperature < 0.5 else ""
-            reason = reason or ("frequency_penalty" if setting.options else "")
+            reason = "temperature" if setting.temperature < 0.7 else ""
+            reason = reason or ("frequency_penalty" if setting.companion and setting.options else "")
             choices.append({"setting": setting.name, "encoder": "xmark" if reason else "gumbel", "reason": reason})
         else:
             null.append(
@@ -212,8 +212,8 @@ def _results() -> dict:
         "quality": quality,
         "null": null,
         "rule": {
-            "min_temperature": 0.5,
-            "min_top_p": 0.5,
+            "min_temperature": 0.7,
+            "min_top_p": 0.9,
             "primary": config.to_dict()["key_version"]["primary"],
             "companion": config.to_dict()["key_version"]["companion"],
             "choices": choices,
@@ -233,7 +233,8 @@ def test_the_report_has_every_cell_in_one_table_and_the_frontier(tmp_path: Path)
     cells = [s for s in TEMPERATURE.settings if s.bits]
     table = [line for line in text.splitlines() if line.startswith("| ") and "/ 1,000" in line]
     assert len(table) == len(cells)  # one row per cell, each with its unwatermarked traces
-    assert "| 0.3 | – | gumbel (primary) | xmark (temperature) | other | 200 | 120/200 = 60.0 %" in text
+    assert "| 0.5 | – | gumbel (primary) | xmark (temperature) | other | 200 | 120/200 = 60.0 %" in text
+    assert "| 0.7 | top_p 0.9 | gumbel (primary) | gumbel | rule | 100 |" in text
     assert "| 0.7 | frequency_penalty 0.5 | xmark (companion) |" in text
     assert "missed at" not in text and "met in every cell" in text  # the rule's cells all name
     assert "x86_64 CPU, 2 cores" in text and "--preset temperature" in text
