@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
 from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.embeddings.router import router as embeddings_router
-from service.errors import install_error_handlers
+from service.errors import ANTHROPIC_PATHS, install_error_handlers
 from service.keyring import Keyring, spec_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
@@ -109,4 +110,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(console.router)
     if settings.api_docs:
         install_api_docs(app)
+        _no_422_on_anthropic_routes(app)
     return app
+
+
+def _no_422_on_anthropic_routes(app: FastAPI) -> None:
+    """Drop FastAPI's automatic 422 from the schema of Anthropic's routes: a body that does not
+    match is a 400 ``invalid_request_error`` there (``service.errors.ANTHROPIC_STATUSES``)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for path in ANTHROPIC_PATHS:
+                for operation in schema.get("paths", {}).get(path, {}).values():
+                    operation.get("responses", {}).pop("422", None)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema

@@ -310,6 +310,13 @@ class Fleet:
             raise NotFoundError(f"The model '{name}' does not exist", param=param, code="model_not_found")
         return self._models[index]
 
+    def listed_name(self, name: str) -> str:
+        """The name /v1/models lists for ``name`` (a served model's name or alias, chat or
+        embedding); 404 ``model_not_found`` for any other."""
+        if name in self._embedding:
+            return self._embedding[name]
+        return self.resolve(name).name
+
     def is_chat_model(self, name: str) -> bool:
         """Whether ``name`` is a served chat model's name or alias."""
         return name in self._names

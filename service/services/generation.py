@@ -274,8 +274,7 @@ class GenerationService:
     def model_card(self, name: str) -> ModelCard:
         """The model object of ``name``: a model ``list_models`` lists, or a served model's alias (its
         model's object, under the model's own name); 404 ``model_not_found`` otherwise."""
-        listed = name if name in self._fleet.names() else self._fleet.resolve(name).name
-        return ModelCard(id=listed, created=0, owned_by=OWNED_BY)
+        return ModelCard(id=self._fleet.listed_name(name), created=0, owned_by=OWNED_BY)
 
     # -- validation --------------------------------------------------------------------------
 

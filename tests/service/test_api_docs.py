@@ -40,6 +40,10 @@ async def test_docs_pages_load_nothing_from_elsewhere(client: httpx.AsyncClient,
 async def test_swagger_bundle_reads_openapi_31(client: httpx.AsyncClient) -> None:
     schema = (await client.get("/openapi.json")).json()
     assert schema["openapi"].startswith("3.1")
+    # Anthropic's routes answer a body that does not match with 400, never 422; the others keep 422
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert "422" not in schema["paths"][path]["post"]["responses"], path
+    assert "422" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]
     bundle = (await client.get("/docs/assets/swagger-ui-bundle.js")).text
     assert "isOAS31" in bundle  # Swagger UI 5: version 4 shows "unsupported version" for 3.1 schemas
 

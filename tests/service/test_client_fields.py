@@ -98,3 +98,26 @@ async def test_retrieving_a_model_needs_a_key(app: Any, client: httpx.AsyncClien
         response = await client.get(f"/v1/models/{name}", headers=headers)
         assert response.status_code == 401
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_listed_name_of_every_served_name_and_alias() -> None:
+    """GET /v1/models/{model} answers for a chat or an embedding model by its name or any alias,
+    under the name /v1/models lists; any other name is 404 ``model_not_found``."""
+    from types import SimpleNamespace
+
+    from service.errors import NotFoundError
+    from service.fleet import Fleet, ServedModel
+
+    chat = ServedModel("chat-model", SimpleNamespace(), aliases=("chat-alias",))  # type: ignore[arg-type]
+    fleet = Fleet([chat], embedding=[("embed-model", ("embed-alias",))])
+    assert fleet.names() == ["chat-model", "embed-model"]
+    for name, listed in [
+        ("chat-model", "chat-model"),
+        ("chat-alias", "chat-model"),
+        ("embed-model", "embed-model"),
+        ("embed-alias", "embed-model"),
+    ]:
+        assert fleet.listed_name(name) == listed
+    with pytest.raises(NotFoundError) as caught:
+        fleet.listed_name("nothing")
+    assert caught.value.code == "model_not_found"
