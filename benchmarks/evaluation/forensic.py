@@ -433,10 +433,10 @@ def temperature_config(
 
 
 # Where the per-request rule switches encoders and why (``make eval-temperature``, TEMPERATURE.md):
-# the rule's cells, and the other encoder at the temperature on each side of the switch (the keyed
-# sampler below 0.7: docs/results/FORENSIC-GUMBEL8S16-LOW.md; the companion's bias: the
-# companion-strength presets).
-TEMPERATURE = temperature_config(neighbours=1)
+# the rule's cells; the other encoder beside them is measured by the presets that chose the rule's
+# threshold and bias (the keyed sampler below 0.7: gumbel8s16-low, FORENSIC-GUMBEL8S16-LOW.md; the
+# companion's bias at 0-0.5 and under logit_bias: companion-d3 / companion-d4 / companion-d0.6).
+TEMPERATURE = temperature_config(others=False)
 # The companion's bias on its frontier (docs/results/COMPANION-STRENGTH.md): the cells the gateway's
 # rule sends to the biasing encoder where it named least at the default bias (temperatures 0, 0.3 and
 # 0.5, and the logit_bias list), 100 authors each, at a larger bias than the default; the

@@ -20,6 +20,7 @@ from benchmarks.evaluation.forensic import (
     Population,
     jobs,
     temperature_cells,
+    temperature_config,
     trace_plan,
 )
 from benchmarks.evaluation.metrics import wilson
@@ -77,10 +78,15 @@ def test_the_other_encoder_is_measured_next_to_the_switch_and_never_greedy() -> 
     others = [s for s in TEMPERATURE.settings if s.bits and not s.by_rule]
     gumbel = sorted(s.temperature for s in others if not s.companion)
     xmark = sorted(s.temperature for s in others if s.companion)
-    assert gumbel and max(gumbel) < threshold and min(gumbel) > 0.0
-    below = [t for t in SWEEP_TEMPERATURES if 0.0 < t < threshold][-1:]  # the one on each side of the switch
-    above = [t for t in SWEEP_TEMPERATURES if t >= threshold][:1]
-    assert set(below) == set(gumbel) and set(above) == set(xmark) and min(xmark) >= threshold
+    # the preset measures the rule's cells alone (the other encoder: gumbel8s16-low, companion-d*);
+    # asked for neighbours, the sweep puts the other encoder on each side of the switch, never greedy
+    assert not gumbel and not xmark
+    beside = temperature_config(neighbours=1)
+    others = [s for s in beside.settings if s.bits and not s.by_rule]
+    gumbel = sorted(s.temperature for s in others if not s.companion)
+    xmark = sorted(s.temperature for s in others if s.companion)
+    assert gumbel == [t for t in SWEEP_TEMPERATURES if 0.0 < t < threshold][-1:]
+    assert xmark == [t for t in SWEEP_TEMPERATURES if t >= threshold][:1]
     # every cell name is one of its own
     names = [s.name for s in TEMPERATURE.settings]
     assert len(names) == len(set(names))
@@ -106,7 +112,7 @@ def test_the_gumbel_cells_are_the_low_temperature_presets_answers() -> None:
     """The cached answers of gumbel8s16-low are reused: the same names, answer length, seed, registry."""
     low = {s.name for s in GUMBEL8_LOW_TEMPERATURE.settings}
     ours = {s.name for s in TEMPERATURE.settings}
-    assert {"gumbel-b32-bb8-k1-d2-s16-t0.5", "none-t0.3", "none-t0.5"} <= low & ours
+    assert {"none-t0.3", "none-t0.5"} <= low & ours
     other = PRESETS["gumbel8s16-low"]
     assert "gumbel8s16-low" in TEMPERATURE.reuse
     assert (other.seed, other.registry_size, other.max_tokens) == (
@@ -233,7 +239,8 @@ def test_the_report_has_every_cell_in_one_table_and_the_frontier(tmp_path: Path)
     cells = [s for s in TEMPERATURE.settings if s.bits]
     table = [line for line in text.splitlines() if line.startswith("| ") and "/ 1,000" in line]
     assert len(table) == len(cells)  # one row per cell, each with its unwatermarked traces
-    assert "| 0.5 | – | gumbel (primary) | xmark (temperature) | other | 200 | 120/200 = 60.0 %" in text
+    assert "| 0.5 | – | xmark (companion) | xmark (temperature) | rule | 200 | 199/200 = 99.5 %" in text
+    assert "| other |" not in text  # the preset measures the rule's cells alone
     assert "| 0.7 | top_p 0.9 | gumbel (primary) | gumbel | rule | 100 |" in text
     assert "| 0.7 | frequency_penalty 0.5 | xmark (companion) |" in text
     assert "missed at" not in text and "met in every cell" in text  # the rule's cells all name
