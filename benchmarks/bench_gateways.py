@@ -9,6 +9,9 @@ Targets, each in processes of its own on this machine:
 * ``xmark``: ``xmark serve`` as deployed in front of vLLM (``XMARK_BACKEND=vllm``), PostgreSQL for its
   users and records (a dedicated database, created and dropped here), API-key auth, admission,
   the watermark stamp and a generation record (with its content sketch) for every completion;
+* ``xmark_messages`` (fake upstream): the same ``xmark serve`` process through ``POST /v1/messages``
+  (Anthropic's Messages API, the key as ``x-api-key``), the same one-line prompt, ``max_tokens``
+  and temperature in Anthropic's shape, which the gateway turns into the same chat request upstream;
 * ``litellm``: LiteLLM's proxy (its own virtualenv, ``make venv-litellm``, pinned with hashes),
   master key only, no database;
 * ``litellm_db``: LiteLLM's production mode (virtual keys and spend logs in the same PostgreSQL),
@@ -28,6 +31,9 @@ the same cell, requests/s (the rounds' median, and their range as the interval),
 seconds per 1,000 requests (user + system time of its whole process tree, over every answer of the
 cell, warm-up included), its RSS, a stream's time to first byte and per-chunk time, and every
 non-2xx answer by status. The vLLM cells add tokens/s and the gateway's tokens/s over direct.
+Where a cell has both routes, ``messages_vs_chat`` holds the ratios /v1/messages over chat of the
+gateway's added p50 and of its CPU per request: the pooled figures' ratio and, as the interval,
+the range of the rounds' own ratios (round r of each route against direct's round r).
 
 ``--vllm-cores 0`` gives the vLLM worker's forward pass cores of its own, as a GPU worker has its own
 accelerator: vLLM binds its compute threads to the listed cores (``VLLM_CPU_OMP_THREADS_BIND``), and
@@ -82,9 +88,12 @@ VLLM_PROMPT = "Write a long story about a lighthouse keeper and the ships she wa
 FAKE_TOKENS = 16
 VLLM_TOKENS = 32
 START_TIMEOUT_S = 300.0
-TARGETS = ("direct", "xmark", "litellm", "litellm_db")
+TARGETS = ("direct", "xmark", "xmark_messages", "litellm", "litellm_db")
 # the PostgreSQL server both gateways' databases are created on (``XMARK_BENCH_POSTGRES`` to change)
 DEFAULT_POSTGRES = "postgresql+asyncpg://root@127.0.0.1:5432"
+# the run's database: this prefix and a random suffix (``--database-prefix`` to change)
+DATABASE_PREFIX = "xmark_gateways_"
+ANTHROPIC_VERSION = "2023-06-01"
 
 
 @dataclass
@@ -96,6 +105,7 @@ class Target:
     headers: list[str]
     pids: list[int]
     body_extra: dict[str, Any] = field(default_factory=dict)
+    api: str = "chat"  # the body's shape: "chat" (OpenAI's chat completions) or "messages" (Anthropic's)
 
     def tree(self) -> list[psutil.Process]:
         processes: list[psutil.Process] = []
@@ -177,8 +187,8 @@ class Xmark:
     port: int = 0
 
     @classmethod
-    async def prepare(cls, upstream_url: str, workdir: Path, postgres: str) -> Xmark:
-        database_url = f"{postgres}/xmark_gateways_{secrets.token_hex(4)}"
+    async def prepare(cls, upstream_url: str, workdir: Path, postgres: str, prefix: str = DATABASE_PREFIX) -> Xmark:
+        database_url = f"{postgres}/{prefix}{secrets.token_hex(4)}"
         await create_database(database_url)
         await asyncio.to_thread(upgrade_database, database_url)
         env = {
@@ -224,6 +234,17 @@ class Xmark:
             f"http://127.0.0.1:{self.port}/v1/chat/completions",
             [f"authorization: Bearer {self.api_key}"],
             [self.process.pid],
+        )
+
+    def messages_target(self) -> Target:
+        """The running gateway through ``POST /v1/messages``, keyed as Anthropic's clients key it."""
+        assert self.process is not None
+        return Target(
+            "xmark_messages",
+            f"http://127.0.0.1:{self.port}/v1/messages",
+            [f"x-api-key: {self.api_key}", f"anthropic-version: {ANTHROPIC_VERSION}"],
+            [self.process.pid],
+            api="messages",
         )
 
     def stop(self) -> None:
@@ -285,7 +306,8 @@ class Upstream:
 # -- the load --------------------------------------------------------------------------------------
 
 
-def _body(stream: bool, max_tokens: int, extra: dict[str, Any], prompt: str = PROMPT) -> str:
+def _body(stream: bool, max_tokens: int, extra: dict[str, Any], prompt: str = PROMPT, api: str = "chat") -> str:
+    """The request of a cell: the same prompt, ``max_tokens`` and temperature in either API's shape."""
     body: dict[str, Any] = {
         "model": MODEL_NAME,
         "messages": [{"role": "user", "content": prompt}],
@@ -294,7 +316,7 @@ def _body(stream: bool, max_tokens: int, extra: dict[str, Any], prompt: str = PR
         "stream": stream,
         **extra,
     }
-    if stream:
+    if stream and api == "chat":  # a Messages stream always ends with its usage (message_delta)
         body["stream_options"] = {"include_usage": True}
     return json.dumps(body)
 
@@ -303,7 +325,7 @@ async def _load(
     target: Target, concurrency: int, stream: bool, seconds: float, warmup: float, max_tokens: int, tokens: bool
 ) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.loadgen", "--url", target.url]
-    command += ["--body", _body(stream, max_tokens, target.body_extra, VLLM_PROMPT if tokens else PROMPT)]
+    command += ["--body", _body(stream, max_tokens, target.body_extra, VLLM_PROMPT if tokens else PROMPT, target.api)]
     for header in target.headers:
         command += ["--header", header]
     command += ["--concurrency", str(concurrency), "--seconds", str(seconds), "--warmup", str(warmup)]
@@ -349,6 +371,7 @@ def _combine(rounds: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
         "requests": sum(r["requests"] for r in rounds),
         "errors": errors,
         "p50_ms_rounds": [r["latency_ms"]["p50"] for r in rounds],
+        "cpu_s_per_1000_rounds": [1000 * r["cpu_s"] / r["answered"] if r["answered"] else None for r in rounds],
     }
     if any(r["tokens"] for r in rounds):
         # tokens over the time the connections were busy with measured requests (a closed loop of
@@ -400,11 +423,51 @@ async def _cells(
                 if name != "direct" and direct is not None:
                     for q in ("p50", "p95", "p99"):
                         cell[name][f"added_{q}_ms"] = cell[name][f"{q}_ms"] - direct[f"{q}_ms"]
+                    cell[name]["added_p50_ms_rounds"] = [
+                        mine - floor
+                        for mine, floor in zip(cell[name]["p50_ms_rounds"], direct["p50_ms_rounds"], strict=True)
+                    ]
                     if "tokens_per_s" in cell[name] and direct.get("tokens_per_s"):
                         cell[name]["tokens_per_s_vs_direct"] = cell[name]["tokens_per_s"] / direct["tokens_per_s"]
+            if "xmark" in cell and "xmark_messages" in cell and direct is not None:
+                cell["messages_vs_chat"] = messages_vs_chat(cell["xmark"], cell["xmark_messages"])
             print(_row(cell), flush=True)
+            if "messages_vs_chat" in cell:
+                print(_ratio_row(cell["messages_vs_chat"]), flush=True)
             results.append(cell)
     return results
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return mine / theirs if mine is not None and theirs else None
+
+
+def messages_vs_chat(chat: dict[str, Any], messages: dict[str, Any]) -> dict[str, Any]:
+    """/v1/messages over chat completions in one cell: the ratios of the gateway's added p50 and of
+    its CPU per request, pooled, with the range of the rounds' own ratios as the interval."""
+    ratios: dict[str, Any] = {}
+    for key, rounds in (("added_p50", "added_p50_ms_rounds"), ("cpu_per_request", "cpu_s_per_1000_rounds")):
+        pooled = "added_p50_ms" if key == "added_p50" else "cpu_s_per_1000"
+        per_round = [_ratio(m, c) for m, c in zip(messages[rounds], chat[rounds], strict=True)]
+        known = [r for r in per_round if r is not None]
+        ratios[key] = {
+            "ratio": _ratio(messages[pooled], chat[pooled]),
+            "range": [min(known), max(known)] if known else None,
+            "rounds": per_round,
+        }
+    return ratios
+
+
+def _ratio_row(ratios: dict[str, Any]) -> str:
+    parts = []
+    for key, label in (("added_p50", "added p50"), ("cpu_per_request", "CPU per request")):
+        entry = ratios[key]
+        if entry["ratio"] is None:
+            parts.append(f"{label} n/a")
+            continue
+        low, high = entry["range"]
+        parts.append(f"{label} {entry['ratio']:.3f} (rounds {low:.3f}–{high:.3f})")
+    return f"{'':<20}   messages / chat: " + ", ".join(parts)
 
 
 def _cell_name(cell: dict[str, Any]) -> str:
@@ -501,7 +564,7 @@ async def _run_targets(
     xmark: Xmark | None = None
     results: list[dict[str, Any]] = []
     try:
-        xmark = await Xmark.prepare(upstream.base_url, workdir, postgres)
+        xmark = await Xmark.prepare(upstream.base_url, workdir, postgres, args.database_prefix)
         await upstream.start(xmark.env["XMARK_WATERMARK_SECRETS"])
         direct = Target("direct", f"{upstream.base_url}/v1/chat/completions", [], [upstream.process.pid])  # type: ignore[union-attr]
         if kind == "vllm":  # the worker does the watermark's work for direct requests too
@@ -511,6 +574,8 @@ async def _run_targets(
             proxies: list[LitellmProxy] = []
             try:
                 targets["xmark"] = await xmark.start(processes, workdir / f"xmark-{kind}-{processes}.log")
+                if kind == "fake" and args.messages:  # the same process through /v1/messages
+                    targets["xmark_messages"] = xmark.messages_target()
                 for mode, name in (("master_key", "litellm"), ("db", "litellm_db")):
                     if not args.litellm:
                         break
@@ -545,14 +610,8 @@ def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
     multi = [r for r in fake_plain if r["processes"] > 1]
     if multi:
         goals["xmark_rps_workers"] = max(r["xmark"]["rps"] for r in multi)
-    non_2xx = {
-        f"{r['upstream']}/c{r['concurrency']}/{'stream' if r['stream'] else 'plain'}/p{r['processes']}": r["errors"][
-            "xmark"
-        ]
-        for r in results
-        if r["errors"].get("xmark")
-    }
-    goals["xmark_non_2xx"] = non_2xx
+    for name in ("xmark", "xmark_messages"):
+        goals[f"{name}_non_2xx"] = {_cell_name(r): r["errors"][name] for r in results if r["errors"].get(name)}
     ratios = []  # where the gateways, not the upstream, set the pace
     for r in results:
         if r["upstream"] != "fake":
@@ -571,6 +630,21 @@ def _goals(results: list[dict[str, Any]]) -> dict[str, Any]:
     )
     vllm = [r["xmark"].get("tokens_per_s_vs_direct") for r in results if r["upstream"] == "vllm"]
     goals["vllm_tokens_per_s_vs_direct"] = [v for v in vllm if v is not None]
+    compared = [r for r in results if "messages_vs_chat" in r]
+    if compared:  # /v1/messages within 10 % of chat: the largest ratio of any cell
+        worst = {
+            key: max(
+                (
+                    r["messages_vs_chat"][key]["ratio"]
+                    for r in compared
+                    if r["messages_vs_chat"][key]["ratio"] is not None
+                ),
+                default=None,
+            )
+            for key in ("added_p50", "cpu_per_request")
+        }
+        goals["messages_vs_chat_max"] = worst
+        goals["messages_within_10_percent"] = all(v is not None and v <= 1.10 for v in worst.values())
     return goals
 
 
@@ -610,6 +684,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "vllm_cores": args.vllm_cores,
             "vllm_others_cores": sorted(os.sched_getaffinity(0) - set(args.vllm_cores)) if args.vllm_cores else None,
             "vllm_postgres": "own server beside the gateway" if args.vllm_cores else "the shared server",
+            "concurrency": args.concurrency,
+            "processes": args.processes,
+            "messages": args.messages,
         },
     }
 
@@ -636,6 +713,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-litellm", dest="litellm", action="store_false")
+    parser.add_argument(
+        "--no-messages", dest="messages", action="store_false", help="leave out the /v1/messages target"
+    )
+    parser.add_argument(
+        "--database-prefix",
+        default=DATABASE_PREFIX,
+        help="the run's database name: this prefix and a random suffix (default: %(default)s)",
+    )
     args = parser.parse_args()
     if args.litellm and not LITELLM_PYTHON.exists():
         parser.error("LiteLLM's virtualenv is missing: make venv-litellm (or --no-litellm)")

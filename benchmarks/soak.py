@@ -2,12 +2,16 @@
 
 A PostgreSQL server of its own (benchmarks.pg_server) and a gateway process served as
 ``xmark serve`` serves it (the local model by default; ``--fake-backend`` for a quick run). Users
-send non-streamed (n=2) and streamed requests, some clients leaving a stream midway; meanwhile
+send chat completions (non-streamed with n=2, and streamed) and Anthropic messages
+(``POST /v1/messages``, non-streamed and streamed), some clients leaving a stream midway; meanwhile
 the database is stopped for ``--outage-s`` and started again, then frozen (SIGSTOP) for
 ``--hang-s`` and resumed. When the load has ended and the spool has drained, every completion
-answered 200 must have exactly one row per choice. Prints one JSON object:
-requests, status_counts, p50_ms / p99_ms (to the response head), records_missing and
-records_duplicated (targets 0 and 0), and the gateway's spooled / drained / dropped counters.
+answered 200 must have exactly one row per choice: a chat completion's rows under its
+``chatcmpl-...`` id, a message's one row under its ``msg_...`` id (a stream's from its first
+event on, the ``message_start`` for a message). Prints one JSON object: requests,
+status_counts, p50_ms / p99_ms (to the response head), records_missing and records_duplicated
+(targets 0 and 0), the same per route (``routes``: chat and messages), and the gateway's spooled /
+drained / dropped counters.
 """
 
 from __future__ import annotations
@@ -89,50 +93,96 @@ def gateway_process(env: dict[str, str], fake: bool, log: Path, base_url: str) -
             process.wait()
 
 
+# The client mix, by request number mod 8: chat non-streamed with n=2, streamed (twice), streamed and
+# left after the first text; the same for /v1/messages (one choice: the route has no n).
+KINDS = (
+    ("chat", "plain"),
+    ("chat", "stream"),
+    ("chat", "stream"),
+    ("chat", "leave"),
+    ("messages", "plain"),
+    ("messages", "stream"),
+    ("messages", "stream"),
+    ("messages", "leave"),
+)
+ROUTES = ("chat", "messages")
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+def stream_id(route: str, line: str) -> str | None:
+    """The completion's id in one line of its stream: any chat chunk's ``id``; a message's from its
+    ``message_start`` event (the first), ``message.id``."""
+    if not line.startswith("data: {"):
+        return None
+    if route == "chat":
+        return line.split('"id":"', 1)[1].split('"', 1)[0] if '"id":"' in line else None
+    event = json.loads(line[6:])
+    return str(event["message"]["id"]) if event.get("type") == "message_start" else None
+
+
+def first_text(route: str, line: str) -> bool:
+    """Whether the line carries answer text (a chat delta's content, a message's text_delta)."""
+    if route == "chat":
+        return '"content":"' in line and '"role"' not in line
+    return '"text_delta"' in line
+
+
 class Load:
     def __init__(self, base_url: str, keys: list[str], max_tokens: int) -> None:
         self.base_url, self.keys, self.max_tokens = base_url, keys, max_tokens
-        self.answered: dict[str, int] = {}
+        self.answered: dict[str, int] = {}  # id -> rows it must have (one per choice)
+        self.route_of: dict[str, str] = {}
         self.statuses: dict[str, int] = {}
+        self.route_statuses: dict[str, dict[str, int]] = {route: {} for route in ROUTES}
         self.latencies_ms: list[float] = []
         self.stop = asyncio.Event()
 
-    def _count(self, status: int | str) -> None:
+    def _count(self, route: str, status: int | str) -> None:
         self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
+        per_route = self.route_statuses[route]
+        per_route[str(status)] = per_route.get(str(status), 0) + 1
+
+    def _answered(self, route: str, request_id: str, rows: int) -> None:
+        self.answered.setdefault(request_id, rows)
+        self.route_of[request_id] = route
 
     async def one(self, client: httpx.AsyncClient, i: int) -> None:
         key = self.keys[i % len(self.keys)]
-        headers = {"Authorization": f"Bearer {key}"}
+        route, mode = KINDS[i % len(KINDS)]
         body: dict[str, Any] = {
             "model": MODEL_NAME,
             "messages": [{"role": "user", "content": f"Say something about the number {i}."}],
             "max_tokens": self.max_tokens,
         }
-        kind = i % 4  # 0: non-streamed n=2, 1-2: streamed, 3: streamed and left midway
+        if route == "chat":
+            path, headers, choices = "/v1/chat/completions", {"Authorization": f"Bearer {key}"}, 2
+            plain = {**body, "n": choices}
+        else:  # keyed as Anthropic's clients key it
+            path, headers, choices = "/v1/messages", {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}, 1
+            plain = body
         started = time.perf_counter()
         try:
-            if kind == 0:
-                response = await client.post("/v1/chat/completions", json={**body, "n": 2}, headers=headers)
+            if mode == "plain":
+                response = await client.post(path, json=plain, headers=headers)
                 self.latencies_ms.append((time.perf_counter() - started) * 1000)
-                self._count(response.status_code)
+                self._count(route, response.status_code)
                 if response.status_code == 200:
-                    self.answered[response.json()["id"]] = 2
+                    self._answered(route, response.json()["id"], choices)
                 return
-            async with client.stream(
-                "POST", "/v1/chat/completions", json={**body, "stream": True}, headers=headers
-            ) as response:
+            async with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as response:
                 self.latencies_ms.append((time.perf_counter() - started) * 1000)
-                self._count(response.status_code)
+                self._count(route, response.status_code)
                 if response.status_code != 200:
                     await response.aread()
                     return
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {") and '"id":"' in line:
-                        self.answered.setdefault(line.split('"id":"', 1)[1].split('"', 1)[0], 1)
-                        if kind == 3 and '"content":"' in line and '"role"' not in line:
-                            return  # the client leaves after the first text
+                    request_id = stream_id(route, line)
+                    if request_id is not None:
+                        self._answered(route, request_id, 1)
+                    if mode == "leave" and first_text(route, line):
+                        return  # the client leaves after the first text
         except httpx.HTTPError as exc:
-            self._count(type(exc).__name__)
+            self._count(route, type(exc).__name__)
 
     async def user(self, worker: int) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=120) as client:
@@ -142,21 +192,22 @@ class Load:
                 i += 97
 
 
-async def records(url: str) -> tuple[dict[str, int], int]:
+async def records(url: str) -> tuple[dict[str, int], set[str]]:
+    """Rows per request id, and the request ids with a choice recorded more than once."""
     engine = create_async_engine(url, poolclass=NullPool)
     try:
         async with engine.connect() as connection:
             grouped = await connection.execute(text("SELECT request_id, count(*) FROM generations GROUP BY request_id"))
             counts = {str(row[0]): int(row[1]) for row in grouped}
-            duplicated = await connection.scalar(
+            duplicated = await connection.execute(
                 text(
-                    "SELECT count(*) FROM (SELECT 1 FROM generations GROUP BY request_id, choice_index "
-                    "HAVING count(*) > 1) AS d"
+                    "SELECT DISTINCT request_id FROM generations GROUP BY request_id, choice_index HAVING count(*) > 1"
                 )
             )
+            twice = {str(row[0]) for row in duplicated}
     finally:
         await engine.dispose()
-    return counts, int(duplicated or 0)
+    return counts, twice
 
 
 def counter(metrics: str, name: str) -> float:
@@ -202,7 +253,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     keys.append(created.json()["api_key"])
                 load = Load(base_url, keys, args.max_tokens)
                 for i, _ in enumerate(keys):  # every key authenticated (cached) before the faults
-                    await load.one(client, i * 4 + 1)
+                    await load.one(client, i * len(KINDS) + 1)
             started = time.monotonic()
             users = asyncio.gather(*(load.user(w) for w in range(args.clients)))
             await asyncio.sleep(args.phase_s)
@@ -220,10 +271,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             deadline = time.monotonic() + 120
             while True:  # the spool drains every record_spool_drain_interval_s
                 counts, duplicated = await records(pg.url)
-                missing = sum(1 for rid, n in load.answered.items() if counts.get(rid, 0) < n)
-                if missing == 0 or time.monotonic() > deadline:
+                short = [rid for rid, n in load.answered.items() if counts.get(rid, 0) < n]
+                if not short or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1.0)
+            missing = len(short)
+            # a choice recorded twice, or a completion with more rows than it has choices
+            duplicated |= {rid for rid, n in load.answered.items() if counts.get(rid, 0) > n}
             metrics = (await asyncio.to_thread(httpx.get, f"{base_url}/metrics", timeout=10)).text
     latencies = sorted(load.latencies_ms)
     return {
@@ -241,7 +295,16 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "p99_ms": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1) if latencies else None,
         "completions_answered": len(load.answered),
         "records_missing": missing,
-        "records_duplicated": duplicated,
+        "records_duplicated": len(duplicated),
+        "routes": {
+            route: {
+                "status_counts": load.route_statuses[route],
+                "completions_answered": sum(1 for r in load.route_of.values() if r == route),
+                "records_missing": sum(1 for rid in short if load.route_of[rid] == route),
+                "records_duplicated": sum(1 for rid in duplicated if load.route_of.get(rid) == route),
+            }
+            for route in ROUTES
+        },
         "records_spooled": counter(metrics, "xmark_generation_records_spooled_total"),
         "records_drained": counter(metrics, "xmark_generation_records_drained_total"),
         "records_dropped": counter(metrics, "xmark_generation_records_dropped_total"),

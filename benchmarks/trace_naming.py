@@ -15,6 +15,26 @@ pass included). An answer the model ends early is drawn again (up to six times),
 have the asked length (``text_tokens`` says).
 
 A measurement on a small sample, not the evaluation (``make eval``): the interval says how much.
+
+``--routes``: the same question asked through the live gateway's client routes instead.
+
+    python -m benchmarks.trace_naming --routes --json [--users 100] [--registry 10000]
+
+The gateway runs in this process (uvicorn on a local port, PostgreSQL ``--database-url``, created
+and dropped here, the local backend serving the embedded default model, every watermark setting
+at the gateway's default). ``--registry`` message IDs are registered besides ``--users`` authors,
+each created through ``POST /admin/users``. Every author sends the same prompt through
+``POST /v1/chat/completions`` and ``POST /v1/messages`` (Anthropic's Messages API; the key as
+``x-api-key``), non-streamed, temperature ``--temperature``, ``--max-tokens`` tokens; the
+answer's text is cut to its first ``--tokens`` tokens (the served model's tokenizer, as /trace
+tokenizes it) and sent to ``POST /trace`` (``decoder: auto``) by an auditor. An answer shorter
+than ``--tokens``, or answered 5xx, is asked again, on its route, up to six times in all (the
+longest is kept); ``--categories`` picks prompts that call for long answers. Per route:
+named / wrong user named with Wilson 95 % intervals, the decoder and the path that named
+(``named_by``), and how many corroborating matches name the very completion the client received
+(its ``chatcmpl-...`` or ``msg_...`` id); then the difference of the two routes' naming rates with
+Newcombe's 95 % interval (unpaired, so conservative for these paired texts) and the pairs where
+one route named the author and the other did not.
 """
 
 from __future__ import annotations
@@ -22,17 +42,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
+import platform
 import random
+import secrets
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from pydantic import SecretStr
+
 from benchmarks.evaluation.metrics import wilson
-from benchmarks.evaluation.prompts import load_prompts
+from benchmarks.evaluation.prompts import CATEGORIES, load_prompts
+from benchmarks.launch import free_port
+from benchmarks.pg_admin import drop_database
+from benchmarks.service_bench import _fresh_database, _gateway_in_process, _seed
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.backends.local import LocalBackend
+from service.config import Settings
 from service.keyring import KeyVersionHandle
+from service.security import generate_api_key
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
 from service.services.trace_analysis import analyze_counting, analyze_likelihood, tokenize
 from service.vocabulary import KeyVersionStatus
@@ -41,6 +75,8 @@ from xmark_core import CandidateSet, Message, MessageAllocator, WatermarkKey, Wa
 SECRET = "trace-naming-benchmark-secret-5a1f"
 ALPHA = 1e-3
 ATTEMPTS = 6
+ROUTES = ("chat", "messages")
+DEFAULT_DATABASE_URL = "postgresql+asyncpg://root@127.0.0.1:5432/xmark_trace_naming"
 
 
 def _rate(count: int, trials: int) -> dict[str, Any]:
@@ -157,6 +193,243 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
     }
 
 
+# -- through the live gateway (--routes) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    route: str
+    author: int  # the author's user id
+    request_id: str  # the id the client received: chatcmpl-... or msg_...
+    text: str  # cut to the first ``--tokens`` tokens
+    tokens: int  # the cut text, re-tokenized
+    attempts: int
+    failures: int  # requests answered 5xx (asked again; they count as attempts)
+
+
+def difference_ci95(a: int, m: int, b: int, n: int) -> list[float]:
+    """Newcombe's hybrid score interval (95 %) of a/m - b/n, built from the two Wilson intervals
+    (Newcombe 1998, method 10)."""
+    p, q = a / m, b / n
+    (p_low, p_high), (q_low, q_high) = wilson(a, m), wilson(b, n)
+    d = p - q
+    low = d - math.sqrt((p - p_low) ** 2 + (q_high - q) ** 2)
+    high = d + math.sqrt((p_high - p) ** 2 + (q - q_low) ** 2)
+    return [round(low, 4), round(high, 4)]
+
+
+async def _ask(
+    client: httpx.AsyncClient, route: str, key: str, model: str, prompt: str, args: argparse.Namespace
+) -> tuple[str, str]:
+    """One non-streamed answer through ``route``: its text and the id the client received."""
+    messages = [{"role": "user", "content": prompt}]
+    body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    if route == "chat":
+        response = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        response.raise_for_status()
+        completion = response.json()
+        return str(completion["choices"][0]["message"]["content"] or ""), str(completion["id"])
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    response = await client.post("/v1/messages", json=body, headers=headers)
+    response.raise_for_status()
+    message = response.json()
+    text = "".join(block["text"] for block in message["content"] if block["type"] == "text")
+    return text, str(message["id"])
+
+
+async def _answer(
+    client: httpx.AsyncClient,
+    tokenizer: Any,
+    route: str,
+    author: tuple[int, str],
+    prompt: str,
+    args: argparse.Namespace,
+    model: str,
+) -> Answer:
+    """The author's answer through ``route``, asked again while it is shorter than ``--tokens``."""
+    user_id, key = author
+    best: tuple[int, str, str] = (-1, "", "")
+    attempts = failures = 0
+    while attempts < ATTEMPTS and best[0] < args.tokens:
+        attempts += 1
+        try:
+            text, request_id = await _ask(client, route, key, model, prompt, args)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code < 500:
+                raise
+            failures += 1
+            continue
+        ids = tokenize(tokenizer, text)
+        if len(ids) > best[0]:
+            best = (len(ids), tokenizer.decode(ids[: args.tokens], skip_special_tokens=True), request_id)
+    cut = best[1]
+    if not best[2]:
+        raise RuntimeError(f"{route}: every one of {ATTEMPTS} requests failed")
+    return Answer(route, user_id, best[2], cut, len(tokenize(tokenizer, cut)), attempts, failures)
+
+
+async def _trace(client: httpx.AsyncClient, auditor_key: str, answer: Answer) -> dict[str, Any]:
+    response = await client.post(
+        "/trace", json={"text": answer.text}, headers={"Authorization": f"Bearer {auditor_key}"}
+    )
+    response.raise_for_status()
+    report: dict[str, Any] = response.json()
+    return report
+
+
+def _route_outcome(answers: list[Answer], reports: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    n = len(answers)
+    named = wrong = same_request = 0
+    by: dict[str, int] = {}
+    for answer, report in zip(answers, reports, strict=True):
+        attribution = report.get("attribution") or {}
+        user = attribution.get("user_id")
+        if user is None:
+            continue
+        if user != answer.author:
+            wrong += 1
+            continue
+        named += 1
+        path = f"{report.get('decoder')}/{report.get('named_by')}"
+        by[path] = by.get(path, 0) + 1
+        matches = (report.get("corroboration") or {}).get("matches") or []
+        same_request += any(m.get("request_id") == answer.request_id for m in matches)
+    lengths = [a.tokens for a in answers]
+    return {
+        "texts": n,
+        "named": _rate(named, n),
+        "wrong": _rate(wrong, n),
+        "named_by": dict(sorted(by.items())),
+        "named_with_its_own_completion_matched": same_request,
+        "text_tokens": {"min": min(lengths), "max": max(lengths), "shorter": sum(t < tokens for t in lengths)},
+        "asked": sum(a.attempts for a in answers),
+        "failed_5xx": sum(a.failures for a in answers),
+    }
+
+
+async def _measure_routes(
+    app: Any, base_url: str, admin_key: str, auditor_key: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    resources = app.state.resources
+    tokenizer = resources.backend.tokenizer
+    model = resources.settings.model_name
+    prompts = [prompt for prompt in load_prompts() if prompt.category in args.categories]
+    async with httpx.AsyncClient(base_url=base_url, timeout=None) as client:
+        authors: list[tuple[int, str]] = []
+        for i in range(args.users):
+            created = await client.post(
+                "/admin/users",
+                json={"name": f"author-{i}", "role": "user"},
+                headers={"Authorization": f"Bearer {admin_key}"},
+            )
+            created.raise_for_status()
+            authors.append((int(created.json()["id"]), str(created.json()["api_key"])))
+        # each author's prompt through both routes, the routes alternating first; at most
+        # ``--concurrency`` answers generated at once (the local backend batches them)
+        jobs = [(i, ROUTES[(i + k) % 2]) for i in range(args.users) for k in range(2)]
+        gate = asyncio.Semaphore(args.concurrency or args.batch)
+        done = 0
+        started = time.perf_counter()
+
+        async def one(i: int, route: str) -> Answer:
+            nonlocal done
+            async with gate:
+                answer = await _answer(
+                    client, tokenizer, route, authors[i], prompts[i % len(prompts)].text, args, model
+                )
+            done += 1
+            if done % 20 == 0:
+                print(
+                    f"{done}/{len(jobs)} answers in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True
+                )
+            return answer
+
+        listed = await client.get("/admin/users", params={"limit": 1}, headers={"Authorization": f"Bearer {admin_key}"})
+        listed.raise_for_status()
+        registered = int(listed.json()["total"])  # every user holds a message ID: the registry /trace searches
+        answers = await asyncio.gather(*(one(i, route) for i, route in jobs))
+        generation_s = time.perf_counter() - started
+        started = time.perf_counter()
+        reports = [await _trace(client, auditor_key, answer) for answer in answers]
+        trace_s = time.perf_counter() - started
+    per_route = {
+        route: _route_outcome(
+            [a for a in answers if a.route == route],
+            [r for a, r in zip(answers, reports, strict=True) if a.route == route],
+            args.tokens,
+        )
+        for route in ROUTES
+    }
+    named = {
+        route: {
+            a.author
+            for a, r in zip(answers, reports, strict=True)
+            if a.route == route and (r.get("attribution") or {}).get("user_id") == a.author
+        }
+        for route in ROUTES
+    }
+    chat, messages = per_route["chat"]["named"]["count"], per_route["messages"]["named"]["count"]
+    return {
+        "registry": registered,
+        "routes": per_route,
+        "messages_minus_chat_named": {
+            "difference": round((messages - chat) / args.users, 4),
+            "ci95": difference_ci95(messages, args.users, chat, args.users),
+            "named_by_chat_only": len(named["chat"] - named["messages"]),
+            "named_by_messages_only": len(named["messages"] - named["chat"]),
+        },
+        "generation_s": round(generation_s, 1),
+        "trace_s": round(trace_s, 1),
+        "watermark": {
+            "scheme": resources.settings.watermark_scheme,
+            "bits": resources.settings.watermark_bits,
+        },
+    }
+
+
+async def _main_routes(args: argparse.Namespace) -> dict[str, Any]:
+    pepper = secrets.token_urlsafe(32)
+    admin_key = generate_api_key().plaintext
+    with tempfile.TemporaryDirectory(prefix="xmark-trace-naming-") as var_dir:
+        settings = Settings(
+            database_url=args.database_url,
+            var_dir=Path(var_dir),
+            watermark_secrets=SecretStr(f"v1:{secrets.token_urlsafe(32)}"),
+            api_key_pepper=SecretStr(pepper),
+            bootstrap_admin_key=SecretStr(admin_key),
+            model_path=args.model_path.resolve(),
+            model_threads=args.threads,
+            keyring_refresh_seconds=0,
+            # the null distributions are simulated (seeded) on first use instead of at start-up: the
+            # same verdicts, and no wait of minutes on a busy machine before the first request
+            trace_warm_row_tokens=0,
+            max_batch_size=args.batch,
+            # a busy machine: answers queued behind a full batch wait longer than the default deadline
+            request_timeout_s=3600,
+            log_level="WARNING",
+        )
+        await _fresh_database(settings.database_url)
+        try:
+            seeded = await _seed(settings, pepper, users=args.registry, traced=1)
+            port = free_port()
+            async with _gateway_in_process(settings, port, Path(var_dir) / "gateway.log") as app:
+                result = await _measure_routes(app, f"http://127.0.0.1:{port}", admin_key, seeded.auditor_key, args)
+        finally:
+            await drop_database(settings.database_url)
+    return {
+        "command": "python -m benchmarks.trace_naming " + " ".join(sys.argv[1:]),
+        "users": args.users,
+        "tokens": args.tokens,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "categories": args.categories,
+        "batch": args.batch,
+        "alpha": settings.trace_alpha,
+        **result,
+        "machine": {"processor": platform.machine(), "cpus": len(os.sched_getaffinity(0))},
+    }
+
+
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     backend = LocalBackend(args.model_path, "bench", max_batch_rows=args.batch, threads=args.threads)
     await backend.start()
@@ -182,9 +455,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trace_naming", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object (default: indented)")
     parser.add_argument("--model-path", type=Path, default=Path("var/models/smollm2-135m-instruct"))
+    parser.add_argument(
+        "--routes",
+        action="store_true",
+        help="through the live gateway: each author's prompt by chat and by /v1/messages, traced by /trace",
+    )
     parser.add_argument("--users", type=int, default=64, help="authors (and unwatermarked texts) per b")
-    parser.add_argument("--registry", type=int, default=10_000, help="registered message IDs")
-    parser.add_argument("--tokens", type=int, default=150, help="tokens per generated answer")
+    parser.add_argument(
+        "--registry", type=int, default=10_000, help="registered message IDs (--routes: besides the authors)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=150, help="tokens per generated answer (--routes: per traced text)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=200, help="--routes: each request's max_tokens")
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="--routes: answers generated at once (default: --batch)"
+    )
+    parser.add_argument(
+        "--categories",
+        nargs="+",
+        default=list(CATEGORIES),
+        choices=CATEGORIES,
+        help="--routes: the prompts' categories (default: all)",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=DEFAULT_DATABASE_URL,
+        help="--routes: the PostgreSQL database to create, use and drop (default: %(default)s)",
+    )
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--num-keys", type=int, default=4, help="hash keys (the gateway default)")
     parser.add_argument("--delta", type=float, default=2.0, help="the watermark's bias δ (the gateway default)")
@@ -197,10 +495,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the answers")
     parser.add_argument("--trace-temperature", type=float, default=0.7, help="the likelihood decoder's assumption")
     parser.add_argument("--top-k", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8, help="rows per batched generate call")
+    parser.add_argument(
+        "--batch", type=int, default=8, help="rows per batched generate call (--routes: the gateway's max_batch_size)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="the model's threads (default: cores - 1)")
     args = parser.parse_args()
-    result = asyncio.run(_main(args))
+    result = asyncio.run(_main_routes(args) if args.routes else _main(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

@@ -149,3 +149,69 @@ def test_the_benchmark_waits_for_every_gateway_process_to_end_its_start_up(tmp_p
         process.wait()
     with pytest.raises(RuntimeError, match="exited during start-up"):
         asyncio.run(bench_gateways.wait_start_up(log, 3, process, timeout=10))
+
+
+def test_the_messages_cell_asks_what_the_chat_cell_asks_in_anthropics_shape() -> None:
+    """``bench_gateways``: the /v1/messages target sends the chat target's prompt, ``max_tokens``,
+    temperature and stream flag as a valid Messages request (no chat-only field such as
+    ``stream_options``, which the route refuses by name)."""
+    from benchmarks import bench_gateways
+    from service.schemas.messages import MessagesRequest
+
+    for stream in (False, True):
+        chat = json.loads(bench_gateways._body(stream, 16, {}))
+        messages = json.loads(bench_gateways._body(stream, 16, {}, api="messages"))
+        request = MessagesRequest.model_validate(messages)
+        assert request.model_extra in (None, {})
+        assert {k: chat[k] for k in messages} == messages
+        assert set(chat) - set(messages) == ({"stream_options"} if stream else set())
+
+
+def test_messages_over_chat_pairs_each_round_with_its_own() -> None:
+    """``bench_gateways.messages_vs_chat``: the pooled ratios, and the range of the rounds' own ratios."""
+    from benchmarks import bench_gateways
+
+    chat = {"added_p50_ms": 1.0, "added_p50_ms_rounds": [0.9, 1.1], "cpu_s_per_1000": 2.0}
+    chat["cpu_s_per_1000_rounds"] = [2.0, 2.0]
+    messages = {"added_p50_ms": 1.05, "added_p50_ms_rounds": [0.99, 1.1], "cpu_s_per_1000": 2.2}
+    messages["cpu_s_per_1000_rounds"] = [2.1, 2.3]
+    ratios = bench_gateways.messages_vs_chat(chat, messages)
+    assert ratios["added_p50"]["ratio"] == pytest.approx(1.05)
+    assert ratios["added_p50"]["range"] == pytest.approx([1.0, 1.1])
+    assert ratios["cpu_per_request"]["ratio"] == pytest.approx(1.1)
+    assert ratios["cpu_per_request"]["range"] == pytest.approx([1.05, 1.15])
+    assert "messages / chat: added p50 1.050 (rounds 1.000–1.100)" in bench_gateways._ratio_row(ratios)
+
+
+def test_the_soak_reads_each_routes_completion_id_from_its_stream() -> None:
+    """``soak``: a chat stream's id from any chunk; a message's from its ``message_start`` event (as
+    the route serializes it), and its first text from a ``text_delta``."""
+    from benchmarks import soak
+    from service.schemas.messages import (
+        ContentBlockDeltaEvent,
+        MessageObject,
+        MessageStartEvent,
+        MessageUsage,
+        TextDelta,
+    )
+
+    usage = MessageUsage(input_tokens=3, output_tokens=0)
+    start = MessageStartEvent(message=MessageObject(id="msg_0a1b", content=[], model="m", usage=usage))
+    delta = ContentBlockDeltaEvent(index=0, delta=TextDelta(text="Hi"))
+    assert soak.stream_id("messages", f"data: {start.model_dump_json()}") == "msg_0a1b"
+    assert soak.stream_id("messages", f"data: {delta.model_dump_json()}") is None
+    assert soak.stream_id("messages", "event: message_start") is None
+    assert soak.first_text("messages", f"data: {delta.model_dump_json()}")
+    assert not soak.first_text("messages", f"data: {start.model_dump_json()}")
+    chunk = 'data: {"id":"chatcmpl-9f","choices":[{"index":0,"delta":{"content":"Hi"}}]}'
+    assert soak.stream_id("chat", chunk) == "chatcmpl-9f" and soak.first_text("chat", chunk)
+    assert {route for route, _ in soak.KINDS} == {"chat", "messages"}
+
+
+def test_the_difference_of_two_rates_has_newcombes_interval() -> None:
+    """``trace_naming.difference_ci95``: Newcombe's (1998) hybrid score interval, his worked examples."""
+    from benchmarks.trace_naming import difference_ci95
+
+    assert difference_ci95(56, 70, 48, 80) == pytest.approx([0.0524, 0.3339], abs=1e-4)
+    assert difference_ci95(9, 10, 3, 10) == pytest.approx([0.1705, 0.8090], abs=1e-4)
+    assert difference_ci95(5, 56, 0, 29) == pytest.approx([-0.0381, 0.1926], abs=1e-4)
