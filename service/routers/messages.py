@@ -230,13 +230,30 @@ def _json_text(value: Any, where: str) -> str:
     return text
 
 
+def _tool_arguments(value: Any, where: str) -> str:
+    """A ``tool_use`` block's ``input`` as the call's arguments text: an object as JSON; a string as
+    it is (the gateway answers a call whose arguments are not JSON with their text, see
+    ``_tool_input``, so the caller can send it back unchanged); anything else is refused by name."""
+    if isinstance(value, dict):
+        return _json_text(value, where)
+    if isinstance(value, str):
+        if has_lone_surrogate(value):
+            raise InvalidRequestError(f"'{where}' {SURROGATE_MESSAGE}", param=where, code="invalid_value")
+        return value
+    raise InvalidRequestError(
+        f"'{where}' must be an object (the tool's arguments), not {type(value).__name__}",
+        param=where,
+        code="invalid_type",
+    )
+
+
 def _tool_call(block: ContentBlock, where: str) -> dict[str, Any]:
     """An assistant's ``tool_use`` block as an OpenAI tool call."""
     _refuse_unread_fields(block, BLOCK_FIELDS["tool_use"], where)
     for field in ("id", "name", "input"):
         if getattr(block, field) is None:
             raise _missing(field, f"{where}.{field}")
-    arguments = _json_text(block.input, f"{where}.input")
+    arguments = _tool_arguments(block.input, f"{where}.input")
     return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
 
 

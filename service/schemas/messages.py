@@ -46,7 +46,9 @@ class ContentBlock(BaseModel):
     text: Text | None = None
     id: Text | None = Field(default=None, min_length=1, max_length=256)
     name: Text | None = Field(default=None, min_length=1, max_length=256)
-    input: dict[str, Any] | None = None
+    # any JSON value: an object as Anthropic's API writes it, or the text the gateway returned as
+    # ``input`` when the model's arguments were not JSON (sent back as they came)
+    input: Any = None
     tool_use_id: Text | None = Field(default=None, min_length=1, max_length=256)
     content: Text | list[ContentBlock] | None = None
     is_error: bool | None = None

@@ -547,3 +547,23 @@ def test_a_whole_answers_tool_calls_are_tool_use_blocks() -> None:
     # cut by the budget: what was written, as text (the stop reason says why it is not whole)
     cut = answer('{"city": "Pa', "length")
     assert cut["content"][0]["input"] == '{"city": "Pa' and cut["stop_reason"] == "max_tokens"
+
+
+def test_a_tool_use_input_round_trips_as_the_gateway_returned_it() -> None:
+    """What ``completed_message`` answers as ``input`` (an object, or the arguments' text when the
+    model's were not JSON) is taken back unchanged; any other value is refused naming its place."""
+    from service.errors import InvalidRequestError
+    from service.routers.messages import _tool_call
+    from service.schemas.messages import ContentBlock
+
+    def call(value: Any) -> dict[str, Any]:
+        block = ContentBlock.model_validate({"type": "tool_use", "id": "call_a", "name": "w", "input": value})
+        return _tool_call(block, "messages.1.content.0")
+
+    assert call({"city": "Paris"})["function"]["arguments"] == '{"city": "Paris"}'
+    assert call('{"city": "Pa')["function"]["arguments"] == '{"city": "Pa'
+    for value in (3, [1], True):
+        with pytest.raises(InvalidRequestError) as refused:
+            call(value)
+        assert refused.value.param == "messages.1.content.0.input"
+        assert "must be an object" in str(refused.value)
