@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Annotated, Protocol
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -52,10 +52,14 @@ class CompletionResponse(Response):
         self._after = after
 
     @classmethod
-    def of(cls, completed: CompletedChat) -> CompletionResponse:
+    def of(
+        cls, completed: CompletedChat, render: Callable[[ChatCompletion], BaseModel] | None = None
+    ) -> CompletionResponse:
+        """The completion (or what ``render`` makes of it: a response, a message) with its timing."""
         # the backend's share of the request (W3C Server-Timing): the rest is the gateway's
         headers = {"Server-Timing": f"model;dur={completed.model_ms:.3f}"}
-        return cls(completed.completion, headers=headers, after=completed.after)
+        body = completed.completion if render is None else render(completed.completion)
+        return cls(body, headers=headers, after=completed.after)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -103,6 +107,57 @@ async def sse_events(
                     yield payload
             else:  # EndOfStream
                 yield "[DONE]"
+
+
+class NamedEvent(Protocol):
+    """An event of a typed stream (the Responses and Messages APIs): its ``type`` is its SSE name."""
+
+    @property
+    def type(self) -> str: ...
+
+    def model_dump_json(self) -> str: ...
+
+
+class TypedEvents(Protocol):
+    """What a typed stream makes of the chunks: the events of each, of its end, of its failure."""
+
+    def chunk(self, chunk: ChatCompletionChunk) -> Sequence[NamedEvent]: ...
+
+    def ended(self) -> Sequence[NamedEvent]: ...
+
+    def failed(self, error: GatewayError) -> Sequence[NamedEvent]: ...
+
+
+async def typed_sse_events(
+    service: GenerationService, prepared: PreparedCompletion, stream: GenerationStream, events: TypedEvents
+) -> AsyncIterator[dict[str, str]]:
+    """A typed stream's SSE events as sse-starlette sends them (``event:`` its type, ``data:`` its
+    JSON). Closing this generator (the client left) closes the chunks' generator, which stops the
+    generation and records what was sent."""
+    async with contextlib.aclosing(service.stream_chunks(prepared, stream, include_usage=True)) as chunks:
+        async for item in chunks:
+            if isinstance(item, GatewayError):
+                batch = events.failed(item)
+            elif isinstance(item, ChatCompletionChunk):
+                batch = events.chunk(item)
+            else:  # EndOfStream
+                batch = events.ended()
+            for event in batch:
+                yield {"event": event.type, "data": event.model_dump_json()}
+
+
+async def complete_rendered(
+    service: GenerationService,
+    prepared: PreparedCompletion,
+    request: Request,
+    render: Callable[[ChatCompletion], BaseModel],
+) -> Response:
+    """A non-streamed answer in another API's shape: generated while the client is connected
+    (499, unsent, if it leaves), rendered, sent with its timing, recorded after."""
+    completed = await complete_while_connected(service, prepared, request.receive)
+    if completed is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return CompletionResponse.of(completed, render)
 
 
 async def _generation(resources: ResourcesDep) -> GenerationService:

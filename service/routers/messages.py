@@ -38,7 +38,7 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -50,7 +50,7 @@ from service.backends.base import GenerationStream
 from service.deps import PrincipalDep
 from service.errors import GatewayError, InvalidRequestError, anthropic_envelope
 from service.fleet import ServedModel
-from service.routers.chat import CLIENT_CLOSED_REQUEST, CompletionResponse, GenerationDep, complete_while_connected
+from service.routers.chat import GenerationDep, complete_rendered, typed_sse_events
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Usage
 from service.schemas.messages import (
@@ -82,7 +82,7 @@ from service.schemas.messages import (
     ToolUseBlock,
 )
 from service.schemas.text import SURROGATE_MESSAGE, has_lone_surrogate
-from service.services.generation import GenerationService, PreparedCompletion
+from service.services.generation import PreparedCompletion
 from service.services.request_fields import DEFAULT_HONOURED, GATEWAY_OWNED, equals_neutral, sent_fields
 from service.vocabulary import FinishReason
 
@@ -638,29 +638,6 @@ class MessageEvents:
         return [AnthropicErrorEnvelope.model_validate(anthropic_envelope(error.message, status=error.status_code))]
 
 
-def _sse(event: MessageStreamEvent) -> dict[str, str]:
-    """One event as sse-starlette sends it: its ``event:`` name is its ``type``."""
-    return {"event": event.type, "data": event.model_dump_json()}
-
-
-async def message_events(
-    service: GenerationService, prepared: PreparedCompletion, stream: GenerationStream
-) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed message. Closing this generator (the client left) closes the
-    chunks' generator, which stops the generation and records what was sent."""
-    events = MessageEvents(prepared, stream)
-    async with contextlib.aclosing(service.stream_chunks(prepared, stream, include_usage=True)) as chunks:
-        async for item in chunks:
-            if isinstance(item, GatewayError):
-                batch = events.failed(item)
-            elif isinstance(item, ChatCompletionChunk):
-                batch = events.chunk(item)
-            else:  # EndOfStream
-                batch = events.ended()
-            for event in batch:
-                yield _sse(event)
-
-
 @router.post(
     "/messages",
     response_model=MessageObject,
@@ -678,15 +655,12 @@ async def create_message(
         chat = chat_request(body, service.served_model(body.model))
         prepared = _with_message_id(service.prepare(principal, chat))
         if not body.stream:
-            completed = await complete_while_connected(service, prepared, request.receive)
-            if completed is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            message = completed_message(prepared, completed.completion)
-            # the backend's share of the request (W3C Server-Timing), as chat sends it
-            headers = {"Server-Timing": f"model;dur={completed.model_ms:.3f}"}
-            return CompletionResponse(message, headers=headers, after=completed.after)
+            return await complete_rendered(
+                service, prepared, request, lambda completion: completed_message(prepared, completion)
+            )
         stream = await service.open_stream(prepared)
-    return EventSourceResponse(message_events(service, prepared, stream), sep="\n", ping=15)
+    events = typed_sse_events(service, prepared, stream, MessageEvents(prepared, stream))
+    return EventSourceResponse(events, sep="\n", ping=15)
 
 
 @router.post("/messages/count_tokens", response_model=TokenCount)

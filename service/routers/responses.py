@@ -30,17 +30,16 @@ import itertools
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
-from service.backends.base import GenerationStream
 from service.deps import PrincipalDep
 from service.errors import GatewayError, InvalidRequestError, RateLimitError, envelope
-from service.routers.chat import CLIENT_CLOSED_REQUEST, CompletionResponse, GenerationDep, complete_while_connected
+from service.routers.chat import GenerationDep, complete_rendered, typed_sse_events
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Usage
 from service.schemas.common import ERROR_RESPONSES
@@ -61,7 +60,7 @@ from service.schemas.responses import (
     ResponseStreamEvent,
     ResponseUsage,
 )
-from service.services.generation import GenerationService, PreparedCompletion
+from service.services.generation import PreparedCompletion
 from service.services.request_fields import GATEWAY_OWNED, equals_neutral, sent_fields
 from service.vocabulary import FinishReason
 
@@ -436,29 +435,6 @@ class ResponseEvents:
         return [self._lifecycle("response.failed", response)]
 
 
-def _sse(event: ResponseStreamEvent) -> dict[str, str]:
-    """One event as sse-starlette sends it: its ``event:`` name is its ``type``."""
-    return {"event": event.type, "data": event.model_dump_json()}
-
-
-async def response_events(
-    service: GenerationService, prepared: PreparedCompletion, stream: GenerationStream, body: ResponseRequest
-) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed response. Closing this generator (the client left) closes the
-    chunks' generator, which stops the generation and records what was sent."""
-    events = ResponseEvents(prepared, body)
-    async with contextlib.aclosing(service.stream_chunks(prepared, stream, include_usage=True)) as chunks:
-        async for item in chunks:
-            if isinstance(item, GatewayError):
-                batch = events.failed(item)
-            elif isinstance(item, ChatCompletionChunk):
-                batch = events.chunk(item)
-            else:  # EndOfStream
-                batch = events.ended()
-            for event in batch:
-                yield _sse(event)
-
-
 @router.post(
     "/responses",
     response_model=ResponseObject,
@@ -476,12 +452,9 @@ async def create_response(
     with _responses_names():
         prepared = _with_response_id(service.prepare(principal, chat))
         if not body.stream:
-            completed = await complete_while_connected(service, prepared, request.receive)
-            if completed is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            # the backend's share of the request (W3C Server-Timing), as chat sends it
-            headers = {"Server-Timing": f"model;dur={completed.model_ms:.3f}"}
-            response = completed_response(prepared, body, completed.completion)
-            return CompletionResponse(response, headers=headers, after=completed.after)
+            return await complete_rendered(
+                service, prepared, request, lambda completion: completed_response(prepared, body, completion)
+            )
         stream = await service.open_stream(prepared)
-    return EventSourceResponse(response_events(service, prepared, stream, body), sep="\n", ping=15)
+    events = typed_sse_events(service, prepared, stream, ResponseEvents(prepared, body))
+    return EventSourceResponse(events, sep="\n", ping=15)
