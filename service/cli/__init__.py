@@ -1,5 +1,5 @@
 """The ``xmark`` command line: serve, migrate, fetch-model, fetch-embedding-model, build-test-model,
-create-admin, create-user, trace, users, verify-report."""
+create-admin, create-user, trace, users, verify-report, config-docs."""
 
 from __future__ import annotations
 
@@ -269,6 +269,13 @@ def cmd_verify_report(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
 
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from service.cli.config_docs import write
+
+    write(args.output)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xmark",
@@ -349,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--public-key", metavar="B64", help="the gateway's public key (base64, 32 bytes)")
     key.add_argument("--server", metavar="URL", help="read the public key from URL/.well-known/xmark-report-key")
     verify.set_defaults(func=cmd_verify_report)
+
+    config_docs = sub.add_parser(
+        "config-docs", help="write the configuration reference (docs/configuration.md) from the settings' fields"
+    )
+    config_docs.add_argument("--output", metavar="FILE", default=None, help="write to FILE (default: stdout)")
+    config_docs.set_defaults(func=cmd_config_docs)
     return parser
 
 
