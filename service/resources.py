@@ -213,7 +213,7 @@ async def _freeze_start_up_heap(fleet: Fleet, embeddings: EmbeddingModels, *warm
     Those objects (tokenizers, the null distributions, the imported libraries) live as long as the
     process, yet every full collection walked them all: under load a collection stopped the event
     loop for about 300 ms every few seconds, and the slowest 1 % of requests at concurrency 16
-    took 332 ms; frozen, 81 ms (docs/benchmarks.md)."""
+    took 332 ms; frozen, 81 ms (`make bench-gateways`, fake upstream, 2 cores)."""
     for served in fleet:
         await served.backend.wait_ready(None)
     for embedding in embeddings:
