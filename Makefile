@@ -74,8 +74,15 @@ format: venv
 config-docs: venv
 	$(BIN)/xmark config-docs --output docs/configuration.md
 
+# The suite on TEST_WORKERS pytest-xdist workers: a worker takes a module, or a package whose
+# fixtures its modules share, whole (tests/conftest.py); each worker has a database of its own beside
+# XMARK_TEST_DATABASE_URL's. Most tests keep one core busy (the local model runs on every core but
+# one), so two workers fill a 2-core machine. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 test: venv model check-postgres browser venv-clients clients-node
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests $(PYTEST_PARALLEL)
 
 # The console's browser tests (tests/browser) drive the system Chromium; Playwright never downloads one.
 browser:

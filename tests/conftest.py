@@ -39,11 +39,24 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from benchmarks.pg_admin import create_database, database_name, sibling_url
 from service.config import Settings
 from service.db import session_scope, upgrade_database
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEST_DATABASE_URL = os.environ.get("XMARK_TEST_DATABASE_URL", "postgresql+asyncpg://root@127.0.0.1:5432/test")
+# Under pytest-xdist (`make test` runs two workers) each worker has a database of its own beside the
+# configured one (<name>_gw0, <name>_gw1, created at its session's start): the rolled-back tests of
+# one worker never see another's rows, and the processes a test starts inherit the worker's URL.
+_CONFIGURED_DATABASE_URL = os.environ.get("XMARK_TEST_DATABASE_URL", "postgresql+asyncpg://root@127.0.0.1:5432/test")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+# (this module runs twice in a worker, as the root conftest and as ``tests.conftest``: the suffix is
+# added once)
+TEST_DATABASE_URL = (
+    sibling_url(_CONFIGURED_DATABASE_URL, f"{database_name(_CONFIGURED_DATABASE_URL)}_{XDIST_WORKER}")
+    if XDIST_WORKER and not database_name(_CONFIGURED_DATABASE_URL).endswith(f"_{XDIST_WORKER}")
+    else _CONFIGURED_DATABASE_URL
+)
+os.environ["XMARK_TEST_DATABASE_URL"] = TEST_DATABASE_URL
 # the database bound of the session-wide settings (see ``settings``)
 SHARED_DATABASE_TIMEOUT_S = 5.0
 TEST_WATERMARK_SECRETS = {
@@ -63,9 +76,23 @@ POSTGRES_FIXTURES = frozenset({"migrated_database", "e2e_database_url"})
 _FAKE_BACKEND = pytest.StashKey[bool]()
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
+# pytest-xdist (`--dist loadgroup`) hands a worker whole groups: a module's tests together (its
+# module fixtures are built once), and these packages whole, whose package- or session-wide fixtures
+# (a live gateway, a browser's server, the client matrix's batch of every row) serve all their modules.
+WHOLE_PACKAGES = ("tests/browser", "tests/clients", "tests/e2e", "tests/e2e_vllm")
+
+
+def xdist_group_of(item: pytest.Item, rootpath: Path) -> str:
+    where = item.path.relative_to(rootpath).as_posix()
+    return next((package for package in WHOLE_PACKAGES if where.startswith(f"{package}/")), where)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers, and before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouped = config.pluginmanager.hasplugin("xdist")  # the marker is xdist's (--strict-markers)
     for item in items:
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item, config.rootpath)))
         if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
         if any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")):
@@ -139,7 +166,10 @@ async def reset_database(url: str) -> None:
 
 @pytest.fixture(scope="session")
 async def migrated_database(settings: Settings) -> str:
-    """The test database, emptied and rebuilt by the Alembic migrations once per session."""
+    """The test database, emptied and rebuilt by the Alembic migrations once per session (a worker's
+    own database is created afresh)."""
+    if XDIST_WORKER and settings.database_url == TEST_DATABASE_URL:
+        await create_database(settings.database_url, replace=True)
     await reset_database(settings.database_url)
     await asyncio.to_thread(upgrade_database, settings.database_url)
     return settings.database_url
