@@ -47,7 +47,8 @@ from tests.clients.harness import (
 )
 from tests.conftest import SHARED_DATABASE_TIMEOUT_S, checkpoint_path
 
-# the model loads in the gateway process after it starts listening: on 2 busy cores, minutes
+# the model loads in the gateway process after it starts listening: on 2 busy cores, minutes; 5x
+# margin and more: the gateway was ready 70 s after its start here, on two busy cores
 GATEWAY_READY_TIMEOUT_S = 600.0
 MAX_BATCH_ROWS = 16
 
@@ -75,7 +76,7 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, log: Path) -> N
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the gateway exited with {process.returncode}:\n{_log_tail(log)}")
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError):  # not a bound: a probe that times out is retried
             if httpx.get(f"{base_url}/readyz", timeout=2.0).status_code == 200:
                 return
         time.sleep(0.5)
@@ -124,7 +125,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=30)  # not a bound: past it the gateway is killed
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -180,7 +181,7 @@ def matrix(request: pytest.FixtureRequest, gateway: LiveGateway) -> Iterator[Mat
 @pytest.fixture(scope="module")
 def row(request: pytest.FixtureRequest, matrix: Matrix) -> RowAnswers:
     run = matrix.run_of(request.module.__name__)
-    answers = run.answers.result(timeout=CALL_TIMEOUT_S)
+    answers = run.answers.result(timeout=CALL_TIMEOUT_S)  # 5x margin and more (see CALL_TIMEOUT_S)
     assert sorted(answers) == sorted(run.row.call_names), f"the row answered {sorted(answers)}"
     return RowAnswers(run.row, run.caller, answers, matrix.gateway.auditor)
 
