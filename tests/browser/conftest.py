@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.e2e.conftest import e2e_database_url, live_server
+from tests.e2e.conftest import _seeded_message_ids, e2e_database_url, live_server, message_id_rng
 
-__all__ = ["ARTIFACTS", "e2e_database_url", "live_server"]
+# the live server's fixtures, its seeded message IDs (the autouse one) included
+__all__ = ["ARTIFACTS", "_seeded_message_ids", "e2e_database_url", "live_server", "message_id_rng"]
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO_ROOT / "var" / "test-artifacts" / "console"

@@ -29,7 +29,13 @@ PROMPTS = (
     "Explain in depth how bees build honeycombs and organise their hive through the seasons.",
 )
 HOSTILE = 'Before <script>window.__pwned=1</script> and <img src=x onerror="window.__pwned=1"> after.'
+# each page action's and expectation's bound (the pages' default and, set below, the assertions':
+# their own default, 5 s, failed here on two busy cores when the 7,000-token trace of
+# test_a_long_text_stays_usable took longer); 5x margin and more: a page, a form or a trace of a
+# few hundred tokens (2.5 s at most here, tests/e2e) is ready within seconds, and that long trace,
+# the slowest, took 4.4 s with its sign-in, a little over 5 s when it failed
 TIMEOUT_MS = 120_000
+expect.set_options(timeout=TIMEOUT_MS)
 
 
 def _admin_headers(server: Any) -> dict[str, str]:
@@ -59,11 +65,15 @@ def _create_user(server: Any, name: str, role: str) -> str:
 
 
 def _chat(server: Any, key: str) -> str:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=600)
+    # 5x margin and more: a 200-token answer of the in-process model took up to 35 s here, and up
+    # to about 140 s on two cores also busy with other test runs (tests/e2e; was 600 s: 4x that)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=1800)
     texts = []
     tokens = 0
     # answers sampled at temperature 1 may end early: ask again (the prompts in turn) until there
-    # is enough text to name the user, within a bound
+    # is enough text to name the user, within a bound. Each answer is seeded (a seed per round) and
+    # the user's message ID is seeded too (tests/e2e/conftest.py): the text, and so the verdict and
+    # the token counts asserted below, are the same every run.
     for round_ in range(3 * len(PROMPTS)):
         if round_ >= len(PROMPTS) and tokens >= 200:
             break
@@ -72,6 +82,7 @@ def _chat(server: Any, key: str) -> str:
             messages=[{"role": "user", "content": PROMPTS[round_ % len(PROMPTS)]}],
             max_tokens=200,
             temperature=1.0,
+            seed=20240607 + round_,
         )
         assert completion.usage is not None
         tokens += completion.usage.completion_tokens
@@ -273,7 +284,7 @@ def test_hostile_text_renders_as_text_under_the_csp(live_server: Any, chromium: 
     assert rendered.text_content() == HOSTILE
     expect(rendered).to_contain_text("<script>window.__pwned=1</script>")
     assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
-    page.wait_for_timeout(300)  # an onerror handler would have run by now
+    page.wait_for_timeout(300)  # an onerror handler would have run by now (not a bound: a pause)
     assert page.evaluate("typeof window.__pwned") == "undefined"
     page.close()
 

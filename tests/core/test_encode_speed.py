@@ -96,6 +96,8 @@ def _check(result: dict[str, object]) -> None:
     assert result["identical"], f"the C++ op ({result['capability']}) changed the eager op's logits"
     ratio = result["ratio"]
     assert isinstance(ratio, float)
+    # a ratio against the baseline measured in the same test (the eager op, timed alternately on
+    # the same logits); no absolute time is asserted
     assert ratio >= MIN_RATIO, (
         f"the C++ op ({result['capability']}) is only {ratio:.1f}x faster than the eager op "
         f"({result['cpp_op_ms']:.3f} against {result['eager_ms']:.3f} ms per [16, 49152] step; "
@@ -119,7 +121,9 @@ def test_cpp_op_keeps_its_lead_on_avx2() -> None:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # ninja
     root = str(Path(__file__).resolve().parents[2])  # this checkout's xmark_core, as pytest imports it
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900, check=False)
+    # 5x margin and more: the build and the measurement took 227 s here, on two cores shared with
+    # other jobs (was 900 s: 4x)
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=1800, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["capability"] == "AVX2", result

@@ -2,15 +2,22 @@
 
 The server owns its event loop, engine and model, exactly as in production; nothing it writes
 is rolled back, so it gets a database of its own that is dropped at the end of the session.
+
+Its users' message IDs (the registry every /trace scores against) are drawn from one seeded
+generator instead of the product's system randomness (``seeded_message_ids``): with random IDs the
+attribution p-value of an unwatermarked text was itself a random draw (named with probability up
+to alpha = 1e-3 per run); seeded, the same tests register the same IDs and their outcome is fixed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import random
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +34,38 @@ from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings
 from service.db import upgrade_database
 from service.security import generate_api_key
+from xmark_core import Message, WatermarkParams, allocate_message
 
+# 5x margin and more: the gateway (the SmolLM2 model loaded) was ready 41 s after the start here
 SERVER_START_TIMEOUT = 300.0
+MESSAGE_ID_SEED = 20240607
+
+
+@contextlib.contextmanager
+def seeded_message_ids(rng: random.Random) -> Iterator[None]:
+    """While inside: every user the in-process gateway creates gets message IDs drawn from ``rng``
+    (the product's own allocation rule, ``allocate_message``, with a seeded generator)."""
+    import service.services.users
+
+    def allocate(existing: Iterable[str], params: WatermarkParams) -> Message:
+        return allocate_message(existing, params, rng=rng)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service.services.users, "allocate_message", allocate)
+        yield
+
+
+@pytest.fixture(scope="session")
+def message_id_rng() -> random.Random:
+    """The one generator the live server's message IDs are drawn from, in the order of creation."""
+    return random.Random(MESSAGE_ID_SEED)
+
+
+@pytest.fixture(autouse=True)
+def _seeded_message_ids(message_id_rng: random.Random) -> Iterator[None]:
+    """Users created during a test of this package (over the live server's HTTP API) get seeded IDs."""
+    with seeded_message_ids(message_id_rng):
+        yield
 
 
 @dataclass(frozen=True)
@@ -54,7 +91,7 @@ async def e2e_database_url(settings: Settings) -> AsyncIterator[str]:
 
 @pytest.fixture(scope="session")
 def live_server(
-    settings: Settings, e2e_database_url: str, tmp_path_factory: pytest.TempPathFactory
+    settings: Settings, e2e_database_url: str, tmp_path_factory: pytest.TempPathFactory, message_id_rng: random.Random
 ) -> Iterator[LiveServer]:
     from service.app import create_app
 
@@ -79,21 +116,23 @@ def live_server(
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_START_TIMEOUT
     try:
-        while True:
-            if not thread.is_alive():
-                raise RuntimeError("the gateway exited during start-up")
-            try:
-                if httpx.get(f"{base_url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not become ready in time")
-            time.sleep(0.25)
+        with seeded_message_ids(message_id_rng):  # the bootstrap admin's IDs, created at start-up
+            while True:
+                if not thread.is_alive():
+                    raise RuntimeError("the gateway exited during start-up")
+                try:
+                    # not a bound: a probe that times out is retried until the deadline
+                    if httpx.get(f"{base_url}/readyz", timeout=2.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the gateway did not become ready in time")
+                time.sleep(0.25)
         yield LiveServer(base_url, admin_key, server_settings, app)
     finally:
         server.should_exit = True
-        thread.join(timeout=60)
+        thread.join(timeout=60)  # not a bound: teardown goes on (the thread is a daemon)
 
 
 @pytest.fixture(scope="session")

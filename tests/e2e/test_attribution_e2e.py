@@ -63,7 +63,9 @@ def _create_user(server: Any, name: str) -> UserRun:
 
 
 def _plain_request(server: Any, run: UserRun, prompt: str) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=run.api_key, max_retries=0, timeout=600)
+    # 5x margin and more: a round of two concurrent 200-token answers took 35 s here, and about
+    # 140 s on two cores also busy with other test runs (was 600 s: 4x that)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=run.api_key, max_retries=0, timeout=1800)
     completion = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
@@ -79,7 +81,9 @@ def _plain_request(server: Any, run: UserRun, prompt: str) -> None:
 
 
 def _streamed_request(server: Any, run: UserRun, prompt: str) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=run.api_key, max_retries=0, timeout=600)
+    # 5x margin and more: a round of two concurrent 200-token answers took 35 s here, and about
+    # 140 s on two cores also busy with other test runs (was 600 s: 4x that)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=run.api_key, max_retries=0, timeout=1800)
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
@@ -109,6 +113,7 @@ def _streamed_request(server: Any, run: UserRun, prompt: str) -> None:
 
 
 def _trace(server: Any, body: dict[str, Any]) -> dict[str, Any]:
+    # 5x margin and more: a trace of up to 400 tokens took at most 2.5 s here
     response = httpx.post(f"{server.base_url}/trace", json=body, headers=_admin(server), timeout=60)
     assert response.status_code == 200, response.text
     return response.json()  # type: ignore[no-any-return]
@@ -171,6 +176,12 @@ async def test_each_user_is_traced_from_their_own_completions(live_server: Any, 
             assert [r.completion_text for r in rows] == run.texts
             assert sum(r.completion_tokens for r in rows) == run.completion_tokens
 
+    # Each user's text is a draw: not seeded, since a seeded request runs alone and these are meant
+    # to share batched generate calls. Measured here: p-values of 1.6e-49 and 3.6e-38 (300-400
+    # tokens, named at 1e-3 among three IDs); the forensic evaluation names 98-99 % of single
+    # 300-token answers among 10,000 IDs, a bar near 1e-7 (docs/results/FORENSIC.md). A miss here is
+    # far rarer than that, but its rate is not established below 1e-6. The unwatermarked text and
+    # the registry (tests/e2e/conftest.py) are seeded: the verdict on that text is fixed.
     for run in runs.values():
         other = next(r for r in runs.values() if r is not run)
         report = _trace(live_server, {"text": "\n\n".join(run.texts), "model": MODEL})
@@ -205,12 +216,16 @@ async def test_client_disconnect_midway_records_what_was_sent(
         "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}],
         "max_tokens": 400,
         "temperature": 0.9,
+        # seeded sampling: the answer is the same every run, so it never ends (EOS) before the
+        # chunks read below, which would leave nothing to cancel
+        "seed": 20240607,
         "stream": True,
     }
     received: list[str] = []
     request_id = None
     headers = {"Authorization": f"Bearer {run.api_key}"}
     async with (
+        # 5x margin and more: the first chunks of the answer arrived within a second here
         httpx.AsyncClient(base_url=live_server.base_url, timeout=120) as http,
         http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
     ):
@@ -231,7 +246,7 @@ async def test_client_disconnect_midway_records_what_was_sent(
 
     row = None
     async with e2e_db.connect() as connection:
-        for _ in range(240):
+        for _ in range(240):  # a 60 s deadline, 5x margin and more: the row was there at the first look here
             row = (
                 await connection.execute(
                     text(

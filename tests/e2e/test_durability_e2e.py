@@ -22,7 +22,9 @@ def _admin(server: Any) -> dict[str, str]:
 
 
 async def _rows_soon(e2e_db: AsyncEngine, request_id: str, user_id: int, timeout: float = 5.0) -> tuple[int, float]:
-    """Committed rows of ``request_id`` once there are any (or at ``timeout``), and the seconds waited."""
+    """Committed rows of ``request_id`` once there are any (or at ``timeout``), and the seconds waited.
+
+    ``timeout`` only ends the poll; the test's bound on the wait is its own (1 s, below)."""
     started = time.monotonic()
     while True:
         async with e2e_db.connect() as connection:  # a connection of its own: committed rows only
@@ -37,6 +39,7 @@ async def _rows_soon(e2e_db: AsyncEngine, request_id: str, user_id: int, timeout
 
 
 async def test_a_completion_row_is_committed_as_the_response_ends(live_server: Any, e2e_db: AsyncEngine) -> None:
+    # 5x margin and more: each request (2 greedy tokens) took well under a second here
     async with httpx.AsyncClient(base_url=live_server.base_url, timeout=120) as http:
         created = await http.post(
             "/admin/users", json={"name": "durable-e2e", "role": "user"}, headers=_admin(live_server)
@@ -49,6 +52,8 @@ async def test_a_completion_row_is_committed_as_the_response_ends(live_server: A
             response = await http.post("/v1/chat/completions", json=body, headers=headers)
             assert response.status_code == 200, response.text
             found, waited = await _rows_soon(e2e_db, response.json()["id"], user["id"])
+            # 5x margin and more: measured 0.03 s here (the row was committed already at the first
+            # look; the time is that poll's own fresh connection)
             assert found == 1 and waited < 1.0, (found, waited)
 
         keys = (await http.get(f"/admin/users/{user['id']}/keys", headers=_admin(live_server))).json()["data"]

@@ -6,6 +6,18 @@ the XMark processor loaded through ``--logits-processors``; the gateway runs wit
 the test suite's watermark secrets. Every process is started in its own session and killed by
 its process-group id when the fixture ends, whatever happened. Nothing here imports vLLM, so
 this file loads (and the tests skip) in an interpreter without it.
+
+A gateway draws its users' message IDs from a seeded generator (``SEEDED_SERVE``: the product's
+allocation rule, ``allocate_message``, given a ``random.Random`` instead of system randomness), so
+the registry every /trace scores against is the same for the same tests: the verdict on a fixed
+unwatermarked text (test_vllm_e2e) is then fixed too, not a draw over random IDs.
+
+Statistical outcomes: the answers the tests trace to their authors are sampled unseeded (under the
+distortion-free scheme a seed also picks the answer's salt; elsewhere seeding them is left to a
+run that checks each seeded text), so each naming is a draw. The forensic
+evaluation names 98-100 % of single 150-300 token answers among 10,000 IDs, a bar near 1e-7 per
+text (docs/results/FORENSIC.md, FORENSIC-GUMBEL8S16.md); the tests trace at least that much text
+among a few dozen IDs, so a miss is far rarer, but its rate is not established below 1e-6.
 """
 
 from __future__ import annotations
@@ -29,9 +41,25 @@ from service.security import generate_api_key
 from service.test_model import TEST_MODEL_NAME
 
 REPO_ROOT = Path(__file__).absolute().parents[2]
+# 5x margin and more: a CPU vLLM worker takes about 40-100 s to start here, 142 s on two cores
+# busy with other test runs
 WORKER_START_TIMEOUT_S = 900.0
-GATEWAY_START_TIMEOUT_S = 180.0
+# 5x margin and more: an `xmark serve` gateway (XMARK_BACKEND=vllm) was ready 34 s after its start
+# here, on two cores busy with an evaluation run (was 180 s: barely 5x)
+GATEWAY_START_TIMEOUT_S = 300.0
 
+
+MESSAGE_ID_SEED = 20240607
+# ``python -c SEEDED_SERVE SEED serve ...``: ``xmark serve`` (service.cli) with seeded message IDs
+SEEDED_SERVE = """
+import random, sys
+import service.services.users
+from xmark_core import allocate_message
+rng = random.Random(int(sys.argv[1]))
+service.services.users.allocate_message = lambda existing, params: allocate_message(existing, params, rng=rng)
+from service.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
 
 # The scheme the e2e tests describe unless they say otherwise: the biasing one. The gumbel fixtures
 # set no watermark parameter at all: they run the product's defaults.
@@ -76,6 +104,7 @@ class ManagedProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
+                # not a bound: a probe that times out is retried until the deadline
                 if httpx.get(self.health_url, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
@@ -99,12 +128,14 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signum)
         try:
+            # 5x margin and more: a signalled gateway or worker exits within a few seconds here
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             if signum != signal.SIGKILL:
                 return
             raise
-        # engine processes outlive the server for a moment after SIGKILL: wait for the group
+        # engine processes outlive the server for a moment after SIGKILL: wait for the group (not
+        # a bound: past the deadline the fixture goes on)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -186,7 +217,8 @@ def _gateway(env_update: dict[str, str], var_dir: Path, *, defaults: bool = Fals
     env = _base_environment(defaults=defaults)
     env.update(env_update)
     env["XMARK_VAR_DIR"] = str(var_dir)
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-c", SEEDED_SERVE, str(MESSAGE_ID_SEED), "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port)]
     process = ManagedProcess("gateway", command, env, var_dir / "gateway.log", f"http://127.0.0.1:{port}/readyz")
     process.start()
     try:
@@ -201,6 +233,8 @@ def _gateway_settings(e2e_config: E2EConfig) -> dict[str, str]:
         "XMARK_DATABASE_URL": e2e_config.database_url,
         "XMARK_BACKEND": "vllm",
         "XMARK_VLLM_HEALTH_INTERVAL_S": "1",
+        # the gateway's bound on each wait for a worker's bytes; 5x margin and more: a CPU worker's
+        # first token under the tests' batches of up to four requests comes within seconds
         "XMARK_VLLM_TIMEOUT_S": "120",
         "XMARK_WATERMARK_SECRETS": e2e_config.watermark_secrets,
         "XMARK_API_KEY_PEPPER": e2e_config.api_key_pepper,
@@ -239,6 +273,7 @@ path = "{REPO_ROOT / "var" / "models" / TEST_MODEL_NAME}"
     for process in _gateway({**_gateway_settings(e2e_config), "XMARK_MODELS_FILE": str(models)}, var_dir):
         # ready once any model is; the tests want both
         deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+        # 5x margin and more: a /readyz took 0.14 s at most here
         while set(httpx.get(process.health_url, timeout=5.0).json()["models"].values()) != {"ready"}:
             assert time.monotonic() < deadline, f"a model never became ready:\n{process.log_tail()}"
             time.sleep(0.5)
@@ -343,6 +378,8 @@ def embedding_gateway(
         pytest.skip(f"no test model at {path} (run `make model`)")
     var_dir = tmp_path_factory.mktemp("embedding-gateway-var")
     models = var_dir / "models.toml"
+    # the embedding worker's timeout_s: 5x margin and more, an embedding of a few words takes
+    # milliseconds on a CPU worker (and a gone worker answers at once: test_vllm_embeddings)
     models.write_text(
         f"""
 [[models]]
@@ -365,6 +402,7 @@ path = "{EMBEDDING_CHECKPOINT}"
     )
     for process in _gateway({**_gateway_settings(e2e_config), "XMARK_MODELS_FILE": str(models)}, var_dir):
         deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
+        # 5x margin and more: a /readyz took 0.14 s at most here
         while set(httpx.get(process.health_url, timeout=5.0).json()["models"].values()) != {"ready"}:
             assert time.monotonic() < deadline, f"a model never became ready:\n{process.log_tail()}"
             time.sleep(0.5)

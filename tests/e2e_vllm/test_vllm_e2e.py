@@ -92,7 +92,7 @@ async def running_requests(worker_url: str, stop: asyncio.Event) -> int:
     """Poll vLLM's Prometheus gauge of running requests; the largest value seen."""
     gauge = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.]+)", re.MULTILINE)
     largest = 0
-    async with httpx.AsyncClient(base_url=worker_url, timeout=5.0) as client:
+    async with httpx.AsyncClient(base_url=worker_url, timeout=5.0) as client:  # not a bound: errors are skipped
         while not stop.is_set():
             try:
                 found = gauge.findall((await client.get("/metrics")).text)
@@ -129,6 +129,7 @@ def gateway_base(gateway: Any) -> str:
 
 @pytest.fixture(scope="module")
 async def people(gateway: Any, e2e_config: Any) -> dict[str, dict[str, Any]]:
+    # 5x margin and more: creating a user takes well under a second (0.3 s at most in tests/e2e here)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=60.0) as client:
         return {
             "alice": await create_user(client, e2e_config.admin_key, "alice"),
@@ -142,6 +143,8 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
 ) -> None:
     alice, bob, auditor = people["alice"], people["bob"], people["auditor"]
     stop = asyncio.Event()
+    # 5x margin and more: these four answers of 256 tokens, in one batch of the CPU worker, took
+    # 27 s here, and their traces 0.3 s at most
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
         # Each key's first request reads it from the database; a cheap one first, so the concurrent
         # completions below start side by side from the authentication cache.
@@ -178,6 +181,11 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
             report = await trace(client, auditor["api_key"], completion)
             # The requirement is attribution (p < 1e-3 against the registry). The detection verdict
             # tests against all 2**b messages and needs more text than a short answer may give.
+            # Each answer is a draw (unseeded sampling; the registry is seeded, conftest.py): up to
+            # 256 tokens at temperature 1; their p-values here were 4e-24 to 8e-31. The forensic
+            # evaluation names 98-99 % of single 150-300 token answers among 10,000 IDs, a bar near
+            # 1e-7 (docs/results/FORENSIC.md); among the few IDs here a miss is far rarer, but its
+            # rate is not established below 1e-6.
             assert report["attribution"] is not None, report["candidates"]
             assert report["attribution"]["user_id"] == author["id"]
             assert report["attribution"]["p_value"] < ALPHA
@@ -197,22 +205,38 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
 async def test_a_request_sent_straight_to_vllm_without_xargs_is_not_watermarked(
     gateway: Any, vllm_worker: Any, people: dict[str, dict[str, Any]]
 ) -> None:
+    # 5x margin and more: four answers of 256 tokens in one batch of the CPU worker took 27 s here
     async with httpx.AsyncClient(base_url=worker_base(vllm_worker), timeout=600.0) as worker:
-        response = await worker.post(
-            "/v1/chat/completions", json={"model": MODEL, "messages": story(TOPICS[0]), "max_tokens": MAX_TOKENS}
-        )
-        assert response.status_code == 200
-        plain = response.json()["choices"][0]["message"]["content"]
+        # seeded answers (seed after seed while they end early): the same unwatermarked text every
+        # run, so the verdicts on it below are fixed
+        answers: list[str] = []
+        tokens = 0
+        for seed in range(20240607, 20240607 + 4):
+            response = await worker.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": story(TOPICS[0]), "max_tokens": MAX_TOKENS, "seed": seed},
+            )
+            assert response.status_code == 200
+            answers.append(response.json()["choices"][0]["message"]["content"])
+            tokens += response.json()["usage"]["completion_tokens"]
+            if tokens >= MAX_TOKENS // 2:
+                break
+        plain = "\n\n".join(answers)
         rejected = await worker.post(
             "/v1/chat/completions",
             json={"model": MODEL, "messages": story(TOPICS[0]), "max_tokens": 4, "vllm_xargs": {"xmark_message": "01"}},
         )
         assert rejected.status_code == 400
         assert "xmark_key_version is missing" in rejected.json()["error"]["message"]
-    async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=60.0) as client:
+    # 5x margin and more: this trace took 19-28 s here (the counting decoder names nobody, so the
+    # likelihood decoder scores the text on the worker, for the first time); was 60 s: 2x that
+    async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=300.0) as client:
         report = await trace(client, people["auditor"]["api_key"], plain)
     assert report["scored_tokens"] >= 32
     assert report["watermarked"] is False
+    # the registry's IDs are seeded too (conftest.SEEDED_SERVE): the attribution p-value of this
+    # fixed text is fixed (0.64 here, 168 scored tokens; with random IDs it fell below alpha with
+    # probability up to 1e-3)
     assert report["attribution"] is None
 
 
@@ -222,6 +246,7 @@ async def test_dead_worker_gives_503s_and_complete_records_and_the_gateway_recov
     alice = people["alice"]
     headers = {"Authorization": f"Bearer {alice['api_key']}"}
     before = await generation_rows(e2e_config.database_url, [alice["id"]])
+    # 5x margin and more: the longest request here, the first 5 chunks of a stream, takes seconds
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=300.0) as client:
         # the worker dies while a streamed answer is under way
         received: list[str] = []
@@ -266,7 +291,9 @@ async def test_dead_worker_gives_503s_and_complete_records_and_the_gateway_recov
         assert (await client.get("/readyz")).status_code == 200  # the gateway itself stays up
 
         vllm_worker.start()
-        vllm_worker.wait_healthy(900.0)
+        vllm_worker.wait_healthy(900.0)  # 5x margin and more: a CPU worker starts in 40-142 s here
+        # 5x margin and more: the gateway probes every second (XMARK_VLLM_HEALTH_INTERVAL_S), so
+        # the restarted worker is back in rotation within a few seconds
         deadline = time.monotonic() + 60
         while True:
             response = await client.post(
@@ -281,7 +308,8 @@ async def test_dead_worker_gives_503s_and_complete_records_and_the_gateway_recov
         assert response.status_code == 200, response.text
         recovered_id = response.json()["id"]
 
-    # the recovered completion's row is committed as its response ends; allow for a slow machine
+    # the recovered completion's row is committed as its response ends; allow for a slow machine:
+    # 5x margin and more, the row was there 0.03 s after the response in tests/e2e here
     deadline = time.monotonic() + 30
     while True:
         rows = await generation_rows(e2e_config.database_url, [alice["id"]])

@@ -35,11 +35,13 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 async def embedding_user(embedding_gateway: Any, e2e_config: Any) -> dict[str, Any]:
+    # 5x margin and more: creating a user takes well under a second (0.3 s at most in tests/e2e here)
     async with httpx.AsyncClient(base_url=gateway_base(embedding_gateway), timeout=60.0) as client:
         return await create_user(client, e2e_config.admin_key, f"embedder-{time.time_ns()}")
 
 
 def _client(gateway: Any, key: str) -> AsyncOpenAI:
+    # 5x margin and more: an embedding of three sentences takes milliseconds on a CPU worker
     return AsyncOpenAI(base_url=gateway_base(gateway) + "/v1", api_key=key, timeout=120.0, max_retries=0)
 
 
@@ -66,6 +68,7 @@ async def test_usage_counts_the_worker_s_tokens(
     embedding_gateway: Any, embedding_user: dict[str, Any], e2e_config: Any
 ) -> None:
     headers = {"Authorization": f"Bearer {e2e_config.admin_key}"}
+    # 5x margin and more: a usage query or an embedding answers in milliseconds
     async with httpx.AsyncClient(base_url=gateway_base(embedding_gateway), timeout=60.0) as http:
         url = f"/admin/usage?days=1&user_id={embedding_user['id']}"
         before = (await http.get(url, headers=headers)).json()["data"]
@@ -95,6 +98,7 @@ async def test_a_gone_worker_is_a_fast_503(
     """Last in the module: the worker is killed."""
     embedding_worker.kill()
     headers = {"Authorization": f"Bearer {embedding_user['api_key']}"}
+    # the client's bound is above the 2 s one asserted below: a slower answer fails there, with its time
     async with httpx.AsyncClient(base_url=gateway_base(embedding_gateway), timeout=30.0) as http:
         for _ in range(2):  # the first finds the connection refused, the second the worker out of rotation
             started = time.monotonic()

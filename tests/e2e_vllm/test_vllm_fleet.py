@@ -43,6 +43,7 @@ TOOL_RESULT = {"status": "recorded", "next": "Now write the long, detailed story
 
 @pytest.fixture(scope="module")
 async def fleet_people(fleet_gateway: Any, e2e_config: Any) -> dict[str, dict[str, Any]]:
+    # 5x margin and more: creating a user takes well under a second (0.3 s at most in tests/e2e here)
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=60.0) as client:
         return {
             name: await create_user(client, e2e_config.admin_key, f"fleet-{name}", role)
@@ -51,6 +52,7 @@ async def fleet_people(fleet_gateway: Any, e2e_config: Any) -> dict[str, dict[st
 
 
 def _client(gateway: Any, key: str) -> AsyncOpenAI:
+    # 5x margin and more: one answer of up to 300 tokens takes well under a minute on a CPU worker
     return AsyncOpenAI(base_url=gateway_base(gateway) + "/v1", api_key=key, timeout=600.0, max_retries=0)
 
 
@@ -80,9 +82,12 @@ async def test_each_model_answers_and_each_answer_names_its_caller_and_its_model
         (ann["id"], MODEL): await _long_answer(_client(fleet_gateway, ann["api_key"]), MODEL),
         (ben["id"], TEST_MODEL_NAME): await _long_answer(_client(fleet_gateway, ben["api_key"]), TEST_MODEL_NAME),
     }
+    # 5x margin and more: a trace of a few hundred tokens took 28 s at most here (test_vllm_e2e: the
+    # likelihood decoder's first scoring on the worker), an answer well under a minute
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
         for (user_id, model), text in texts.items():
             report = await trace(http, auditor["api_key"], text)
+            # a draw (unseeded answers): conftest.py, statistical outcomes
             assert report["attribution"] is not None, (model, report["p_value"], report["decoder"])
             assert report["attribution"]["user_id"] == user_id
             assert report["model"] == model
@@ -140,6 +145,8 @@ async def test_a_tool_round_trip_is_watermarked_and_traced_to_the_caller(
     # a model may close the JSON, or answer, early, and a tool call's JSON repeats itself (the trace
     # scores each (x[t-2], x[t-1], x[t]) once): round trips are gathered until each side, traced on its
     # own, names someone (at most 8 round trips); every name it gives on the way must be the caller's
+    # 5x margin and more: a trace of a few hundred tokens took 28 s at most here (test_vllm_e2e: the
+    # likelihood decoder's first scoring on the worker), an answer well under a minute
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
         for _ in range(8):
             arguments, used, answer, answered = await _round_trip(client)
@@ -184,8 +191,10 @@ async def test_the_responses_api_on_vllm_streamed_and_not(
         elif event.type in ("response.completed", "response.incomplete"):
             completed = event.response
     assert completed is not None and completed.output_text == "".join(streamed)
+    # 5x margin and more: a trace of a few hundred tokens took 28 s at most here (test_vllm_e2e: the
+    # likelihood decoder's first scoring on the worker), an answer well under a minute
     async with httpx.AsyncClient(base_url=gateway_base(fleet_gateway), timeout=600.0) as http:
         report = await trace(http, auditor["api_key"], response.output_text + "\n\n" + "".join(streamed))
-    assert report["attribution"] is not None, report["p_value"]
+    assert report["attribution"] is not None, report["p_value"]  # a draw: conftest.py, statistical outcomes
     assert report["attribution"]["user_id"] == ann["id"]
     assert report["model"] == MODEL

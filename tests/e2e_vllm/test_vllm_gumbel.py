@@ -32,6 +32,8 @@ async def test_answers_sampled_by_the_workers_key_are_traced_to_their_authors(
     gumbel_gateway: Any, gumbel_worker: Any, e2e_config: Any
 ) -> None:
     base = str(gumbel_gateway.health_url).removesuffix("/readyz")
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=base, timeout=600.0) as client:
         people = {}
         for name, role in (("g-alice", "user"), ("g-bob", "user"), ("g-auditor", "auditor")):
@@ -61,6 +63,7 @@ async def test_answers_sampled_by_the_workers_key_are_traced_to_their_authors(
             traced = await client.post("/trace", json={"text": text}, headers=_auth(auditor["api_key"]))
             assert traced.status_code == 200, traced.text
             report = traced.json()
+            # a draw (unseeded answers of 160 tokens): conftest.py, statistical outcomes
             assert report["attribution"] is not None, report["candidates"]
             assert report["attribution"]["user_id"] == person["id"]
 
@@ -74,6 +77,7 @@ async def test_answers_sampled_by_the_workers_key_are_traced_to_their_authors(
             assert len(served.json()["choices"]) == extra.get("n", 1)
 
     # the worker itself refuses a request for the primary that it could not honour, naming the field
+    # (5x margin and more: a refusal answers at once)
     async with httpx.AsyncClient(base_url=str(gumbel_worker.health_url).removesuffix("/health"), timeout=60.0) as raw:
         xargs = {"xmark_message": alice["message_id"], "xmark_key_version": "v1", "xmark_salt": 0}
         refused = await raw.post(
@@ -108,6 +112,8 @@ async def test_a_default_worker_writes_a_greedy_answer_with_the_companion(gumbel
         "return_token_ids": True,
         "vllm_xargs": xargs,
     }
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=str(gumbel_worker.health_url).removesuffix("/health"), timeout=600.0) as raw:
         response = await raw.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text

@@ -28,6 +28,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 async def dave(gateway: Any, e2e_config: Any) -> dict[str, Any]:
+    # 5x margin and more: creating a user takes well under a second (0.3 s at most in tests/e2e here)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=60.0) as client:
         return await create_user(client, e2e_config.admin_key, "dave")
 
@@ -45,6 +46,8 @@ async def test_a_tool_call_is_a_tool_use_block(gateway: Any, e2e_config: Any, da
         "tool_choice": {"type": "tool", "name": "get_weather"},
         "top_k": 20,
     }
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
         response = await client.post("/v1/messages", json=body, headers=_headers(dave))
         assert response.status_code == 200, response.text
@@ -92,7 +95,9 @@ async def test_a_tool_call_is_a_tool_use_block(gateway: Any, e2e_config: Any, da
         answered = await client.post("/v1/messages", json=follow_up, headers=_headers(dave))
         assert answered.status_code == 200, answered.text
         assert answered.json()["usage"]["input_tokens"] > message["usage"]["input_tokens"]
-    for _ in range(100):  # a record is written as its response ends
+    # a record is written as its response ends: a poll of at least 10 s, 5x margin and more (the
+    # row was there 0.03 s after the response in tests/e2e here)
+    for _ in range(100):
         rows = {row["request_id"]: row for row in await generation_rows(e2e_config.database_url, [dave["id"]])}
         if answered.json()["id"] in rows:
             break

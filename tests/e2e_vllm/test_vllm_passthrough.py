@@ -46,6 +46,7 @@ PROMPT = [{"role": "user", "content": "Write a long, detailed story about a ligh
 
 @pytest.fixture(scope="module")
 async def people(gateway: Any, e2e_config: Any) -> dict[str, dict[str, Any]]:
+    # 5x margin and more: creating a user takes well under a second (0.3 s at most in tests/e2e here)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=60.0) as client:
         return {
             "carol": await create_user(client, e2e_config.admin_key, "carol"),
@@ -67,6 +68,8 @@ async def test_a_tool_call_is_watermarked_and_traced_to_the_caller(
     gateway: Any, e2e_config: Any, people: dict[str, dict[str, Any]]
 ) -> None:
     carol, auditor = people["carol"], people["auditor"]
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
         calls: list[str] = []
         completion_tokens = 0
@@ -94,7 +97,7 @@ async def test_a_tool_call_is_watermarked_and_traced_to_the_caller(
         assert completion_tokens >= 400, calls
         report = await trace(client, auditor["api_key"], "\n\n".join(calls))
         verdict = {field: report[field] for field in ("decoder", "test", "p_value", "scored_tokens", "candidates")}
-        assert report["attribution"] is not None, verdict
+        assert report["attribution"] is not None, verdict  # a draw: conftest.py, statistical outcomes
         assert report["attribution"]["user_id"] == carol["id"]
         assert report["attribution"]["p_value"] < ALPHA
     rows = await generation_rows(e2e_config.database_url, [carol["id"]])
@@ -106,6 +109,8 @@ async def test_a_json_schema_answer_is_valid_and_traced_to_the_caller(
     gateway: Any, people: dict[str, dict[str, Any]]
 ) -> None:
     carol, auditor = people["carol"], people["auditor"]
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
         body = await _chat(
             client,
@@ -123,12 +128,15 @@ async def test_a_json_schema_answer_is_valid_and_traced_to_the_caller(
                 assert re.match(r'\s*\{\s*"story"\s*:', content), content
             answers.append(content)
         report = await trace(client, auditor["api_key"], "\n\n".join(answers))
+        # a draw (unseeded answers): conftest.py, statistical outcomes
         assert report["attribution"] is not None, report["candidates"]
         assert report["attribution"]["user_id"] == carol["id"]
 
 
 async def test_logprobs_and_sampling_fields_pass_through(gateway: Any, people: dict[str, dict[str, Any]]) -> None:
     carol = people["carol"]
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
         body = await _chat(
             client,
@@ -180,6 +188,8 @@ async def test_text_completions_reach_the_workers_completions_route(
     gateway: Any, e2e_config: Any, people: dict[str, dict[str, Any]]
 ) -> None:
     carol, auditor = people["carol"], people["auditor"]
+    # 5x margin and more: four answers of 256 tokens in one batch of a CPU worker took 27 s here,
+    # a trace 28 s at most (test_vllm_e2e)
     async with httpx.AsyncClient(base_url=gateway_base(gateway), timeout=600.0) as client:
         response = await client.post(
             "/v1/completions",
@@ -198,6 +208,7 @@ async def test_text_completions_reach_the_workers_completions_route(
         texts = [choice["text"] for choice in body["choices"]]
         assert body["usage"]["completion_tokens"] >= 150, texts
         report = await trace(client, auditor["api_key"], "\n\n".join(texts))
+        # a draw (unseeded answers): conftest.py, statistical outcomes
         assert report["attribution"] is not None and report["attribution"]["user_id"] == carol["id"]
     rows = await generation_rows(e2e_config.database_url, [carol["id"]])
     assert set(texts) <= {row["completion_text"] for row in rows}

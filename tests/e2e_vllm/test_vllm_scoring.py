@@ -56,6 +56,8 @@ def reference_logprobs(model_path: Any, token_ids: list[int]) -> np.ndarray:
 
 async def test_worker_scores_match_the_checkpoint_run_in_process(vllm_worker: Any, e2e_config: Any) -> None:
     url = str(vllm_worker.health_url).removesuffix("/health")
+    # 5x margin and more: scoring about 60 tokens takes a few seconds once the worker is up, and the
+    # backend was ready within 20 s here (tests/vllm, the tokenizer loaded, two cores busy)
     backend = VllmBackend([url], MODEL_NAME, e2e_config.model_path, timeout_s=300.0)
     await backend.start()
     try:

@@ -266,8 +266,19 @@ async def started(upstreams: Upstreams, **options: Any) -> VllmBackend:
     await upstreams.start()
     backend = VllmBackend(upstreams.urls(), MODEL, path, **options)
     await backend.start()
+    # 5x margin and more: ready within 20 s here (the module's first start, two cores busy; 1-3 s after)
     assert await backend.wait_ready(120)
     return backend
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether ``condition`` holds within ``timeout_s`` (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 # -- the upstream request ----------------------------------------------------------------------
@@ -487,7 +498,7 @@ async def test_prompt_token_bound_is_never_below_the_exact_count(model: str) -> 
     backend = VllmBackend(upstreams.urls(), model, path)
     await backend.start()
     try:
-        assert await backend.wait_ready(120)
+        assert await backend.wait_ready(120)  # 5x margin and more: ready within 20 s here (as in ``started``)
         tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
         requests = []
         for text in BOUND_TEXTS:
@@ -597,6 +608,9 @@ async def test_a_whole_answer_may_take_longer_than_the_worker_timeout() -> None:
     """The timeout bounds the wait for each of a stream's bytes; a non-streamed answer arrives only
     at the end, so the request's own deadline (the caller's) bounds it instead."""
     upstreams = Upstreams("w1")
+    # the answer comes after 0.5 s: a 0.2 s bound on it would fire first (timers of one event loop,
+    # so load cannot reorder them); 0.2 s still bounds the connect, 5x margin and more: a whole
+    # request took at most 2 ms here
     upstreams.workers["w1"].whole_delay_s = 0.5
     backend = await started(upstreams, timeout_s=0.2)
     try:
@@ -610,6 +624,9 @@ async def test_a_health_probe_is_bounded_by_its_own_timeout_not_the_request_time
     probe's bound is HEALTH_TIMEOUT_S. (Bounded by the session's request timeout, the start-up probe
     took a busy worker out of rotation and the first request got 503.)"""
     upstreams = Upstreams("w1")
+    # the probe is answered after 0.3 s: past the request timeout (0.1 s, timers of one loop), within
+    # HEALTH_TIMEOUT_S (2 s), 5x margin and more over the 0.3 s; the request's 0.1 s connect bound
+    # has 5x margin and more too: a whole request took at most 2 ms here
     upstreams.workers["w1"].health_delay_s = 0.3
     backend = await started(upstreams, timeout_s=0.1, health_interval_s=3600)
     try:
@@ -634,6 +651,7 @@ async def test_a_stall_of_the_gateways_own_loop_does_not_take_a_worker_out_of_ro
     try:
         worker = backend.pool.workers[0]
         assert worker.healthy
+        # 5x margin and more for the second probe, which must succeed: a probe took at most 1 ms here
         monkeypatch.setattr(vllm, "HEALTH_TIMEOUT_S", 0.5)
         monkeypatch.setattr(vllm, "HEALTH_TIMEOUT", aiohttp.ClientTimeout(total=0.5))
         probe = asyncio.create_task(backend.pool.check(worker))
@@ -643,8 +661,9 @@ async def test_a_stall_of_the_gateways_own_loop_does_not_take_a_worker_out_of_ro
         assert await probe
         assert worker.healthy
         assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
-        # a worker that does not answer /health at all still leaves rotation
-        upstreams.workers["w1"].health_delay_s = 2.0
+        # a worker that does not answer /health at all still leaves rotation: it would answer after
+        # 2.5 s, 5x the probe's bound (its two probes take 1 s)
+        upstreams.workers["w1"].health_delay_s = 2.5
         assert not await backend.pool.check(worker)
         assert not worker.healthy
     finally:
@@ -658,6 +677,8 @@ async def test_leaving_a_whole_request_closes_its_upstream_connection() -> None:
     backend = await started(upstreams)
     try:
         task = asyncio.create_task(backend.generate(WHOLE, STAMP))
+        # polls of at least 2 s each, 5x margin and more: the request arrived within 7 ms here, and
+        # the worker saw its connection closed within 14 ms (long before its answer, at 5 s)
         for _ in range(200):
             if worker.requests:
                 break
@@ -742,13 +763,15 @@ async def test_health_checks_take_a_worker_out_and_bring_it_back() -> None:
     backend = await started(upstreams, health_interval_s=0.05)
     try:
         upstreams.workers["w1"].health_status = 503
-        await asyncio.sleep(0.3)
+        # 5x margin and more: the next probe (every 0.05 s) took it out within 0.06 s here
+        assert await eventually(lambda: not backend.pool.workers[0].healthy, 5.0)
         assert [w.healthy for w in backend.pool.workers] == [False, True]
         for _ in range(3):
             await backend.generate(REQUEST, STAMP)
         assert [len(w.requests) for w in upstreams.workers.values()] == [0, 3]
         upstreams.workers["w1"].health_status = 200
-        await asyncio.sleep(0.3)
+        # 5x margin and more: the next probe brought it back within 0.06 s here
+        assert await eventually(lambda: backend.pool.workers[0].healthy, 5.0)
         assert [w.healthy for w in backend.pool.workers] == [True, True]
         await backend.generate(REQUEST, STAMP)
         assert len(upstreams.workers["w1"].requests) == 1
@@ -785,7 +808,7 @@ async def test_refused_connection_is_retried_on_another_worker() -> None:
 async def test_timeout_is_a_504() -> None:
     upstreams = Upstreams("w1")
     upstreams.timing_out.add("w1")
-    backend = await started(upstreams, timeout_s=0.3)
+    backend = await started(upstreams, timeout_s=0.3)  # the worker hangs for an hour
     try:
         with pytest.raises(UpstreamTimeoutError) as caught:
             await backend.generate(REQUEST, STAMP)
@@ -798,6 +821,8 @@ async def test_timeout_is_a_504() -> None:
 async def test_slow_stream_times_out_between_chunks() -> None:
     upstreams = Upstreams("w1")
     events = completion_events([["a", "b", "c"]])
+    # a 5 s pause: 25x the bound; the bound has 5x margin and more over the chunks before it: a
+    # whole stream took at most 5 ms here
     upstreams.workers["w1"].on_chat = lambda body: [*events[:2], 5.0, *events[2:]]
     backend = await started(upstreams, timeout_s=0.2)
     try:
@@ -875,6 +900,8 @@ async def test_cancel_closes_the_upstream_stream() -> None:
         stream = await backend.stream(REQUEST, STAMP)
         assert (await stream.__anext__()).text == "a"
         stream.cancel()
+        # a poll of at least 0.5 s, 5x margin and more: in_flight was 0 within 1 ms here (and the
+        # worker's pause, 30 s, is far longer than the poll)
         for _ in range(50):
             if backend.pool.workers[0].in_flight == 0:
                 break
@@ -980,6 +1007,8 @@ async def test_score_of_a_text_longer_than_the_context_is_a_400_on_the_text() ->
 async def test_score_timeout_is_a_504_and_a_malformed_answer_a_503() -> None:
     upstreams = Upstreams("w1")
     upstreams.timing_out.add("w1")
+    # the worker hangs for an hour; the malformed answer after it comes within the same 0.3 s bound,
+    # 5x margin and more: a score request took at most 5 ms here
     backend = await started(upstreams, timeout_s=0.3)
     try:
         with pytest.raises(UpstreamTimeoutError):
