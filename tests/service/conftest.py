@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import random
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,7 +21,11 @@ from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import Settings, parse_secret_entries
 from service.db import create_engine, upgrade_database
 from service.models import KeyVersion
+from xmark_core import allocate_message
 from xmark_core.encoders import KeyVersionSpec, encoder_keys
+
+# the seed of the message IDs of ``seeded_message_ids``
+MESSAGE_ID_SEED = 20261202
 
 
 @asynccontextmanager
@@ -33,6 +39,20 @@ async def own_database(settings: Settings, prefix: str) -> AsyncIterator[str]:
         yield url
     finally:
         await drop_database(url)
+
+
+@pytest.fixture
+def seeded_message_ids(monkeypatch: pytest.MonkeyPatch) -> random.Random:
+    """The users this test creates get their message IDs from a generator seeded here instead of
+    the system's randomness (the allocation rule is the product's: ``allocate_message`` with its
+    ``rng``), so a test whose verdict depends on the IDs (a watermark written for one, detected and
+    attributed) gives the same outcome on every run. Modules whose tests are statistical in that
+    way use it (``pytest.mark.usefixtures``)."""
+    import service.services.users
+
+    rng = random.Random(MESSAGE_ID_SEED)
+    monkeypatch.setattr(service.services.users, "allocate_message", functools.partial(allocate_message, rng=rng))
+    return rng
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ async def _started(settings: Settings) -> AsyncIterator[tuple[Any, httpx.AsyncCl
         app = create_app(settings)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
+            # (60 s: 5x margin and more, a whole test here took 4.3 s or less)
             async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
                 yield app, client
 

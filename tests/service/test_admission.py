@@ -232,6 +232,7 @@ async def test_a_crashed_replicas_slots_expire(
     survivor = Admission(configured, Metrics(), redis_client(REDIS_URL, 1.0), key_prefix=redis_prefix)
     try:
         await crashed.admit(_principal(9), 1)  # never released
+        # within the lease (0.3 s): 5x margin and more, the two admissions took 0.005 s here
         with pytest.raises(RateLimitError):
             await survivor.admit(_principal(9), 1)
         await asyncio.sleep(0.4)
@@ -271,8 +272,12 @@ async def test_a_hung_redis_costs_at_most_its_timeout(settings: Settings) -> Non
     admission = Admission(configured, metrics, redis_client(f"redis://127.0.0.1:{port}/0", 0.2))
     try:
         started = time.perf_counter()
-        await admission.admit(_principal(1), 1)
-        assert time.perf_counter() - started < 1.5
+        # the server never answers: without the client's 0.2 s timeout the admission would hang
+        # until this test's own limit (30 s) fails it
+        await asyncio.wait_for(admission.admit(_principal(1), 1), 30)
+        elapsed = time.perf_counter() - started
+        # 5x margin: 0.20 s measured here (the timeout itself)
+        assert elapsed < 1.5, elapsed
     finally:
         await admission.close()
         server.close()
@@ -382,7 +387,10 @@ async def test_requests_succeed_with_per_process_limits_when_redis_is_down(
         first = asyncio.create_task(
             client.post("/v1/chat/completions", json=_chat(settings.model_name), headers=_bearer(key))
         )
-        for _ in range(500):  # until the first request holds its slot
+        # until the first request holds its slot (5 s or more: 5x margin and more, it held it
+        # 0.01 s after it was sent here); it then runs 12 to 20 tokens of 0.05 s, 0.6 s or more,
+        # and the second request is answered within it (5x margin and more: 0.003 s here)
+        for _ in range(500):
             if admission.queued:
                 break
             await asyncio.sleep(0.01)
@@ -425,14 +433,22 @@ async def test_the_deadline_gives_504_and_records_an_error(
     settings = app.state.resources.settings.model_copy(update={"request_timeout_s": 0.3})
     admission = Admission(settings, Metrics())
     swap(settings=settings, admission=admission)
-    fake.token_delay_s = 0.05  # 40 tokens: 2 s, past the deadline
+    # 12 to 40 tokens (the fake's answer) of 0.5 s each: 6 s or more, far past the deadline and
+    # the bound below
+    fake.token_delay_s = 0.5
     principal, key = await make_user("user")
     body = _chat(settings.model_name, max_tokens=40, messages=[{"role": "user", "content": "x"}])
     started = time.perf_counter()
     response = await client.post("/v1/chat/completions", json=body, headers=_bearer(key))
-    assert time.perf_counter() - started < 1.5
+    elapsed = time.perf_counter() - started
+    # 5x margin: answered 0.31 s after it was sent here (the 0.3 s deadline); without the deadline,
+    # 6 s or more
+    assert elapsed < 2.0, elapsed
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "request_timeout"
+    # the stream's tokens too are 0.5 s each (6 s or more): 5x margin and more, its error event
+    # came 0.33 s after it was sent here (the deadline); a stream the deadline missed would
+    # end with [DONE]
     async with client.stream(
         "POST", "/v1/chat/completions", json={**body, "stream": True}, headers=_bearer(key)
     ) as sse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,17 @@ async def test_concurrent_requests_share_a_batch_and_keep_their_own_watermark(ap
     # chance. Batched rows sample from the global generator: seeded here so a run can be repeated.
     request = GenerationRequest(prompt, max_tokens=200, temperature=0.8)
     torch.manual_seed(20261123)
-    blocker = asyncio.create_task(
-        backend.generate(GenerationRequest(prompt, max_tokens=2, temperature=0.8), _stamp(app, messages[0]))
-    )
-    await asyncio.sleep(0)  # the worker takes the blocker; the next three queue up together
+    blocking = GenerationRequest(prompt, max_tokens=2, temperature=0.8)
+    blocker = asyncio.create_task(backend.generate(blocking, _stamp(app, messages[0])))
+    # the worker takes the blocker (alone: its own batch, the first draws of the seeded generator);
+    # the next three queue up together behind it (5x margin and more: they were queued 0.04 s or
+    # less after it ran here, and it ran 1.5 s or more), so the batches, and the draws each row
+    # gets, are the same on every run (10 s: 5x margin and more, it ran 0.03 s or less after it was
+    # sent here)
+    deadline = time.monotonic() + 10
+    while not (blocker.done() or any(job.request is blocking for job in backend._running)):
+        assert time.monotonic() < deadline, "the worker never took the blocker"
+        await asyncio.sleep(0.001)
     results = await asyncio.gather(*(backend.generate(request, _stamp(app, m)) for m in messages))
     await blocker
     key = _key(app)
@@ -115,7 +123,10 @@ async def test_batches_are_watermarked_by_the_cpp_op_kept_per_key_version(app: A
 
 @pytest.mark.model
 async def test_cancelled_stream_stops_early(app: Any, backend: LocalBackend) -> None:
-    request = GenerationRequest((ChatTurn("user", "Write a very long poem."),), max_tokens=300, temperature=0.8)
+    # seeded (alone in its batch): the poem does not end by chance before the third token is read
+    request = GenerationRequest(
+        (ChatTurn("user", "Write a very long poem."),), max_tokens=300, temperature=0.8, seed=20261206
+    )
     stream = await backend.stream(request, _stamp(app, "0101010101010101"))
     deltas = []
     async for delta in stream:

@@ -33,7 +33,7 @@ def upstream() -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30  # 5x margin and more: it answered 0.7 s after its start here
         while True:
             try:
                 if httpx.get(f"{base}/health").status_code == 200:
@@ -45,7 +45,7 @@ def upstream() -> Iterator[str]:
         yield base
     finally:
         process.terminate()
-        process.wait(10)
+        process.wait(10)  # 5x margin and more: it stopped in 0.14 s here
 
 
 def _load(url: str, *extra: str, body: str = BODY) -> dict[str, Any]:
@@ -128,6 +128,9 @@ def test_the_benchmark_waits_for_every_gateway_process_to_end_its_start_up(tmp_p
 
     log = tmp_path / "gateway.log"
     log.write_text('{"message": "trace null distributions ready"}\n')
+    # a process that lives 30 s: the 0.5 s timeout below must fire while it lives (5x margin and
+    # more: it was 1.1 s old then here); a wait that ignored its timeout would end at the exit, with
+    # another error
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
 
@@ -138,6 +141,8 @@ def test_the_benchmark_waits_for_every_gateway_process_to_end_its_start_up(tmp_p
 
         async def both() -> float:
             started = time.monotonic()
+            # timeout 10 s: 5x margin and more, it returned 0.53 s after it began here (the lines
+            # are written at 0.5 s)
             await asyncio.gather(bench_gateways.wait_start_up(log, 2, process, timeout=10), finish_later())
             return time.monotonic() - started
 
@@ -147,6 +152,7 @@ def test_the_benchmark_waits_for_every_gateway_process_to_end_its_start_up(tmp_p
     finally:
         process.kill()
         process.wait()
+    # the exit is noticed at once (0.001 s here), not at the timeout (10 s), which gives another error
     with pytest.raises(RuntimeError, match="exited during start-up"):
         asyncio.run(bench_gateways.wait_start_up(log, 3, process, timeout=10))
 

@@ -29,9 +29,11 @@ from tests.service.test_trace import _watermarked_text as watermarked_text
 
 
 @pytest.fixture
-async def committed_users(app: Any, settings: Any) -> AsyncIterator[dict[str, Any]]:
+async def committed_users(app: Any, settings: Any, seeded_message_ids: Any) -> AsyncIterator[dict[str, Any]]:
     """A writer and an auditor committed to the test database (the offline re-run opens its own
-    connection, so it cannot see the test's rolled-back rows); removed afterwards."""
+    connection, so it cannot see the test's rolled-back rows); removed afterwards. Their message
+    IDs come from the seeded allocation (``seeded_message_ids``): the writer's watermarked text,
+    and so the verdict, is the same on every run."""
     resources = app.state.resources
     engine = create_async_engine(settings.database_url, poolclass=NullPool)
     from sqlalchemy.ext.asyncio import async_sessionmaker

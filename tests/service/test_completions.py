@@ -22,7 +22,9 @@ PROMPT = "The three primary colours are"
 
 
 @pytest.fixture
-async def user_key(app: Any, make_user: Any) -> tuple[dict[str, Any], str]:
+async def user_key(app: Any, make_user: Any, seeded_message_ids: Any) -> tuple[dict[str, Any], str]:
+    # the user's message ID comes from the seeded allocation (tests/service/conftest.py): with the
+    # sampling seeded, the watermarked answer, and its verdict, are the same on every run
     assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
     return await make_user("user")
 
@@ -125,6 +127,7 @@ async def test_the_openai_client_and_the_watermark(
             max_tokens=200,
             temperature=1.0,
             n=4,  # a raw continuation may end early at the end-of-text token: four make enough text
+            seed=17,  # the four rows are one request, alone in its batch: seeded sampling
         )
     # every choice carries the caller's watermark: traced together they are one longer text
     text = "\n\n".join(choice.text for choice in completion.choices)

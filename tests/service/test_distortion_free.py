@@ -7,6 +7,8 @@ backend that cannot sample with the key is refused at start-up and per request."
 
 from __future__ import annotations
 
+import random
+import types
 from dataclasses import replace
 from typing import Any
 
@@ -36,6 +38,8 @@ from xmark_core.encoders import KeyVersionSpec
 GUMBEL = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
 MODEL = "smollm2-135m-instruct"
 S2 = TEST_WATERMARK_SECRETS["v2"].encode()
+# the seed of the first salts of ``seeded_salts``
+SALT_SEED = 20261203
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -43,13 +47,27 @@ def _auth(key: str) -> dict[str, str]:
 
 
 @pytest.fixture
+def seeded_salts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's first salt (``service.salts.SaltRotation``: a random one, then consecutive ones)
+    drawn from a generator seeded here instead of the system's randomness: an unseeded request's
+    answer under the keyed sampler is a fixed function of the user's message ID, the prompt and the
+    salt, so with the IDs seeded too (``seeded_message_ids``) the answers, and their verdicts, are
+    the same on every run."""
+    import service.salts
+
+    monkeypatch.setattr(service.salts, "secrets", types.SimpleNamespace(randbelow=random.Random(SALT_SEED).randrange))
+
+
+@pytest.fixture
 async def gumbel_users(
-    app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None
+    app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None, seeded_message_ids: Any
 ) -> tuple[CreatedUser, CreatedUser, CreatedUser]:
     """v2 as the only usable, active, ``gumbel`` version (b = 32, d = 8, S = 16), and an author, another user and an
     auditor with IDs of its length; rolled back with the test (the keyring is reloaded then). After
     ``ready``: the app's start-up tasks (the registry cache's warm-up) share the test's connection,
-    and one still reading there would roll its savepoint, and these writes in it, back."""
+    and one still reading there would roll its savepoint, and these writes in it, back. Their
+    message IDs come from the seeded allocation (``seeded_message_ids``); the answers below are
+    seeded (``seed``) or their salts are (``seeded_salts``): one outcome on every run."""
     resources = app.state.resources
     monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)  # sees this transaction's users
     # the configured secret v2 becomes the only active version, as a ``gumbel`` one
@@ -105,6 +123,7 @@ async def test_an_answer_sampled_with_the_key_is_traced_to_its_author(
 
 
 @pytest.mark.model
+@pytest.mark.usefixtures("seeded_salts")
 async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
     app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
 ) -> None:

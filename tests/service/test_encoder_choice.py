@@ -6,6 +6,7 @@ each answer, and ``/trace`` reads both encoders and names the author whichever w
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,16 +189,18 @@ def test_null_texts_read_under_both_encoders_are_detected_at_most_at_the_level()
     alpha. At alpha = 0.2 over 300 texts the count is Binomial(300, <= 0.2); the bound (its 0.999
     quantile) fails with probability < 0.1 % when calibrated, and a trace that did not pay for the
     second encoder (each reading at level alpha: family rate about 0.33 here) exceeds it with
-    probability about 98 %. Seeded, so the count is the same on every run."""
+    probability about 98 %. Seeded (the texts and the users' IDs), so the count is the same on every
+    run."""
     from scipy.stats import binom
 
     from service.services.registry_cache import RegisteredUser, RegistrySnapshot
 
     rng = np.random.default_rng(20261201)
+    id_rng = random.Random(20261201)  # the users' IDs: the product's allocation rule, seeded
     groups = []
     for encoder in _handle().encoders():
         params = encoder.key.params
-        allocator = MessageAllocator([], params)
+        allocator = MessageAllocator([], params, id_rng)
         bits = [allocator.allocate().bits for _ in range(500)]
         candidates = Candidates(bits, list(range(1, 501)), params)
         users = {i: RegisteredUser(i, f"u{i}", "active") for i in range(1, 501)}
@@ -225,11 +228,13 @@ def test_null_texts_read_under_both_encoders_are_detected_at_most_at_the_level()
 
 @pytest.fixture
 async def auto_users(
-    app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None
+    app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None, seeded_message_ids: Any
 ) -> tuple[CreatedUser, CreatedUser]:
     """v2 as the only usable, active version, a per-request one (gumbel 32/8 with 16 salts and its
     xmark companion 32/2, k = 4), and an author and an auditor with IDs of both lengths; rolled back
-    with the test (the keyring is reloaded then)."""
+    with the test (the keyring is reloaded then). Their IDs come from the seeded allocation
+    (``seeded_message_ids``) and the answers traced below are seeded (``seed``): the same texts,
+    the same verdicts, on every run."""
     resources = app.state.resources
     monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)
     await make_only_active_version(db_session, "v2", S2, SPEC)

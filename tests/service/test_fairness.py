@@ -231,6 +231,7 @@ async def test_abandoned_requests_stop_generating_and_the_next_user_is_served(
     hog_body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1000, "temperature": 0}
 
     async def abandoned() -> None:
+        # (the clients' 600 s: 5x margin and more over any request here, which takes seconds)
         async with httpx.AsyncClient(base_url=live_url, timeout=600) as http:
             await http.post("/v1/chat/completions", json=hog_body, headers={"Authorization": f"Bearer {hog_key}"})
 
@@ -250,10 +251,12 @@ async def test_abandoned_requests_stop_generating_and_the_next_user_is_served(
     waited = time.perf_counter() - started
     assert response.status_code == 200
     print(f"\nshort request after 3 abandoned long ones: {waited:.1f} s")
+    # 5x margin and more: 2.0 s and 3.3 s measured here (a loaded 2-core machine), where the three
+    # hogs left to run would first generate their 3 x 1000 tokens
     assert waited < 30.0
 
     rows: list[Generation] = []
-    for _ in range(100):  # written as the cancelled requests end
+    for _ in range(100):  # written as the cancelled requests end (10 s: 5x margin and more, 0.02 s here)
         async with app.state.resources.sessionmaker() as session:
             rows = list((await session.scalars(select(Generation).where(Generation.user_id == hog_id))).all())
         if len(rows) == 3:
@@ -262,7 +265,9 @@ async def test_abandoned_requests_stop_generating_and_the_next_user_is_served(
     assert [row.finish_reason for row in rows] == ["cancelled"] * 3
     assert all(row.completion_tokens < 1000 and not row.streamed for row in rows)
     assert app.state.resources.admission.queued == 0
-    for _ in range(100):  # the answered request is recorded too (after its response: group commit)
+    # the answered request is recorded too (after its response: group commit); 10 s: 5x margin and
+    # more, 0.11 s here
+    for _ in range(100):
         async with app.state.resources.sessionmaker() as session:
             answered = list((await session.scalars(select(Generation).where(Generation.user_id == other_id))).all())
         if answered:

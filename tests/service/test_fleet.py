@@ -18,7 +18,10 @@ from service.models import Generation
 from service.test_model import TEST_MODEL_NAME
 from tests.conftest import REPO_ROOT, checkpoint_path, make_test_settings
 
-pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
+# the verdicts depend on the users' message IDs (what is written, what it is told apart from):
+# drawn from a seeded generator (tests/service/conftest.py), with the answers seeded (``_chat``),
+# they give one outcome on every run
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry", "seeded_message_ids")]
 
 DEFAULT = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a lighthouse keeper and the ships she watched."
@@ -188,7 +191,8 @@ async def test_the_fan_out_counts_every_model(client: httpx.AsyncClient, make_us
     the second model's tests (its p-value is larger by the ratio of the counts)."""
     user, key = await make_user("user")
     _, auditor_key = await make_user("auditor")
-    # 280 tokens: at 120 the decoded message of some user IDs showed only p = 0.28 (seen once in CI)
+    # 280 tokens: at 120 the decoded message of some user IDs showed only p = 0.28 (seen once in CI,
+    # before the IDs were seeded)
     text = (await _chat(client, key, TEST_MODEL_NAME, tokens=280))["choices"][0]["message"]["content"]
     both = (await client.post("/trace", json={"text": text, "decoder": "counting"}, headers=_auth(auditor_key))).json()
     alone = (

@@ -42,6 +42,8 @@ async def test_readyz_is_503_while_the_backend_loads(app: Any, client: httpx.Asy
 
 async def test_readyz_is_503_when_the_database_is_unreachable(app: Any, client: httpx.AsyncClient) -> None:
     original = app.state.resources.engine
+    # nothing listens on port 1: refused at once (the test took 0.01 s here); a connection that
+    # timed out instead would give the same 503
     unreachable = create_async_engine("postgresql+asyncpg://root@127.0.0.1:1/test", connect_args={"timeout": 2})
     app.state.resources.engine = unreachable
     try:

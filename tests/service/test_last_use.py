@@ -101,11 +101,15 @@ async def test_a_failed_batch_stays_pending_and_the_writer_retries_it(database: 
         assert recorder.pending == 1
         recorder.note(b, T0 + timedelta(minutes=1))  # noted while the batch failed
         recorder.start()
-        await asyncio.sleep(1.5)  # the background writer fails quietly meanwhile
+        # the background writer fails quietly meanwhile (a writer that has not tried yet leaves
+        # both pending too: a slow machine tests less here, it fails nothing)
+        await asyncio.sleep(1.5)
         assert recorder.pending == 2
         blocker.execute("ROLLBACK")
     finally:
         blocker.close()
+    # 5 s or more: 5x margin and more, the writer had written both 0.14 s or less after the lock
+    # ended here (the whole test took 2.6 s: the failed flush's busy timeout, 1 s, and the 1.5 s)
     for _ in range(100):
         if recorder.pending == 0:
             break

@@ -6,6 +6,10 @@ backfill is idempotent and safe when two sessions race."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import random
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -19,6 +23,7 @@ import pytest
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+import service.services.message_ids
 from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.config import ConfigurationError
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker, session_scope, upgrade_database
@@ -34,7 +39,7 @@ from service.services.generation import GenerationService
 from service.services.message_ids import MessageIdService, backfill_message_ids
 from service.services.users import UserService
 from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, make_test_settings
-from xmark_core import WatermarkKey, WatermarkParams
+from xmark_core import MessageAllocator, WatermarkKey, WatermarkParams
 
 P16 = WatermarkParams(bits=16)
 P32 = WatermarkParams(bits=32)
@@ -69,9 +74,12 @@ class Deployment:
 
 
 @pytest.fixture
-async def sixteen_bit(app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch) -> Deployment:
+async def sixteen_bit(app: Any, db_session: AsyncSession, monkeypatch: pytest.MonkeyPatch, ready: None) -> Deployment:
     """v1 as a 16-bit active version (the test secrets' v2 has no row yet) and users created with
-    16-bit IDs only; rolled back with the test (the keyring is reloaded then)."""
+    16-bit IDs only; rolled back with the test (the keyring is reloaded then). After ``ready``: the
+    app's start-up tasks share the test's connection, and one still writing there when the model
+    loads slowly (the first test of the module, on a loaded machine) put its v1 row back after the
+    delete below (a duplicate key here) or rolled the savepoint back (no v1 after the rotation)."""
     resources = app.state.resources
     monkeypatch.setattr(resources.registry_cache, "check_interval", 0.0)
     for table in (Generation, Trace, KeyVersion):  # rows of this transaction only: rolled back
@@ -103,6 +111,16 @@ async def sixteen_bit(app: Any, db_session: AsyncSession, monkeypatch: pytest.Mo
         assert [(m.bits, m.block_bits) for m in created.message_ids] == [(16, 2)]
     await db_session.flush()
     return Deployment(v1, author, gone, auditor, admin)
+
+
+@pytest.fixture
+def seeded_backfill(seeded_message_ids: random.Random, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Users get their IDs from the seeded allocation (``seeded_message_ids``), at creation and
+    when a key version of a new length gives every user one (``MessageIdService``, the product's
+    ``MessageAllocator`` with its ``rng``): a test whose verdict depends on the IDs gives the same
+    outcome on every run. (Tests of the allocation itself, uniqueness under races, draw at random.)"""
+    allocator = functools.partial(MessageAllocator, rng=seeded_message_ids)
+    monkeypatch.setattr(service.services.message_ids, "MessageAllocator", allocator)
 
 
 def _generation(app: Any) -> GenerationService:
@@ -194,6 +212,7 @@ async def test_a_principal_without_an_id_of_the_active_length_gets_503(app: Any)
 
 
 @pytest.mark.model
+@pytest.mark.usefixtures("seeded_backfill")  # the author's 16- and 32-bit IDs, and the answers: seeded
 async def test_text_of_the_old_version_is_traced_after_the_rotation(
     app: Any, client: httpx.AsyncClient, sixteen_bit: Deployment
 ) -> None:
@@ -345,29 +364,53 @@ async def test_start_up_writes_wait_past_the_request_bound(scratch_url: str, tmp
     engine = create_engine(settings)
     locker = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)
 
-    async def hold_lock(locked: asyncio.Event, seconds: float) -> None:
+    async def hold_lock(locked: asyncio.Event, release: asyncio.Event, at_most_s: float) -> None:
         async with locker.begin() as connection:
             await connection.execute(text("LOCK TABLE key_versions IN ACCESS EXCLUSIVE MODE"))
             locked.set()
-            await asyncio.sleep(seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(release.wait(), at_most_s)
+
+    async def waiting_for_the_lock() -> bool:
+        async with locker.connect() as connection:
+            query = "SELECT count(*) FROM pg_locks WHERE relation = 'key_versions'::regclass AND NOT granted"
+            return bool(await connection.scalar(text(query)))
 
     try:
         sessionmaker = create_sessionmaker(engine)
-        locked = asyncio.Event()
-        holder = asyncio.create_task(hold_lock(locked, 1.5))
+        locked, release = asyncio.Event(), asyncio.Event()
+        # held until the refusal (or 10 s: 5x margin and more, it came 0.33 s after the lock was
+        # taken here, the 0.3 s bound; without the bound the statement would wait the 10 s out and
+        # succeed, which fails the test)
+        holder = asyncio.create_task(hold_lock(locked, release, 10))
         await asyncio.wait_for(locked.wait(), 10)
         with pytest.raises(ConfigurationError, match="did not answer during start-up") as refused:
             await sync_keyring(Keyring(P32, {"v1": S1}), sessionmaker)
+        release.set()
         assert "migrate" not in str(refused.value)
         await holder
 
-        locked = asyncio.Event()
-        holder = asyncio.create_task(hold_lock(locked, 1.5))
+        locked, release = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(hold_lock(locked, release, 60))
         await asyncio.wait_for(locked.wait(), 10)
+
+        async def release_past_the_request_bound() -> None:
+            # once the start-up statement waits for the lock (10 s: 5x margin and more, it waited
+            # 0.04 s after the lock was taken here), hold it 5x the request bound longer: a
+            # statement under that bound would be refused meanwhile
+            deadline = time.monotonic() + 10
+            while not await waiting_for_the_lock():
+                assert time.monotonic() < deadline, "the start-up statement never waited for the lock"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(5 * settings.database_timeout_s)
+            release.set()
+
+        releaser = asyncio.create_task(release_past_the_request_bound())
         keyring = Keyring(P32, {"v1": S1})
         async with startup_sessions(settings, sessionmaker) as startup:
             assert startup is not sessionmaker  # an engine of its own
             await sync_keyring(keyring, startup)
+        await releaser
         await holder
         assert [(h.name, h.status) for h in keyring.usable()] == [("v1", "active")]
     finally:
@@ -401,9 +444,9 @@ async def test_racing_backfills_create_no_duplicates(scratch_url: str, tmp_path:
         async with one() as a, two() as b:
             assert await MessageIdService(a).fill([P32], batch_size=4) == len(user_ids)
             racing = asyncio.create_task(MessageIdService(b).fill([P32], batch_size=4))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # (a later start than that still passes: it then finds nothing to do)
             await a.commit()
-            assert await asyncio.wait_for(racing, 60) == 0
+            assert await asyncio.wait_for(racing, 60) == 0  # 5x margin and more: the whole test took 1.4 s here
             await b.commit()
         await _check_one_id_each(one, user_ids)
 

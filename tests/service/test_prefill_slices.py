@@ -5,6 +5,7 @@ between another prompt's slices, and a prompt whose client left stops at the nex
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,8 +66,14 @@ async def _texts(backend: LocalBackend, stamp: WatermarkStamp, budget: int) -> t
     seeded = await backend.generate(GenerationRequest(long, max_tokens=8, temperature=0.9, seed=7, n=2), stamp)
     # a blocker holds the model while the two queue up; they then share one batch, and their
     # prompts are read during the blocker's steps
-    blocker = asyncio.create_task(backend.generate(GenerationRequest(short, max_tokens=4, temperature=0), stamp))
-    await asyncio.sleep(0.05)
+    blocking = GenerationRequest(short, max_tokens=4, temperature=0)
+    blocker = asyncio.create_task(backend.generate(blocking, stamp))
+    # until the worker runs the blocker (alone: the pair is sent after), or it is done already: the
+    # same batches on every run (10 s: 5x margin and more, it ran 0.03 s or less after it was sent here)
+    deadline = time.monotonic() + 10
+    while not (blocker.done() or any(job.request is blocking for job in backend._running)):
+        assert time.monotonic() < deadline, "the worker never took the blocker"
+        await asyncio.sleep(0.001)
     pair = await asyncio.gather(
         backend.generate(GenerationRequest(long, max_tokens=8, temperature=0), stamp),
         backend.generate(GenerationRequest(short, max_tokens=8, temperature=0), stamp),

@@ -19,7 +19,9 @@ from service.repositories.provenance import ProvenanceRepository
 from service.services.provenance import NOT_FOUND_NOTE, RIVAL_NOTE
 from tests.service.test_trace import ESSAY, _auth, _watermarked_text
 
-pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
+# the answers and their verdicts depend on the users' message IDs: drawn from a seeded generator
+# (tests/service/conftest.py), with seeded sampling, they give one outcome on every run
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry", "seeded_message_ids")]
 
 
 async def _served(client: httpx.AsyncClient, db_session: AsyncSession, key: str) -> tuple[str, str]:

@@ -72,12 +72,14 @@ async def _stored(admin: AsyncEngine, table: Table) -> list[tuple[str, int]]:
 
 
 def _spooled_writer(engine: AsyncEngine, table: Table, path: Path, metrics: Metrics) -> SpooledWriter:
+    # a write past 2 s is spooled instead: 5x margin and more, every test here, all its writes
+    # together, took 0.30 s or less
     writer = RowWriter(create_sessionmaker(engine), table, timeout_s=2.0, conflict=GENERATION_KEY)
     return SpooledWriter(writer, RecordSpool(path, table), metrics)
 
 
 async def _close(records: SpooledWriter) -> None:
-    await records.close(5.0)
+    await records.close(5.0)  # 5x margin and more: as above, 0.30 s or less for a whole test here
     await records.writer.close()
 
 
@@ -314,6 +316,7 @@ async def test_the_drainer_writes_rows_spooled_before_a_restart_at_once(
     await records.open()
     drainer = asyncio.create_task(records.run_drainer(interval_s=3600))  # only its first pass counts
     try:
+        # 5 s or more: 5x margin and more, the whole test took 0.21 s here
         for _ in range(100):
             if await _stored(admin, table):
                 break

@@ -72,6 +72,14 @@ def executemany_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+async def _until(condition: Any, timeout_s: float) -> None:
+    """Poll ``condition`` every 10 ms until it holds; fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def test_rows_are_committed_when_write_returns(
     writer: RowWriter, admin: AsyncEngine, table: Table, executemany_calls: list[int]
 ) -> None:
@@ -106,8 +114,9 @@ async def test_a_lingering_write_waits_and_rows_arriving_meanwhile_share_its_sta
     await writer.write([_row("alone")], linger_s=0.1)
     assert time.perf_counter() - started >= 0.1 and executemany_calls == [1]
     executemany_calls.clear()
-    first = asyncio.create_task(writer.write([_row("lingering 1")], linger_s=0.3))
-    second = asyncio.create_task(writer.write([_row("lingering 2")], linger_s=0.3))
+    # lingering 1 s: 5x margin and more over the sleep below (0.05 s here) before they are looked at
+    first = asyncio.create_task(writer.write([_row("lingering 1")], linger_s=1.0))
+    second = asyncio.create_task(writer.write([_row("lingering 2")], linger_s=1.0))
     await asyncio.sleep(0.05)
     assert executemany_calls == []  # still lingering
     await writer.write([_row("at once")])  # takes the lingering rows along
@@ -134,10 +143,9 @@ async def test_a_connection_the_server_closed_is_replaced(writer: RowWriter, adm
     pid = writer._connection.get_server_pid()  # type: ignore[union-attr]
     async with admin.connect() as connection:
         assert await connection.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-    for _ in range(50):  # the event loop sees the server's goodbye shortly
-        if writer._connection.is_closed():  # type: ignore[union-attr]
-            break
-        await asyncio.sleep(0.02)
+    # the event loop sees the server's goodbye shortly: 5x margin and more, it had seen it when
+    # the termination returned here (under 1 ms)
+    await _until(lambda: writer._connection.is_closed(), 10)  # type: ignore[union-attr]
     await writer.write([_row("after")])
     assert writer._connection.get_server_pid() != pid  # type: ignore[union-attr]
     assert [label for label, _, _ in await _stored(admin, table)] == ["before", "after"]
@@ -150,21 +158,24 @@ async def test_a_write_that_fails_midway_drops_the_connection_and_fails_its_whol
     first = writer._connection
     opened, never = asyncio.Event(), asyncio.Event()
     gates = iter([opened, never])  # one per statement
+    held_statements: list[int] = []  # the rows of each statement held at its gate
     original = asyncpg.connection.Connection.executemany
 
-    async def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+    async def held(self: Any, command: str, args: Any, *rest: Any, **kwargs: Any) -> Any:
         if self is first:  # the writer's own statements; the process's other writers pass
+            held_statements.append(len(args))
             await next(gates).wait()
-        return await original(self, *args, **kwargs)
+        return await original(self, command, args, *rest, **kwargs)
 
     monkeypatch.setattr(asyncpg.connection.Connection, "executemany", held)
     in_flight = asyncio.create_task(writer.write([_row("one")]))
-    await asyncio.sleep(0.05)
+    await _until(lambda: held_statements == [1], 10)  # its statement is sent: 5x margin and more, 0.01 s here
     queued = [asyncio.create_task(writer.write([_row(f"q{i}")])) for i in range(3)]
-    await asyncio.sleep(0.05)  # the three wait behind the first
+    await asyncio.sleep(0.05)  # the three wait behind the first (they are queued at once: no I/O)
     opened.set()
     await in_flight
-    await asyncio.sleep(0.05)  # the next batch (all three) is in flight
+    # the next batch (all three) is in flight: 5x margin and more, under 1 ms here
+    await _until(lambda: held_statements == [1, 3], 10)
     queued[0].cancel()  # its writer goes away midway: the statement's fate is unknown
     results = await asyncio.gather(*queued, return_exceptions=True)
     assert isinstance(results[0], asyncio.CancelledError)

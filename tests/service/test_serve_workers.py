@@ -50,6 +50,8 @@ def _log_lines(log: Path) -> list[dict[str, Any]]:
 
 
 async def _wait_for(log: Path, message: str, count: int, server: subprocess.Popen[bytes], timeout: float = 240) -> None:
+    # 240 s: 5x margin and more, the two workers had loaded the model 24.5 s after the start here
+    # (and frozen their heap 0.5 s later)
     deadline = time.monotonic() + timeout
     while sum(1 for line in _log_lines(log) if line["message"] == message) < count:
         # the log is a small local file, read here only once the server has died
@@ -60,7 +62,7 @@ async def _wait_for(log: Path, message: str, count: int, server: subprocess.Pope
 
 async def _served_by(log: Path, request_id: str) -> int:
     """The worker that logged the request (its access line is written as the response ends)."""
-    for _ in range(100):
+    for _ in range(100):  # 2 s or more: 5x margin and more, the line was there 0.02 s after the response here
         lines = [line for line in _log_lines(log) if line.get("request_id") == request_id]
         if lines:
             [line] = lines
@@ -72,6 +74,7 @@ async def _served_by(log: Path, request_id: str) -> int:
 async def _get(base: str, path: str, key: str | None = None) -> httpx.Response:
     """One request on a connection of its own, so that any worker may accept it."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # (the clients' 60 s here: 5x margin and more, a request of this test takes well under 1 s)
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         return await client.get(path, headers=headers)
 
@@ -175,9 +178,10 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
         assert listening[server.pid] == set()
         assert all(len(listening[pid]) == 1 for pid in started)
         assert len(set().union(*(listening[pid] for pid in started))) == WORKERS
-        # sixteen keep-alive connections opened at once: both workers take some (all on one worker
-        # by chance: 2 in 2**16)
-        clients = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(16)]
+        # 32 keep-alive connections opened at once: both workers take some (the kernel spreads them
+        # by a hash of each connection's addresses: all on one worker by chance, a false failure,
+        # with probability 2 in 2**32, under 1e-9)
+        clients = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(32)]
         try:
             answers = await asyncio.gather(
                 *(c.get("/v1/models", headers={"Authorization": f"Bearer {alice}"}) for c in clients)
@@ -207,7 +211,7 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
             )
         assert completion.status_code == 200, completion.text
         request_id = completion.json()["id"]
-        for _ in range(40):  # committed as the response ends
+        for _ in range(40):  # committed as the response ends (2 s or more: 5x margin and more, 0.09 s here)
             if await _count(observer, f"SELECT count(*) FROM generations WHERE request_id = '{request_id}'"):
                 break
             await asyncio.sleep(0.05)
@@ -216,7 +220,7 @@ async def test_workers_share_the_port_the_database_and_the_metrics(database: str
         await observer.dispose()
         server.send_signal(signal.SIGTERM)
         try:
-            code = server.wait(timeout=60)
+            code = server.wait(timeout=60)  # 5x margin and more: it stopped 1.3 s after the signal here
         except subprocess.TimeoutExpired:
             server.kill()
             raise

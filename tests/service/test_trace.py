@@ -16,7 +16,9 @@ from service.services import registry_cache
 from service.services.registry_cache import RegistryCache
 from xmark_core import Message, decode, detect
 
-pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
+# the verdicts depend on the users' message IDs (what is written, what it is told apart from):
+# drawn from a seeded generator (tests/service/conftest.py), they give one outcome on every run
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry", "seeded_message_ids")]
 
 MODEL = "smollm2-135m-instruct"
 ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
@@ -37,12 +39,15 @@ async def _watermarked_text(app: Any, message_bits: str, *, key_version: str | N
     handle = keyring.active() if key_version is None else next(h for h in keyring.usable() if h.name == key_version)
     stamp = WatermarkStamp(handle.key, Message.from_bits(message_bits, handle.key.params))
     backend = app.state.resources.backend
-    # The message ID is random, so the answer is too: one may stop early (about 1 in 20 at seed 7)
-    # or loop on a few repeated contexts, and then carry too little watermark for a verdict at
-    # alpha = 1e-3 over every key version tried. These tests are about what /trace does with a text
-    # that carries its watermark (the power on one answer is measured by the benchmarks), so the
-    # next seed writes another answer until the library's own detector finds the watermark in it at
-    # alpha = 1e-4 (ten times stricter than the trace's; its null table's smallest p-value is 1e-5).
+    # The answer depends on the message ID: one may stop early (about 1 in 20 at seed 7) or loop on
+    # a few repeated contexts, and then carry too little watermark for a verdict at alpha = 1e-3
+    # over every key version tried. These tests are about what /trace does with a text that carries
+    # its watermark (the power on one answer is measured by the benchmarks), so the next seed
+    # writes another answer until the library's own detector finds the watermark in it at alpha =
+    # 1e-4 (ten times stricter than the trace's; its null table's smallest p-value is 1e-5). The
+    # sampling is seeded (one request alone in its batch) and so is its salt (the seed's); the
+    # callers' message IDs come from the seeded allocation (``seeded_message_ids``): the same
+    # answers, the same verdicts, on every run.
     for seed in range(7, 15):
         request = GenerationRequest((ChatTurn("user", ESSAY),), max_tokens=tokens, temperature=0.8, seed=seed)
         choice = (await backend.generate(request, stamp)).choices[0]
@@ -309,6 +314,7 @@ async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrat
     async with application.router.lifespan_context(application):
         warmer = application.state.resources.trace_null_warmer
         assert warmer is not None
+        # 5x margin and more: the three row sizes were ready 0.9 s after the lifespan started here
         await asyncio.wait_for(asyncio.shield(warmer), timeout=120)
         params = application.state.resources.keyring.active().key.params
         upper = params.scheme == "mpac"
@@ -387,5 +393,9 @@ async def test_a_text_long_in_tokens_is_read_off_the_event_loop(
     assert response.status_code == 200, response.text
     assert response.json()["decoder"] == decoder
     print(f"{decoder}: {tokens} tokens in {took:.2f} s, loop lag max {max(probe.lags) * 1000:.0f} ms")
-    # the trace takes its time, the loop keeps answering (generous: a loaded 2-core machine)
-    assert max(probe.lags) < 0.25
+    # the trace takes its time, the loop keeps answering: a ratio against the trace's own duration
+    # measured above, so a loaded machine, which slows both, moves the bound with it. An analysis
+    # (or forward pass) on the loop would stall it for most of that duration; here the largest lag
+    # was 1.5% of it (38 ms of 2.5 s, counting) and 0.2% (19 ms of 9.8 s, likelihood), and the bound
+    # is a tenth (0.25 s for the counting decoder here)
+    assert max(probe.lags) < took / 10, (max(probe.lags), took)

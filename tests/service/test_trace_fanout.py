@@ -29,6 +29,9 @@ from tests.core.synthetic import generate, random_messages
 from tests.core.test_likelihood import scores_of
 from xmark_core import CandidateSet, Message, ModelScores, WatermarkKey, WatermarkParams
 
+# Every draw here is seeded: the synthetic model's sampling (``generate``: a torch generator of its
+# seed), the registered IDs (``random_messages``: numpy, seeded), the keys (fixed secrets) and the
+# null tables (xmark_core.null, seeded): each count and verdict below is the same on every run.
 BOTH = (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD)
 
 

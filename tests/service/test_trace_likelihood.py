@@ -18,7 +18,10 @@ from service.services.reports import decode_public_key, verify_report
 from service.services.trace_analysis import tokenize
 from tests.service.test_trace import _auth, _watermarked_text
 
-pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
+# the verdicts depend on the users' message IDs (what is written, what it is told apart from):
+# drawn from a seeded generator (tests/service/conftest.py), with the answers' sampling seeded
+# (``_watermarked_text``, seed=3 below), they give one outcome on every run
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry", "seeded_message_ids")]
 
 PLAIN = (
     "Sailing ships carried goods and people across the oceans for centuries. Their hulls were built "

@@ -14,7 +14,10 @@ import pytest
 
 from service.services.reports import ReportSigner, ReportVerificationError, decode_public_key, verify_report
 
-pytestmark = pytest.mark.model
+# no assertion here depends on the verdict (the report is checked against the trace's own answer,
+# whatever it says); the auditors' message IDs are seeded anyway (tests/service/conftest.py), so
+# the reports are the same on every run
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("seeded_message_ids")]
 
 TEXT = "The harbour was quiet that morning, and the fishing boats waited for the tide to turn. ünïcode ✓"
 
