@@ -37,6 +37,9 @@ LOAD_S = 6.0
 LOCK_AFTER_S = 0.5
 LOCK_S = 3.0
 BACKLOG_LIMIT = 8
+# the gateway's keep-alive timeout and the clients' expiry of an idle connection (see the test)
+KEEP_ALIVE_S = 30.0
+CLIENT_KEEP_ALIVE_S = 5.0
 MODEL = "smollm2-135m-instruct"
 
 
@@ -81,6 +84,8 @@ async def test_saturated_clients_get_no_503_while_the_database_lags_and_every_an
         bootstrap_admin_key=SecretStr(admin_key),
         port=free_port(),
         max_connections=clients + 8,
+        # idle keep-alive connections outlive the test's pauses by far (see the clients' expiry)
+        keep_alive_timeout_s=KEEP_ALIVE_S,
         record_backlog_limit=BACKLOG_LIMIT,
         # slow, not down: the lock ends within the database timeout (5x margin: a statement waits
         # for the lock LOCK_S, 3 s, at most)
@@ -94,13 +99,15 @@ async def test_saturated_clients_get_no_503_while_the_database_lags_and_every_an
     errors: Counter[str] = Counter()
     with gateway_process(settings, tmp_path / "gateway.log"):
         base_url = f"http://{settings.host}:{settings.port}"
-        # a client must drop an idle connection before the server does: httpx's default expiry (5 s)
-        # equals the gateway's keep-alive timeout, so a connection idle through the lock could be
-        # reused at the instant the gateway closes it (a POST that never reached it, not retried)
+        # a client must drop an idle connection before the server does, or it may reuse one at the
+        # instant the gateway closes it (a POST that never reached it, not retried): the clients
+        # drop theirs after CLIENT_KEEP_ALIVE_S, the gateway after KEEP_ALIVE_S, 6x that. (An
+        # expiry 1 s short of the gateway's 5 s was not enough on a loaded machine: a ReadError
+        # with 256 clients, the client reading its response more than a second after it was sent.)
         limits = httpx.Limits(
             max_connections=clients,
             max_keepalive_connections=clients,
-            keepalive_expiry=settings.keep_alive_timeout_s - 1.0,
+            keepalive_expiry=CLIENT_KEEP_ALIVE_S,
         )
         # (the clients' 120 s: 5x margin and more, the slowest completion took 3.9 s with 64
         # clients and 9.7 s with 256 here, the lock's 3 s among them)
