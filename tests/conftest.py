@@ -81,20 +81,57 @@ _FAKE_BACKEND = pytest.StashKey[bool]()
 # pytest-xdist (`--dist loadgroup`) hands a worker whole groups: a module's tests together (its
 # module fixtures are built once), and these packages whole, whose package- or session-wide fixtures
 # (a live gateway, a browser's server, the client matrix's batch of every row) serve all their modules.
+# The groups are this conftest's scheduler's (``pytest_xdist_make_scheduler``): xdist's own
+# ``xdist_group`` marker does nothing under pytest 9 (it renames ``item._nodeid``, which pytest 9 no
+# longer reads), so with it a module's tests were spread over both workers and each built the
+# module's fixtures (the evaluation smoke run, 290 s, twice).
 WHOLE_PACKAGES = ("tests/browser", "tests/clients", "tests/e2e", "tests/e2e_vllm")
+# groups handed out first, the longest measured here (`pytest --durations`), so that no worker
+# starts one of them while the other has nothing left; the rest follow in collection order
+LONGEST_FIRST = (
+    "tests/eval/test_evaluation_smoke.py",
+    "tests/clients",
+    "tests/e2e",
+    "tests/core/test_gumbel_salts.py",
+    "tests/service/test_message_lengths.py",
+    "tests/browser",
+)
 
 
-def xdist_group_of(item: pytest.Item, rootpath: Path) -> str:
-    where = item.path.relative_to(rootpath).as_posix()
-    return next((package for package in WHOLE_PACKAGES if where.startswith(f"{package}/")), where)
+def xdist_group_of(nodeid: str) -> str:
+    """The group of a test: its package in WHOLE_PACKAGES, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return next((package for package in WHOLE_PACKAGES if module.startswith(f"{package}/")), module)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers, and before xdist reads the groups
+def _longest_first_rank(item: pytest.Item) -> int:
+    group = xdist_group_of(item.nodeid)
+    return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadgroup":
+        return None  # xdist's own schedulers for every other --dist
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeGroupScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with xdist_group_of as the scope, handed out in the order the
+        workers collected (LONGEST_FIRST, then collection order), not by number of tests."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return WholeGroupScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    grouped = config.pluginmanager.hasplugin("xdist")  # the marker is xdist's (--strict-markers)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # a stable sort: each group stays contiguous and in its order
+        items.sort(key=_longest_first_rank)
     for item in items:
-        if grouped:
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item, config.rootpath)))
         if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
         if any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")):
