@@ -79,7 +79,7 @@ config-docs: venv
 # XMARK_TEST_DATABASE_URL's. Most tests keep one core busy (the local model runs on every core but
 # one), so two workers fill a 2-core machine. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=40
 
 test: venv model check-postgres browser venv-clients clients-node
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests $(PYTEST_PARALLEL)
@@ -292,7 +292,7 @@ test-clients: venv model venv-clients clients-node
 # In one process: the CPU vLLM engines of tests/vllm and the workers tests/e2e_vllm starts do not
 # start beside each other (tried on two xdist workers: vLLM workers failed to start).
 test-vllm: venv-vllm model check-postgres venv-clients
-	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm
+	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/pytest tests/vllm tests/e2e_vllm --durations=25
 
 bench-vllm: venv-vllm model
 	PATH="$(abspath $(VLLM_BIN)):$$PATH" $(VLLM_BIN)/python -m benchmarks.vllm_overhead --json
