@@ -152,18 +152,30 @@ def test_p_values_stay_calibrated_on_text_no_salt_wrote(skey: WatermarkKey) -> N
     """400 texts of the synthetic LM written without the key (20 to 200 tokens): the salted readings'
     corrected p-values (counting attribution, detection, model-aware attribution; 100 registered IDs)
     are at most their level within a binomial allowance, and the counting decoders' readings are not
-    stuck at 1."""
+    stuck at 1.
+
+    The 400 texts are drawn in one batch of 200 steps and each is cut to its own length: the
+    synthetic LM draws every step's logits afresh, so a text's first n tokens are a text of n tokens.
+    Seeded, so the outcome is fixed; the allowance is 3 binomial standard deviations at each level."""
     messages = random_messages(SALTED, 100, seed=9)
     candidates = CandidateSet([m.bits for m in messages], list(range(100)), SALTED)
     rng = np.random.default_rng(10)
+    lengths = rng.integers(20, 200, size=400)
+    g = generate(skey, [None] * 400, 200, vocab=4096, seed=100, temperature=1.0, top_k=TOP, scale=4.0)
+    assert g.token_logprobs is not None and g.top_ids is not None and g.top_logprobs is not None
     counted, detected, modelled = [], [], []
-    for i in range(400):
-        length = int(rng.integers(20, 200))
-        g = generate(skey, [None], length, vocab=4096, seed=100 + i, temperature=1.0, top_k=TOP, scale=4.0)
-        result = decode(g.tokens[0], skey)
+    for row, length in enumerate(int(n) for n in lengths):
+        text = Generation(
+            tokens=g.tokens[row : row + 1, : 2 + length],
+            entropy=g.entropy[row : row + 1, :length],
+            top_ids=g.top_ids[row : row + 1, :length],
+            top_logprobs=g.top_logprobs[row : row + 1, :length],
+            token_logprobs=g.token_logprobs[row : row + 1, :length],
+        )
+        result = decode(text.tokens[0], skey)
         counted.append(attribute(result, candidates).p_value)
         detected.append(detect(result).p_value)
-        reading = score_gumbel_text(g.tokens[0], _scores(g, 0, 4096), skey, temperature=1.0)
+        reading = score_gumbel_text(text.tokens[0], _scores(text, 0, 4096), skey, temperature=1.0)
         modelled.append(attribute_gumbel_likelihood(reading, candidates).p_value)
     for values in (counted, detected, modelled):
         p = np.asarray(values)
