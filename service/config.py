@@ -674,12 +674,13 @@ class Settings(BaseSettings):
         ),
     )
     auth_edge_exempt: Annotated[list[str], NoDecode] = Field(
-        default=["127.0.0.0/8", "::1/128"],
+        default=[],
         description=(
             "Client addresses the per-address budget of failed authentications leaves alone (addresses or CIDRs, "
-            "comma-separated; empty: none). Loopback by default: health checks and other local processes, and a "
-            "proxy on the same host that is not in `XMARK_TRUSTED_PROXIES` (it would stand for every client "
-            "behind it)."
+            "comma-separated). Empty by default: every address that can send a key is counted, loopback too, since "
+            "a proxy on the same host that is not in `XMARK_TRUSTED_PROXIES` stands for every client behind it. "
+            "Health probes send no key and are never counted. Opt in for a local tool that must never be backed "
+            "off, for example `127.0.0.0/8,::1/128`."
         ),
     )
 

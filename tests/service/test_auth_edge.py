@@ -155,7 +155,6 @@ def gateway_settings(tmp_path: Path, database: str, admin_key: str, **overrides:
         "port": free_port(),
         "bootstrap_admin_key": admin_key,
         "trusted_proxies": "127.0.0.1",
-        "auth_edge_exempt": "",
         "auth_edge_failures": 3,
         "auth_edge_backoff_s": 30.0,
         "auth_edge_probe_interval_s": 30.0,
@@ -280,6 +279,23 @@ async def test_forwarded_for_from_an_untrusted_peer_is_ignored(tmp_path: Path, d
             # they would take 10 x 0.2 s); 5x margin: the ten took 0.23 s here
             assert 0.2 <= time.monotonic() - started < 2.0
             assert gateway.edge.state("127.0.0.1") is not None and len(gateway.edge) == 1
+
+
+async def test_loopback_is_counted_by_default_and_left_alone_only_when_opted_in(
+    tmp_path: Path, database: str, admin_key: str
+) -> None:
+    """A same-host proxy that is not declared trusted gives every client a loopback address: the
+    default exempts nothing, so such a flood is backed off; ``auth_edge_exempt`` opts an address in."""
+    assert make_test_settings(tmp_path).auth_edge_exempt == []
+    for exempt, reads in (("", 3), ("127.0.0.0/8,::1/128", 8)):
+        settings = gateway_settings(tmp_path, database, admin_key, trusted_proxies="", auth_edge_exempt=exempt)
+        with serve(settings) as gateway:
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=CLIENT_TIMEOUT_S) as http:
+                for _ in range(8):
+                    assert (await call(http, bad_key())).status_code == 401
+                # the budget is 3: on the default, the fourth key on is refused without a read
+                assert gateway.key_reads == reads, f"auth_edge_exempt={exempt!r}"
+                assert (gateway.edge.state("127.0.0.1") is None) == bool(exempt)
 
 
 async def test_forwarded_for_from_a_trusted_proxy_names_the_client(
