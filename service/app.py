@@ -16,10 +16,17 @@ from service.errors import ANTHROPIC_PATHS, install_error_handlers
 from service.keyring import Keyring, spec_from_settings
 from service.logging import configure_logging
 from service.middleware import RequestBodyMiddleware, RequestContextMiddleware
-from service.resources import bootstrap_admin, freeze_start_up_heap_in_this_process, open_resources, sync_keyring
-from service.routers import admin, chat, completions, console, health, me, messages, responses, trace
+from service.resources import (
+    bootstrap_admin,
+    freeze_start_up_heap_in_this_process,
+    open_resources,
+    startup_audit,
+    sync_keyring,
+)
+from service.routers import admin, audit, chat, completions, console, health, me, messages, responses, trace
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
+from service.services.reports import ReportSigner
 from service.telemetry import TracingMiddleware
 
 logger = logging.getLogger("xmark.app")
@@ -28,14 +35,16 @@ logger = logging.getLogger("xmark.app")
 async def prepare_database(settings: Settings) -> None:
     """The start-up writes every gateway process would otherwise race for, done once: the rows of
     the configured key versions and, with ``XMARK_BOOTSTRAP_ADMIN_KEY``, the first admin.
-    ``xmark serve --workers N`` runs this before it starts the workers, which then find them."""
+    ``xmark serve --workers N`` runs this before it starts the workers, which then find them. Each
+    write is recorded in the registry's audit trail with the actor ``system``."""
     secrets = load_secrets(settings)
     engine = create_engine(settings, timeout_s=MAINTENANCE_TIMEOUT_S)  # a backfill may take long
     try:
         sessionmaker = create_sessionmaker(engine)
         params = spec_from_settings(settings)
-        await sync_keyring(Keyring(params, secrets.watermark), sessionmaker)
-        await bootstrap_admin(settings, sessionmaker, params, ApiKeyHasher(secrets.api_key_pepper))
+        audit = startup_audit(ReportSigner.from_secret(secrets.report_signing))
+        await sync_keyring(Keyring(params, secrets.watermark), sessionmaker, audit)
+        await bootstrap_admin(settings, sessionmaker, params, ApiKeyHasher(secrets.api_key_pepper), audit)
     finally:
         await engine.dispose()
 
@@ -107,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(me.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(audit.router)
     app.include_router(console.router)
     if settings.api_docs:
         install_api_docs(app)

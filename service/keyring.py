@@ -194,18 +194,22 @@ class Keyring:
     def handle(self, version_id: int) -> KeyVersionHandle | None:
         return next((h for h in self._handles if h.id == version_id), None)
 
-    async def sync(self, session: AsyncSession) -> None:
-        """Start-up: register configured secrets, verify fingerprints, load the usable versions."""
+    async def sync(self, session: AsyncSession) -> list[KeyVersion]:
+        """Start-up: register configured secrets, verify fingerprints, load the usable versions.
+        Returns the rows this call inserted (for the registry's audit trail)."""
         repo = KeyVersionRepository(session)
         rows = {row.name: row for row in await repo.list_all()}
         has_active = any(row.status == KeyVersionStatus.ACTIVE for row in rows.values())
+        registered: list[KeyVersion] = []
         for name in self._secrets:
             row = rows.get(name)
             if row is None:
-                row = await self._register(
+                row, inserted = await self._register(
                     session, repo, name, KeyVersionStatus.PENDING if has_active else KeyVersionStatus.ACTIVE
                 )
                 rows[name] = row
+                if inserted:
+                    registered.append(row)
             self._verify(row)
             has_active = has_active or row.status == KeyVersionStatus.ACTIVE
         await self._load(repo, strict=True)
@@ -220,18 +224,20 @@ class Keyring:
                 "the newest active key version is not configured here",
                 extra={"key_version": newest.name},
             )
+        return registered
 
     async def refresh(self, session: AsyncSession) -> None:
         """Reload the table (after an admin change, or periodically on every replica)."""
         await self._load(KeyVersionRepository(session), strict=False)
 
-    async def register(self, session: AsyncSession, name: str, status: KeyVersionStatus) -> KeyVersion:
-        """Insert the row of a configured secret (used by activation)."""
+    async def register(self, session: AsyncSession, name: str, status: KeyVersionStatus) -> tuple[KeyVersion, bool]:
+        """Insert the row of a configured secret (used by activation); the row, and whether this
+        call inserted it (False: another replica registered it concurrently)."""
         return await self._register(session, KeyVersionRepository(session), name, status)
 
     async def _register(
         self, session: AsyncSession, repo: KeyVersionRepository, name: str, status: KeyVersionStatus
-    ) -> KeyVersion:
+    ) -> tuple[KeyVersion, bool]:
         key = self.key_for(name, self._params)
         companion = self._spec.companion
         now = datetime.now(UTC)
@@ -265,9 +271,9 @@ class Keyring:
             existing = await repo.get_by_name(name)
             if existing is None:
                 raise
-            return existing
+            return existing, False
         logger.info("key version registered", extra={"key_version": name, "status": status})
-        return row
+        return row, True
 
     def _matches(self, name: str, spec: KeyVersionSpec, fingerprint: str, companion_fingerprint: str | None) -> bool:
         """Whether the configured secret of ``name`` gives the stored fingerprint of every encoder."""

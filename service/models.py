@@ -26,7 +26,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeEngine
 
-from service.vocabulary import KeyVersionStatus, Role, TraceDecoder, UserStatus
+from service.vocabulary import AuditActorKind, KeyVersionStatus, Role, TraceDecoder, UserStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -39,6 +39,7 @@ NAMING_CONVENTION = {
 USER_ROLES = tuple(role.value for role in Role)
 USER_STATUSES = tuple(status.value for status in UserStatus)
 KEY_VERSION_STATUSES = tuple(status.value for status in KeyVersionStatus)
+AUDIT_ACTOR_KINDS = tuple(kind.value for kind in AuditActorKind)
 
 
 # Search structures the migrations keep outside the ORM, per dialect (0006): the SQLite postings
@@ -299,3 +300,50 @@ class Trace(Base):
     report_payload: Mapped[str | None] = mapped_column(Text, nullable=True)  # the canonical JSON signed
     signature: Mapped[str | None] = mapped_column(String(128), nullable=True)  # base64 Ed25519
     signing_key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class RegistryAuditEntry(Base):
+    """One change to the registry (users, API keys, key versions, message IDs), appended in the
+    unit of work of the change (migration 0012, ``services/audit.py``).
+
+    ``seq`` numbers the entries 1, 2, 3, … without gaps; ``prev_hash`` is the previous entry's
+    ``entry_hash`` (``GENESIS_HASH`` for the first); ``entry_hash`` is the SHA-256 of the canonical
+    JSON of the entry's fields (all but itself and the signature), ``signature`` the Ed25519
+    signature of the same bytes by the report signing key ``signing_key_id``. ``changes`` holds the
+    changed fields before and after: never a key, a key's hash or a secret."""
+
+    __tablename__ = "registry_audit"
+    __table_args__ = (
+        CheckConstraint(_in("actor_kind", AUDIT_ACTOR_KINDS), name="actor_kind"),
+        Index("ix_registry_audit_target_type_target_id", "target_type", "target_id"),
+    )
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    actor_kind: Mapped[str] = mapped_column(String(16))
+    # the acting user (actor_kind api); no foreign key: the trail stands on its own
+    actor_user_id: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
+    actor_name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(64))
+    changes: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"before": {...} | null, "after": {...} | null}
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the API request's X-Request-ID
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    entry_hash: Mapped[str] = mapped_column(String(64))
+    signing_key_id: Mapped[str] = mapped_column(String(32))
+    signature: Mapped[str] = mapped_column(String(128))  # base64 Ed25519
+
+
+class RegistryAuditHead(Base):
+    """The audit trail's head: its one row holds the last entry's ``seq`` and ``entry_hash``. Each
+    append updates it in the unit of work of the change, so appends take turns on its row lock
+    (PostgreSQL; SQLite's single writer serializes them anyway) and the chain never forks; a
+    verifier compares it with the last entry to see entries removed from the end."""
+
+    __tablename__ = "registry_audit_head"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    entry_hash: Mapped[str] = mapped_column(String(64))

@@ -35,6 +35,7 @@ from service.repositories.provenance import PlannerStatistics
 from service.salts import SaltRotation
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.admission import Admission, open_admission
+from service.services.audit import SYSTEM_ACTOR, UNRECORDED, AuditTrail, AuditWriter, key_version_registered
 from service.services.auth import Authenticator
 from service.services.auth_cache import AuthCache
 from service.services.auth_edge import AuthEdge
@@ -101,14 +102,22 @@ class Resources:
         self.fleet.replace_backend(self.fleet.default.name, backend)
 
 
-async def sync_keyring(keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
+def startup_audit(signer: ReportSigner) -> AuditTrail:
+    """The audit trail of the start-up writes: the gateway itself (actor ``system``)."""
+    return AuditTrail(signer, SYSTEM_ACTOR)
+
+
+async def sync_keyring(
+    keyring: Keyring, sessionmaker: async_sessionmaker[AsyncSession], audit: AuditWriter = UNRECORDED
+) -> None:
     """Register the configured key versions, load the usable ones, and give every user a message
     ID of each key version's message length (nothing to do unless a version of a new length was
-    registered)."""
+    registered). Each registration and each batch of IDs is recorded by ``audit`` in its unit of work."""
     try:
         async with session_scope(sessionmaker) as session:
-            await keyring.sync(session)
-        await backfill_message_ids(sessionmaker)
+            for row in await keyring.sync(session):
+                await audit.record(session, key_version_registered(row))
+        await backfill_message_ids(sessionmaker, audit=audit)
     except (OperationalError, ProgrammingError) as exc:
         cause = exc.orig if isinstance(exc, DBAPIError) else exc
         if isinstance(cause, (TimeoutError, OSError)):  # a statement past its bound, a lost connection
@@ -147,12 +156,17 @@ async def bootstrap_admin(
     sessionmaker: async_sessionmaker[AsyncSession],
     params: WatermarkParams | KeyVersionSpec,
     hasher: ApiKeyHasher,
+    audit: AuditWriter,
 ) -> None:
     """With ``XMARK_BOOTSTRAP_ADMIN_KEY``: that key becomes the first admin's if there is none."""
     if settings.bootstrap_admin_key is not None:
         async with session_scope(sessionmaker) as session:
             await ensure_first_admin(
-                session, params, hasher, api_key=parse_api_key(settings.bootstrap_admin_key.get_secret_value())
+                session,
+                params,
+                hasher,
+                audit=audit,
+                api_key=parse_api_key(settings.bootstrap_admin_key.get_secret_value()),
             )
 
 
@@ -275,11 +289,12 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         params = spec_from_settings(settings)
         keyring = Keyring(params, secrets.watermark)
         hasher = ApiKeyHasher(secrets.api_key_pepper)
+        report_signer = ReportSigner.from_secret(secrets.report_signing)
         # `xmark serve` has done these writes before starting its workers (service.app.prepare_database);
         # an app served another way (an ASGI server of its own, a benchmark) does them here
         async with startup_sessions(settings, sessionmaker) as startup:
-            await sync_keyring(keyring, startup)
-            await bootstrap_admin(settings, startup, params, hasher)
+            await sync_keyring(keyring, startup, startup_audit(report_signer))
+            await bootstrap_admin(settings, startup, params, hasher, startup_audit(report_signer))
         # the keys' last uses: written in batches after the responses, and once more at shutdown
         last_use = LastUseRecorder(sessionmaker, timeout_s=settings.database_timeout_s)
         last_use.start()
@@ -350,7 +365,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,
             admission=admission,
-            report_signer=ReportSigner.from_secret(secrets.report_signing),
+            report_signer=report_signer,
             embeddings=embeddings,
             embedding_records=embedding_records,
             telemetry=telemetry,

@@ -48,3 +48,38 @@ class TraceDecoder(StrEnum):
     AUTO = "auto"
     COUNTING = "counting"
     LIKELIHOOD = "likelihood"
+
+
+class AuditActorKind(StrEnum):
+    """Who changed the registry: an admin through the API, an operator's ``xmark`` command, or the
+    gateway itself at start-up."""
+
+    API = "api"
+    CLI = "cli"
+    SYSTEM = "system"
+
+
+class AuditAction(StrEnum):
+    """What an entry of the registry's audit trail records (``<target>.<verb>``)."""
+
+    USER_CREATE = "user.create"
+    USER_UPDATE = "user.update"
+    USER_DISABLE = "user.disable"
+    USER_ENABLE = "user.enable"
+    USER_DELETE = "user.delete"
+    API_KEY_ISSUE = "api_key.issue"
+    API_KEY_REVOKE = "api_key.revoke"
+    KEY_VERSION_REGISTER = "key_version.register"  # start-up: a configured secret's row, pending
+    KEY_VERSION_ACTIVATE = "key_version.activate"
+    KEY_VERSION_RETIRE = "key_version.retire"
+    MESSAGE_IDS_ALLOCATE = "message_ids.allocate"  # start-up: IDs of a new length for existing users
+
+
+class AuditTarget(StrEnum):
+    """The kind of registry row an audit entry is about (its id is the row's id; for
+    ``message_length``, ``<bits>/<block_bits>``)."""
+
+    USER = "user"
+    API_KEY = "api_key"
+    KEY_VERSION = "key_version"
+    MESSAGE_LENGTH = "message_length"

@@ -1,5 +1,5 @@
 """The ``xmark`` command line: serve, migrate, fetch-model, fetch-embedding-model, build-test-model,
-create-admin, create-user, trace, users, verify-report, config-docs."""
+create-admin, create-user, trace, users, verify-report, verify-audit, config-docs."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ from service.db import (
 from service.keyring import KeyringError, spec_from_settings
 from service.schemas.admin import CreatedUser, CreateUserRequest, UserPage
 from service.security import ApiKeyHasher, parse_api_key
+from service.services.audit import CLI_ACTOR, AuditTrail
 from service.services.bootstrap import DEFAULT_ADMIN_NAME, ensure_first_admin
+from service.services.reports import ReportSigner
 from service.services.users import UserService
 from service.vocabulary import Role, UserStatus
 
@@ -66,6 +68,12 @@ def _print_created(created: CreatedUser, *, as_json: bool) -> None:
     print(f"message id:  {created.message_id}")
     print(f"api key:     {created.api_key}")
     print("Store the API key now: it is not shown again.")
+
+
+def _cli_audit(settings: Settings) -> AuditTrail:
+    """The audit trail of this command's registry changes (actor ``cli``), signed as the gateway
+    signs (the report signing key of the same settings)."""
+    return AuditTrail(ReportSigner.from_secret(load_secrets(settings).report_signing), CLI_ACTOR)
 
 
 async def _with_session(settings: Settings, work: Any) -> Any:
@@ -162,11 +170,12 @@ def cmd_create_admin(args: argparse.Namespace) -> int:
 
     async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser | None:
         params = spec_from_settings(settings)
+        audit = _cli_audit(settings)
         if args.if_none:
             return await ensure_first_admin(
-                session, params, hasher, api_key=api_key, name=request.name, fresh_key_if_taken=True
+                session, params, hasher, audit=audit, api_key=api_key, name=request.name, fresh_key_if_taken=True
             )
-        return await UserService(session, params, hasher).create_user(request.name, Role.ADMIN)
+        return await UserService(session, params, hasher, audit=audit).create_user(request.name, Role.ADMIN)
 
     created = asyncio.run(_with_session(settings, work))
     if created is None:
@@ -193,7 +202,8 @@ def cmd_create_user(args: argparse.Namespace) -> int:
 
     async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser:
         params = spec_from_settings(settings)
-        return await UserService(session, params, hasher).create_user(request.name, request.role)
+        users = UserService(session, params, hasher, audit=_cli_audit(settings))
+        return await users.create_user(request.name, request.role)
 
     _print_created(asyncio.run(_with_session(settings, work)), as_json=args.json)
     return 0
@@ -265,6 +275,19 @@ def cmd_verify_report(args: argparse.Namespace) -> int:
 
     try:
         return verify_report_file(args.file, public_key_b64=args.public_key, server=args.server, text_path=args.text)
+    except VerifyError as exc:
+        raise CliError(str(exc)) from None
+
+
+def cmd_verify_audit(args: argparse.Namespace) -> int:
+    from service.cli.verify_audit import verify_audit
+    from service.cli.verify_report import VerifyError
+
+    settings = _settings()
+    if args.database_url is not None:
+        settings = settings.model_copy(update={"database_url": args.database_url})
+    try:
+        return verify_audit(settings, public_keys_b64=args.public_key, server=args.server, anchor=args.anchor)
     except VerifyError as exc:
         raise CliError(str(exc)) from None
 
@@ -356,6 +379,30 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--public-key", metavar="B64", help="the gateway's public key (base64, 32 bytes)")
     key.add_argument("--server", metavar="URL", help="read the public key from URL/.well-known/xmark-report-key")
     verify.set_defaults(func=cmd_verify_report)
+
+    audit = sub.add_parser(
+        "verify-audit",
+        help="check the registry's audit trail (hashes, chain, signatures, head) in the database, offline",
+    )
+    audit.add_argument(
+        "--database-url", metavar="URL", default=None, help="the database to read (default XMARK_DATABASE_URL)"
+    )
+    audit_key = audit.add_mutually_exclusive_group()
+    audit_key.add_argument(
+        "--public-key",
+        metavar="B64",
+        action="append",
+        help="a public key the entries may be signed by (base64, 32 bytes; repeat for older keys); "
+        "default: the key of the configured signing secret",
+    )
+    audit_key.add_argument("--server", metavar="URL", help="read the public key from URL/.well-known/xmark-report-key")
+    audit.add_argument(
+        "--anchor",
+        metavar="SEQ:HASH",
+        default=None,
+        help="a head exported earlier (GET /admin/audit's head): the trail must still hold entry SEQ with this hash",
+    )
+    audit.set_defaults(func=cmd_verify_audit)
 
     config_docs = sub.add_parser(
         "config-docs", help="write the configuration reference (docs/configuration.md) from the settings' fields"

@@ -1,4 +1,5 @@
-// The administration views: users, API keys, key versions, the trace audit log and usage.
+// The administration views: users, API keys, key versions, the trace audit log, the registry's
+// audit trail and usage.
 // Each view loads its page from the API and shows the API's own error message when it fails.
 
 import { ApiError, call, query } from "./api.js";
@@ -267,6 +268,110 @@ export function renderAudit(root) {
   }
 
   append(clear(root), el("h2", { text: "Trace audit log" }), filters, list);
+  load();
+}
+
+// --- registry audit trail ------------------------------------------------------------------
+
+const REGISTRY_ACTIONS = [
+  "user.create", "user.update", "user.disable", "user.enable", "user.delete",
+  "api_key.issue", "api_key.revoke",
+  "key_version.register", "key_version.activate", "key_version.retire",
+  "message_ids.allocate",
+];
+
+function actorLabel(actor) {
+  if (actor.kind === "api") return `${actor.name || ""} (#${actor.user_id})`;
+  return actor.kind === "cli" ? "command line" : "gateway start-up";
+}
+
+function shown(value) {
+  if (value === null || value === undefined) return "–";
+  return typeof value === "object" ? JSON.stringify(value) : String(value);
+}
+
+/** One line per changed field: "field: before → after" (only the new value for a new row). */
+function changeLines(changes) {
+  const before = (changes && changes.before) || null;
+  const after = (changes && changes.after) || {};
+  const names = [...new Set([...Object.keys(before || {}), ...Object.keys(after)])];
+  return el(
+    "div",
+    { class: "changes" },
+    names.map((name) =>
+      el("div", { text: before === null ? `${name}: ${shown(after[name])}` : `${name}: ${shown(before[name])} → ${shown(after[name])}` }),
+    ),
+  );
+}
+
+export function renderRegistryAudit(root) {
+  // newest first; ``cursors`` holds the after_seq of each page before the current one; ``loads``
+  // numbers the requests, so an older answer that arrives late never replaces a newer one
+  const state = { action: "", after: null, cursors: [], loads: 0 };
+  const list = el("div");
+  const head = el("p", { class: "audit-head" });
+  const action = select("action", [["", "any action"], ...REGISTRY_ACTIONS.map((a) => [a, a])]);
+  const filters = searchForm([field("Action", action)], () => {
+    Object.assign(state, { action: action.value, after: null, cursors: [] });
+    load();
+  });
+
+  function go(after, cursors) {
+    Object.assign(state, { after, cursors });
+    load();
+  }
+
+  async function load() {
+    const current = ++state.loads;
+    try {
+      const page = await call("GET", `/admin/audit${query({ order: "desc", action: state.action, after_seq: state.after, limit: PAGE })}`);
+      if (current !== state.loads) return;
+      clear(head);
+      if (page.head) {
+        head.dataset.seq = String(page.head.seq);
+        head.append(`Head: entry ${page.head.seq}, hash ${page.head.entry_hash}. Keep a copy elsewhere and check the trail with xmark verify-audit --anchor ${page.head.seq}:<hash>.`);
+      }
+      const rows = page.data.map((e) => [
+        String(e.seq),
+        formatDate(e.created_at),
+        actorLabel(e.actor),
+        e.action,
+        `${e.target.type} #${e.target.id}`,
+        changeLines(e.changes),
+        e.request_id || "–",
+      ]);
+      const nav = el(
+        "div",
+        { class: "pager" },
+        el("button", {
+          text: "Newer",
+          attrs: { type: "button", disabled: state.cursors.length === 0, "data-action": "previous" },
+          on: { click: () => go(state.cursors[state.cursors.length - 1], state.cursors.slice(0, -1)) },
+        }),
+        el("span", { class: "pager-range", text: page.data.length ? `entries ${page.data[0].seq}–${page.data[page.data.length - 1].seq}` : "no entries" }),
+        el("button", {
+          text: "Older",
+          attrs: { type: "button", disabled: !page.has_more, "data-action": "next" },
+          on: { click: () => go(page.next_after_seq, [...state.cursors, state.after]) },
+        }),
+      );
+      clear(list).append(
+        table(["Seq", "When", "Actor", "Action", "Target", "Changes", "Request"], rows, { class: "grid registry", empty: "No change matches." }),
+        nav,
+      );
+    } catch (error) {
+      if (current === state.loads) clear(list).append(problem(error, "The registry audit trail"));
+    }
+  }
+
+  append(
+    clear(root),
+    el("h2", { text: "Registry audit trail" }),
+    el("p", { text: "Every change to users, API keys, key versions and message IDs, newest first: hash-chained and signed by the gateway." }),
+    filters,
+    head,
+    list,
+  );
   load();
 }
 

@@ -2,7 +2,7 @@
 // hash navigation (#/trace, #/users, ...), which keeps every view bookmarkable without the key.
 
 import { ApiError, call, forgetKey, storedKey, storeKey } from "./api.js";
-import { renderAudit, renderKeys, renderKeyVersions, renderUsage, renderUsers } from "./admin.js";
+import { renderAudit, renderKeys, renderKeyVersions, renderRegistryAudit, renderUsage, renderUsers } from "./admin.js";
 import { append, clear, el, message } from "./dom.js";
 import { renderTrace } from "./trace.js";
 
@@ -10,6 +10,7 @@ const FORENSIC = ["auditor", "admin"];
 const VIEWS = [
   { id: "trace", label: "Trace", roles: FORENSIC, render: renderTrace },
   { id: "audit", label: "Audit log", roles: FORENSIC, render: renderAudit },
+  { id: "registry", label: "Registry log", roles: FORENSIC, render: renderRegistryAudit },
   { id: "users", label: "Users", roles: ["admin"], render: renderUsers },
   { id: "keys", label: "API keys", roles: ["admin"], render: renderKeys },
   { id: "key-versions", label: "Key versions", roles: ["admin"], render: renderKeyVersions },

@@ -96,14 +96,16 @@ class ApiKeyRepository:
         )
         return int(await self._session.scalar(stmt) or 0)
 
-    async def revoke_all_for_user(self, user_id: int, when: datetime) -> None:
+    async def revoke_all_for_user(self, user_id: int, when: datetime) -> list[tuple[int, str]]:
+        """Revoke the user's unrevoked keys; the (id, display prefix) of each key revoked, by id."""
         stmt = (
             update(ApiKey)
             .where(ApiKey.user_id == user_id, ApiKey.revoked_at.is_(None))
             .values(revoked_at=when)
+            .returning(ApiKey.id, ApiKey.prefix)
             .execution_options(synchronize_session=False)
         )
-        await self._session.execute(stmt)
+        return sorted((int(key_id), str(prefix)) for key_id, prefix in (await self._session.execute(stmt)).all())
 
     async def flush(self) -> None:
         await self._session.flush()

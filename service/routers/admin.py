@@ -1,12 +1,14 @@
-"""Admin API: users, their API keys, watermark key versions (role admin)."""
+"""Admin API: users, their API keys, watermark key versions (role admin). Every change is recorded
+in the registry's audit trail, in the request's unit of work, as made by the calling admin."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 
 from service.deps import (
+    AdminDep,
     ResourcesDep,
     SessionDep,
     require_roles,
@@ -28,6 +30,7 @@ from service.schemas.admin import (
     UserPage,
 )
 from service.schemas.common import ERROR_RESPONSES
+from service.services.audit import Actor, AuditTrail
 from service.services.key_versions import KeyVersionService
 from service.services.keys import ApiKeyService
 from service.services.usage import UsageService
@@ -46,32 +49,44 @@ UserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-async def _users(session: SessionDep, resources: ResourcesDep) -> UserService:
+async def _audit(request: Request, resources: ResourcesDep, principal: AdminDep) -> AuditTrail:
+    """The changes of this request: made by the calling admin, under the request's X-Request-ID."""
+    request_id = getattr(request.state, "request_id", None)
+    return AuditTrail(resources.report_signer, Actor.api(principal.user_id, principal.name), request_id)
+
+
+AuditDep = Annotated[AuditTrail, Depends(_audit)]
+
+
+async def _users(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> UserService:
     return UserService(
         session,
         resources.keyring.spec,
         resources.api_key_hasher,
         on_change=resources.registry_cache.invalidate,
         auth_cache=resources.authenticator.cache,
+        audit=audit,
     )
 
 
-async def _keys(session: SessionDep, resources: ResourcesDep) -> ApiKeyService:
+async def _keys(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> ApiKeyService:
     return ApiKeyService(
         session,
         resources.api_key_hasher,
         auth_cache=resources.authenticator.cache,
         last_use=resources.authenticator.last_use,
+        audit=audit,
     )
 
 
-async def _key_versions(session: SessionDep, resources: ResourcesDep) -> KeyVersionService:
+async def _key_versions(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> KeyVersionService:
     return KeyVersionService(
         session,
         resources.keyring,
         resources.settings,
         can_generate=resources.secrets_can_generate,
         auth_cache=resources.authenticator.cache,
+        audit=audit,
     )
 
 

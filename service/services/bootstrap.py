@@ -13,6 +13,7 @@ from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.users import UserRepository
 from service.schemas.admin import CreatedUser
 from service.security import ApiKeyHasher, ParsedKey
+from service.services.audit import AuditWriter
 from service.services.users import UserService
 from service.vocabulary import Role
 from xmark_core import WatermarkParams
@@ -39,6 +40,7 @@ async def ensure_first_admin(
     params: WatermarkParams | KeyVersionSpec,
     hasher: ApiKeyHasher,
     *,
+    audit: AuditWriter,
     api_key: ParsedKey | None = None,
     name: str = DEFAULT_ADMIN_NAME,
     fresh_key_if_taken: bool = False,
@@ -50,7 +52,8 @@ async def ensure_first_admin(
     it was disabled or deleted (a key is never reused): then, with ``fresh_key_if_taken``, the new
     admin gets a fresh key instead (``xmark create-admin --if-none``, whose operator sees it);
     without it nothing is created and a warning says what to do (at start-up nobody would see the
-    key). Holds the admins' guard lock, so concurrent bootstraps create one admin.
+    key). Holds the admins' guard lock, so concurrent bootstraps create one admin. The creation is
+    recorded by ``audit`` (the system at start-up, the CLI for `xmark create-admin`).
     """
     await lock_guarded_set(session, Guard.ACTIVE_ADMINS)
     if await has_active_admin(session):
@@ -66,7 +69,8 @@ async def ensure_first_admin(
         api_key = None
     try:
         async with session.begin_nested():
-            created = await UserService(session, params, hasher).create_user(name, Role.ADMIN, api_key=api_key)
+            users = UserService(session, params, hasher, audit=audit)
+            created = await users.create_user(name, Role.ADMIN, api_key=api_key)
     except IntegrityError:
         # another process bootstrapped the same key concurrently
         logger.info("first admin created concurrently elsewhere")

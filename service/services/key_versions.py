@@ -7,6 +7,8 @@ can be encoded under it.
 Last active key version: retiring takes the key versions' guard lock (``repositories/guards.py``)
 before it reads the version and counts the active ones, so two retirements racing for the last
 two active versions are decided one after the other and one of them is refused.
+
+Activations and retirements are recorded in the registry's audit trail (``services/audit.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from service.models import KeyVersion
 from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.key_versions import KeyVersionRepository
 from service.schemas.admin import CompanionEncoderOut, KeyVersionList, KeyVersionOut
+from service.services.audit import UNRECORDED, AuditWriter, Change, key_version_fields
 from service.services.auth_cache import AuthCache
 from service.services.message_ids import MessageIdService
-from service.vocabulary import KeyVersionStatus
+from service.vocabulary import AuditAction, AuditTarget, KeyVersionStatus
 
 logger = logging.getLogger("xmark.key_versions")
 
@@ -53,8 +56,10 @@ class KeyVersionService:
         *,
         can_generate: bool,
         auth_cache: AuthCache | None = None,
+        audit: AuditWriter = UNRECORDED,
     ) -> None:
         self._session = session
+        self._audit = audit
         self._keyring = keyring
         self._settings = settings
         self._can_generate = can_generate
@@ -113,8 +118,10 @@ class KeyVersionService:
                 raise InvalidRequestError(str(exc), param="name") from None
             self._keyring.add_secret(name, secret)
         now = datetime.now(UTC)
+        before = None if row is None else {"status": row.status}
         if row is None:
-            row = await self._keyring.register(self._session, name, KeyVersionStatus.ACTIVE)
+            row, inserted = await self._keyring.register(self._session, name, KeyVersionStatus.ACTIVE)
+            before = None if inserted else {"status": row.status}  # registered by another replica meanwhile
         if row.status != KeyVersionStatus.ACTIVE:
             row.status = KeyVersionStatus.ACTIVE
             row.activated_at = now
@@ -124,6 +131,9 @@ class KeyVersionService:
         added = await MessageIdService(self._session).fill(row_spec(row).encoders)
         if added and self._auth_cache is not None:  # cached principals lack the new IDs
             self._auth_cache.invalidate_all(self._session)
+        after = {**key_version_fields(row), "message_ids_added": added}
+        change = Change(AuditAction.KEY_VERSION_ACTIVATE, AuditTarget.KEY_VERSION, row.id, before, after)
+        await self._audit.record(self._session, change)
         await self._keyring.refresh(self._session)
         logger.info("key version activated", extra={"key_version": name})
         return self._out(row)
@@ -140,9 +150,14 @@ class KeyVersionService:
                 "The last active key version cannot be retired; activate another one first",
                 code="last_active_key_version",
             )
+        before = {"name": row.name, "status": row.status}
         row.status = KeyVersionStatus.RETIRED
         row.retired_at = datetime.now(UTC)
         await self._repo.flush()
+        after = {"name": row.name, "status": row.status, "retired_at": row.retired_at}
+        await self._audit.record(
+            self._session, Change(AuditAction.KEY_VERSION_RETIRE, AuditTarget.KEY_VERSION, row.id, before, after)
+        )
         await self._keyring.refresh(self._session)
         logger.info("key version retired", extra={"key_version": row.name})
         return self._out(row)

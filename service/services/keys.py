@@ -19,7 +19,8 @@ from service.repositories.users import UserRepository
 from service.schemas.admin import ApiKeyList, ApiKeyOut, ApiKeyPage, IssuedKey
 from service.schemas.common import MessageIdOut, Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
-from service.vocabulary import Role, UserStatus
+from service.services.audit import UNRECORDED, AuditWriter, Change
+from service.vocabulary import AuditAction, AuditTarget, Role, UserStatus
 
 if TYPE_CHECKING:
     from service.services.auth_cache import AuthCache
@@ -122,8 +123,10 @@ class ApiKeyService:
         *,
         auth_cache: AuthCache | None = None,
         last_use: LastUseRecorder | None = None,
+        audit: AuditWriter = UNRECORDED,
     ) -> None:
         self._session = session
+        self._audit = audit
         self._hasher = hasher
         self._keys = ApiKeyRepository(session)
         self._users = UserRepository(session)
@@ -142,6 +145,10 @@ class ApiKeyService:
             raise ConflictError("A deleted user cannot receive keys", code="user_deleted")
         key = generate_api_key()
         row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
+        issued = Change(
+            AuditAction.API_KEY_ISSUE, AuditTarget.API_KEY, row.id, None, {"user_id": user.id, "prefix": key.prefix}
+        )
+        await self._audit.record(self._session, issued)
         logger.info("api key issued", extra={"user_id": user.id, "api_key_id": row.id})
         return IssuedKey(id=row.id, api_key=key.plaintext, prefix=row.prefix, created_at=row.created_at)
 
@@ -181,6 +188,15 @@ class ApiKeyService:
                 )
             key.revoked_at = datetime.now(UTC)
             await self._keys.flush()
+            named = {"user_id": key.user_id, "prefix": key.prefix}
+            change = Change(
+                AuditAction.API_KEY_REVOKE,
+                AuditTarget.API_KEY,
+                key.id,
+                {**named, "revoked_at": None},
+                {**named, "revoked_at": key.revoked_at},
+            )
+            await self._audit.record(self._session, change)
             if self._auth_cache is not None:
                 self._auth_cache.invalidate_key(key.id, self._session)
             logger.info("api key revoked", extra={"user_id": user_id, "api_key_id": key.id})

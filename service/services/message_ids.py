@@ -35,6 +35,7 @@ from service.models import KeyVersion, MessageId
 from service.repositories.key_versions import KeyVersionRepository
 from service.repositories.message_ids import MessageIdRepository, MissingUser
 from service.schemas.common import MessageIdOut
+from service.services.audit import UNRECORDED, AuditWriter, message_ids_allocated
 from service.vocabulary import KeyVersionStatus
 from xmark_core import MessageAllocator, MessageSpaceExhausted, WatermarkParams
 from xmark_core.encoders import KeyVersionSpec, as_spec
@@ -107,6 +108,7 @@ class BatchResult:
     missing: int  # users that had no ID of the length when the batch started (0: done)
     inserted: int  # IDs this batch inserted (others may have been inserted concurrently)
     first_missing: int | None  # the lowest such user id
+    last_missing: int | None = None  # the highest
 
 
 def _exhausted(params: WatermarkParams) -> ConflictError:
@@ -156,7 +158,7 @@ class MessageIdService:
             for user_id, message_id in chosen
         ]
         inserted = await self._repo.insert_if_free(rows)
-        return BatchResult(len(missing), inserted, missing[0].user_id)
+        return BatchResult(len(missing), inserted, missing[0].user_id, missing[-1].user_id)
 
     async def fill(self, lengths: Sequence[WatermarkParams], *, batch_size: int = BACKFILL_BATCH) -> int:
         """Give every user an ID of each of ``lengths``, in this unit of work; returns how many were added."""
@@ -201,13 +203,15 @@ async def backfill_message_ids(
     sessionmaker: async_sessionmaker[AsyncSession],
     *,
     batch_size: int = BACKFILL_BATCH,
+    audit: AuditWriter = UNRECORDED,
 ) -> dict[MessageLength, int]:
     """Start-up: give every user an ID of each length of the non-retired key versions.
 
     Each batch is a unit of work of its own, so a large registry is not one long transaction and
-    an interrupted start resumes where it stopped. A length whose ID space cannot hold every user
-    is logged and left (activating a version of that length is refused with 409); returns how many
-    IDs were added per length.
+    an interrupted start resumes where it stopped; a batch that allocated IDs is recorded by
+    ``audit`` in its unit of work. A length whose ID space cannot hold every user is logged and
+    left (activating a version of that length is refused with 409); returns how many IDs were
+    added per length.
     """
     async with session_scope(sessionmaker) as session:
         lengths = await key_version_lengths(session)
@@ -216,7 +220,11 @@ async def backfill_message_ids(
 
         async def batch(p: WatermarkParams = params) -> BatchResult:
             async with session_scope(sessionmaker) as session:
-                return await MessageIdService(session).fill_batch(p, limit=batch_size)
+                result = await MessageIdService(session).fill_batch(p, limit=batch_size)
+                if result.inserted and result.first_missing is not None and result.last_missing is not None:
+                    span = (result.first_missing, result.last_missing)
+                    await audit.record(session, message_ids_allocated(p, result.inserted, span))
+                return result
 
         try:
             added[length_of(params)] = await _until_done(params, batch)

@@ -12,6 +12,9 @@ Last active admin: every change that can take an active admin away (disable, del
 change) holds the admins' guard lock (``repositories/guards.py``) before it reads the user and
 counts, so concurrent changes are decided one after the other and at least one active admin
 always remains.
+
+Every change is recorded in the registry's audit trail (``services/audit.py``) by the writer the
+service is given, in the same unit of work; a call that changes nothing records nothing.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from service.repositories.users import UserRepository
 from service.schemas.admin import LIMIT_FIELDS, CreatedUser, UserOut, UserPage
 from service.schemas.common import MessageIdOut
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
+from service.services.audit import UNRECORDED, AuditWriter, Change, api_key_ref, user_created
 from service.services.auth_cache import AuthCache
 from service.services.message_ids import MessageLength, lengths_in_use, message_ids_out
-from service.vocabulary import Role, UserStatus
+from service.vocabulary import AuditAction, AuditTarget, Role, UserStatus
 from xmark_core import Message, MessageSpaceExhausted, WatermarkParams, allocate_message
 from xmark_core.encoders import KeyVersionSpec
 
@@ -89,8 +93,10 @@ class UserService:
         allocator: Allocator = _allocate,
         on_change: Callable[[], None] | None = None,
         auth_cache: AuthCache | None = None,
+        audit: AuditWriter = UNRECORDED,
     ) -> None:
         self._session = session
+        self._audit = audit
         self._params = params
         self._hasher = hasher
         self._allocator = allocator
@@ -115,6 +121,7 @@ class UserService:
         user, rows, encoding = await self._insert_with_message_ids(name, role, dict(limits or {}))
         key = api_key or generate_api_key()
         row = await self._keys.add(ApiKey(user_id=user.id, prefix=key.prefix, key_hash=self._hasher.hash(key)))
+        await self._audit.record(self._session, user_created(user, rows, row))
         self._changed()
         logger.info("user created", extra={"user_id": user.id, "role": role, "api_key_id": row.id})
         ids = message_ids_out(rows)
@@ -221,6 +228,7 @@ class UserService:
             user.status = UserStatus.DISABLED
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
+            await self._record(AuditAction.USER_DISABLE, user, {"status": UserStatus.ACTIVE}, {"status": user.status})
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user disabled", extra={"user_id": user.id})
@@ -234,6 +242,7 @@ class UserService:
             user.status = UserStatus.ACTIVE
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
+            await self._record(AuditAction.USER_ENABLE, user, {"status": UserStatus.DISABLED}, {"status": user.status})
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user enabled", extra={"user_id": user.id})
@@ -245,12 +254,15 @@ class UserService:
         if user.status != UserStatus.DELETED:
             if user.status == UserStatus.ACTIVE:
                 await self._guard_last_admin(user)
+            before = {"status": user.status}
             now = datetime.now(UTC)
             user.status = UserStatus.DELETED
             user.deleted_at = now
             user.updated_at = now
-            await self._keys.revoke_all_for_user(user.id, now)
+            revoked = await self._keys.revoke_all_for_user(user.id, now)
             await self._users.flush()
+            after = {"status": user.status, "deleted_at": now, "revoked_api_keys": [api_key_ref(*k) for k in revoked]}
+            await self._record(AuditAction.USER_DELETE, user, before, after)
             self._changed()
             self._forget_credentials(user.id)
             logger.info("user deleted", extra={"user_id": user.id})
@@ -271,15 +283,22 @@ class UserService:
             await self._guard_last_admin(user)
         updated = {field: value for field, value in changes.items() if getattr(user, field) != value}
         if updated:
+            before = {field: getattr(user, field) for field in updated}
             for field, value in updated.items():
                 setattr(user, field, value)
             user.updated_at = datetime.now(UTC)
             await self._users.flush()
+            await self._record(AuditAction.USER_UPDATE, user, before, updated)
             if "name" in updated or "role" in updated:
                 self._changed()
             self._forget_credentials(user.id)
             logger.info("user updated", extra={"user_id": user.id, "fields": sorted(updated)})
         return await self._out(user)
+
+    async def _record(
+        self, action: AuditAction, user: User, before: Mapping[str, Any], after: Mapping[str, Any]
+    ) -> None:
+        await self._audit.record(self._session, Change(action, AuditTarget.USER, user.id, before, after))
 
     def _changed(self) -> None:
         """Tell registry caches that the set of users changed."""

@@ -1,9 +1,10 @@
 """The forensic console in Chromium against a real gateway (real model, real PostgreSQL).
 
 An admin signs in and creates a user in the console; that user chats through the API; the admin
-traces the user's text in the console and sees the user named and the tokens coloured. An
-auditor sees no admin view and the API refuses them; hostile text renders as text; signing out
-leaves the key nowhere. Screenshots of the main pages go to var/test-artifacts/console/.
+traces the user's text in the console and sees the user named and the tokens coloured. The
+registry's audit trail lists every change newest first, by page and by action. An auditor sees
+no admin view and the API refuses them; hostile text renders as text; signing out leaves the key
+nowhere. Screenshots of the main pages go to var/test-artifacts/console/.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def test_admin_creates_a_user_and_traces_their_text_to_them(
 ) -> None:
     page = _new_page(chromium, live_server)
     _sign_in(page, live_server.admin_key)
-    for view in ("Trace", "Audit log", "Users", "API keys", "Key versions", "Usage"):
+    for view in ("Trace", "Audit log", "Registry log", "Users", "API keys", "Key versions", "Usage"):
         expect(page.locator("#nav").get_by_role("link", name=view, exact=True)).to_be_visible()
 
     # create the user in the console: the key is shown once
@@ -243,7 +244,8 @@ def test_an_auditor_sees_no_admin_view_and_the_api_refuses_them(live_server: Any
     nav = page.locator("#nav")
     expect(nav.get_by_role("link", name="Trace", exact=True)).to_be_visible()
     expect(nav.get_by_role("link", name="Audit log", exact=True)).to_be_visible()
-    assert nav.get_by_role("link").count() == 2
+    expect(nav.get_by_role("link", name="Registry log", exact=True)).to_be_visible()
+    assert nav.get_by_role("link").count() == 3
     for view in ("users", "keys", "key-versions", "usage"):
         page.goto(f"/console#/{view}")
         expect(page.locator(f"[data-forbidden='{view}']")).to_contain_text("this view is for admins")
@@ -252,6 +254,63 @@ def test_an_auditor_sees_no_admin_view_and_the_api_refuses_them(live_server: Any
         response = httpx.get(f"{live_server.base_url}{path}", headers=auth)
         assert response.status_code == 403, response.text
         assert response.json()["error"]["message"]
+    page.close()
+
+
+def test_the_registry_log_lists_changes_newest_first_by_page_and_action(
+    live_server: Any, chromium: Browser, artifacts: Path
+) -> None:
+    headers = _admin_headers(live_server)
+    created = []
+    for i in range(22):  # more changes than a page holds (20)
+        response = httpx.post(f"{live_server.base_url}/admin/users", json={"name": f"registry-{i}"}, headers=headers)
+        assert response.status_code == 201, response.text
+        created.append(response.json())
+    disabled = httpx.post(f"{live_server.base_url}/admin/users/{created[0]['id']}/disable", headers=headers)
+    assert disabled.status_code == 200, disabled.text
+    audit = f"{live_server.base_url}/admin/audit"
+    newest = httpx.get(audit, params={"order": "desc", "limit": 1}, headers=headers).json()["data"][0]
+    assert newest["action"] == "user.disable"
+    disables = httpx.get(audit, params={"action": "user.disable", "limit": 500}, headers=headers).json()["data"]
+
+    page = _new_page(chromium, live_server)
+    _sign_in(page, live_server.admin_key)
+    page.locator("#nav").get_by_role("link", name="Registry log", exact=True).click()
+    rows = page.locator("table.registry tbody tr")
+    expect(rows).to_have_count(20)
+    first = rows.first
+    expect(first.locator("td").first).to_have_text(str(newest["seq"]))
+    expect(first).to_contain_text("user.disable")
+    expect(first).to_contain_text(f"user #{created[0]['id']}")
+    expect(first).to_contain_text("status: active → disabled")
+    expect(first).to_contain_text(f"admin (#{newest['actor']['user_id']})")
+    expect(first).to_contain_text(newest["request_id"])
+    seqs = [int(cell) for cell in rows.locator("td:first-child").all_text_contents()]
+    assert seqs == list(range(newest["seq"], newest["seq"] - 20, -1))  # newest first, no gap
+    expect(page.locator(".audit-head")).to_have_attribute("data-seq", str(newest["seq"]))
+    expect(rows.nth(1)).to_contain_text("name: registry-21")
+    page.screenshot(path=str(artifacts / "registry.png"), full_page=True)
+
+    # the next page continues the chain downwards; back again
+    page.get_by_role("button", name="Older").click()
+    expect(rows.first.locator("td").first).to_have_text(str(newest["seq"] - 20))
+    page.get_by_role("button", name="Newer").click()
+    expect(rows.first.locator("td").first).to_have_text(str(newest["seq"]))
+    expect(page.get_by_role("button", name="Newer")).to_be_disabled()
+
+    # one action only
+    page.locator("form.filters select[name=action]").select_option("user.disable")
+    page.get_by_role("button", name="Search").click()
+    expect(rows).to_have_count(len(disables))
+    for cell in rows.locator("td:nth-child(4)").all_text_contents():
+        assert cell == "user.disable"
+    # the page shows keys by display prefix only
+    page.locator("form.filters select[name=action]").select_option("user.create")
+    page.get_by_role("button", name="Search").click()
+    expect(rows.first).to_contain_text("registry-21")
+    content = page.content()
+    assert all(user["api_key"] not in content for user in created)
+    assert live_server.admin_key not in content
     page.close()
 
 

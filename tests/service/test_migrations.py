@@ -22,7 +22,16 @@ from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.db import alembic_config, downgrade_database, upgrade_database
 from service.models import Base, include_object
 
-TABLES = {"users", "api_keys", "key_versions", "generations", "traces", "message_ids"}
+TABLES = {
+    "users",
+    "api_keys",
+    "key_versions",
+    "generations",
+    "traces",
+    "message_ids",
+    "registry_audit",
+    "registry_audit_head",
+}
 
 
 async def _inspect(url: str) -> tuple[set[str], list[Any]]:
@@ -330,3 +339,27 @@ async def test_sqlite_usage_daily(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_postgres_usage_daily(scratch_postgres: str) -> None:
     await _usage_daily(scratch_postgres)
+
+
+async def _registry_audit_head(url: str) -> None:
+    """0012 starts the registry's audit trail empty: one head row at seq 0 with the genesis hash,
+    and no second head row can be added; downgrading drops both tables."""
+    await asyncio.to_thread(upgrade_database, url, "0012")
+    rows = await _execute(url, "SELECT id, seq, entry_hash FROM registry_audit_head")
+    assert [tuple(r) for r in rows] == [(1, 0, "0" * 64)]
+    assert await _execute(url, "SELECT seq FROM registry_audit") == []
+    with pytest.raises(Exception, match=r"(?i)check|constraint"):
+        await _execute(url, "INSERT INTO registry_audit_head (id, seq, entry_hash) VALUES (2, 0, 'x')")
+    await asyncio.to_thread(downgrade_database, url, "0011")
+    tables, _ = await _inspect(url)
+    assert not tables & {"registry_audit", "registry_audit_head"}
+    await asyncio.to_thread(upgrade_database, url)
+
+
+async def test_sqlite_registry_audit_head(tmp_path: Path) -> None:
+    await _registry_audit_head(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_registry_audit_head(scratch_postgres: str) -> None:
+    await _registry_audit_head(scratch_postgres)
