@@ -50,6 +50,7 @@ from service.backends.batch import (
     deliver_to_loop,
     logprobs_wanted,
 )
+from service.backends.fields import DEFAULT_HONOURED
 from service.backends.penalties import penalty_processor, sampling_penalties
 from service.backends.prefill import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
@@ -60,7 +61,6 @@ from service.backends.prefill import (
 )
 from service.backends.scoring import ScorerDtype, resolve_scorer_dtype, score_texts, scoring_model
 from service.errors import InvalidRequestError, ServiceUnavailableError, UpstreamUnavailableError
-from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 from xmark_core.params import SCHEMES
 

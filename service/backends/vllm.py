@@ -49,6 +49,7 @@ from service.backends.base import (
     WatermarkStamp,
     collect,
 )
+from service.backends.fields import DEFAULT_HONOURED
 from service.errors import (
     GatewayError,
     InvalidRequestError,
@@ -57,7 +58,6 @@ from service.errors import (
     UpstreamUnavailableError,
     scrub,
 )
-from service.services.request_fields import DEFAULT_HONOURED
 from service.vocabulary import FinishReason
 from xmark_core.params import SCHEMES
 from xmark_core.vllm_common import (  # the names the workers read

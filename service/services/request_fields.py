@@ -22,16 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from service.backends.fields import DEFAULT_HONOURED, SAMPLING_FIELDS
 from service.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from service.schemas.chat import ChatMessage
 
-# What the gateway's chat route reads itself, whatever the backend.
-CORE_CHAT_FIELDS = frozenset({"model", "messages", "stream", "stream_options"})
-# What both backends honour today: the sampling fields every decoder implements.
-SAMPLING_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed"})
-DEFAULT_HONOURED = CORE_CHAT_FIELDS | SAMPLING_FIELDS
 # POST /v1/completions, on either backend (max_completion_tokens is a chat field)
 TEXT_COMPLETION_FIELDS = frozenset(
     {"model", "prompt", "echo", "stream", "stream_options"} | (SAMPLING_FIELDS - {"max_completion_tokens"})

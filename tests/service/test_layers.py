@@ -1,0 +1,46 @@
+"""Layers point down: a package imports nothing from the layers above it.
+
+The backends serve the services, the repositories serve the services, the services serve the
+routers; an import the other way (a backend reading a service's constant) ties the lower layer to
+the upper one's module and its import closure. Checked on the source (every ``import`` and
+``from ... import``, at any depth of the module, including those under ``TYPE_CHECKING``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SERVICE = Path(__file__).resolve().parents[2] / "service"
+
+# package -> the packages above it, which it must not import
+ABOVE = {
+    "service.backends": ("service.services", "service.routers", "service.repositories"),
+    "service.repositories": ("service.services", "service.routers", "service.backends"),
+    "service.services": ("service.routers",),
+}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ABOVE))
+def test_a_package_imports_nothing_from_the_layers_above_it(package: str) -> None:
+    folder = SERVICE / package.removeprefix("service.")
+    modules = sorted(folder.rglob("*.py"))
+    assert modules, f"no modules under {folder}"
+    upward = [
+        f"{path.relative_to(SERVICE.parent)}:{line} imports {name}"
+        for path in modules
+        for line, name in _imports(path)
+        if any(name == above or name.startswith(above + ".") for above in ABOVE[package])
+    ]
+    assert not upward, "\n".join(upward)
