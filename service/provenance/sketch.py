@@ -24,14 +24,18 @@ no word gives no sketch (``None``); the size of a sketch is bounded whatever the
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+logger = logging.getLogger("xmark.provenance")
 
 SKETCH_KEY_LABEL = b"xmark-gateway provenance sketch key v1"
 TERM_LIMIT = 128  # content-word hashes kept per logged completion
@@ -252,3 +256,18 @@ def minhash_similarity(a: Sequence[int], b: Sequence[int]) -> float:
     if n == 0:
         return 0.0
     return sum(x == y for x, y in zip(a[:n], b[:n], strict=True)) / n
+
+
+def sketch_columns(sketcher: Sketcher | None, text: str) -> dict[str, Any]:
+    """The sketch columns of a generation record (None when provenance is off or the text has no
+    word). Never raises: a text the sketcher cannot read costs the record nothing but its sketch."""
+    if sketcher is None:
+        return {"sketch_terms": None, "sketch_minhash": None}
+    try:
+        sketch = sketcher.sketch(text)
+    except Exception as exc:  # a sketch is never worth a record
+        logger.warning("completion not sketched", extra={"error_type": type(exc).__name__})
+        sketch = None
+    if sketch is None:
+        return {"sketch_terms": None, "sketch_minhash": None}
+    return {"sketch_terms": list(sketch.terms), "sketch_minhash": list(sketch.minhash)}

@@ -56,6 +56,7 @@ from service.errors import (
 )
 from service.fleet import Fleet, ServedModel
 from service.models import utcnow
+from service.provenance.sketch import sketch_columns
 from service.salts import SaltRotation, seeded_salt
 from service.schemas.chat import (
     AssistantMessage,
@@ -74,7 +75,6 @@ from service.schemas.common import Principal
 from service.schemas.completions import TEXT_COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
 from service.services.admission import Admission, Ticket, UserLimits
 from service.services.encoder_choice import EncoderRule, choose_encoder
-from service.services.provenance import sketch_columns
 from service.services.request_fields import (
     DEFAULT_HONOURED,
     TEXT_COMPLETION_FIELDS,

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from service.models import utcnow
 from service.provenance.retrieval import (
@@ -61,21 +61,6 @@ RIVAL_NOTE = (
     "watermark only — no matching generation in this user's log, but another user's logged generation "
     "matches the text (the first match): the text may be theirs, carrying a forged or mistaken watermark"
 )
-
-
-def sketch_columns(sketcher: Sketcher | None, text: str) -> dict[str, Any]:
-    """The sketch columns of a generation record (None when provenance is off or the text has no
-    word). Never raises: a text the sketcher cannot read costs the record nothing but its sketch."""
-    if sketcher is None:
-        return {"sketch_terms": None, "sketch_minhash": None}
-    try:
-        sketch = sketcher.sketch(text)
-    except Exception as exc:  # a sketch is never worth a record
-        logger.warning("completion not sketched", extra={"error_type": type(exc).__name__})
-        sketch = None
-    if sketch is None:
-        return {"sketch_terms": None, "sketch_minhash": None}
-    return {"sketch_terms": list(sketch.terms), "sketch_minhash": list(sketch.minhash)}
 
 
 def _match(lead: Lead) -> CorroborationMatch:

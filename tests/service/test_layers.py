@@ -44,3 +44,19 @@ def test_a_package_imports_nothing_from_the_layers_above_it(package: str) -> Non
         if any(name == above or name.startswith(above + ".") for above in ABOVE[package])
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_generation_service_imports_no_trace_module() -> None:
+    """The chat path's service sketches its records with the sketching code alone: importing it
+    loads none of /trace's modules (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, service.services.generation; "
+        "print('\\n'.join(m for m in sys.modules if m.startswith('service.') and "
+        "('trace' in m or m in ('service.services.provenance', 'service.provenance.retrieval'))))"
+    )
+    # a bound on the child, not a timing check: the import took 3 s here
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == [], f"the generation service imports {done.stdout.split()}"

@@ -24,6 +24,7 @@ from service.provenance.sketch import (
     Sketcher,
     derive_sketch_key,
     minhash_similarity,
+    sketch_columns,
 )
 from service.repositories.provenance import ProvenanceRepository
 from service.services.provenance import (
@@ -31,7 +32,6 @@ from service.services.provenance import (
     RIVAL_NOTE,
     ProvenanceSearch,
     purge_sketches,
-    sketch_columns,
 )
 from tests.service.test_provenance_sketch import ORIGINAL, PARAPHRASE, UNRELATED
 
