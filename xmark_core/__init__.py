@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .attribution import DEFAULT_MIN_CONFIDENCE, Attribution, CandidateScore, CandidateSet, attribute
+from .attribution import Attribution, CandidateScore, CandidateSet, attribute
 from .decoder import DecodeResult, decode, null_inclusion_probability
 from .detect import DEFAULT_ALPHA, Detection, detect, warm_null_cache
 from .errors import (
@@ -36,6 +36,7 @@ from .likelihood import (
     score_text,
 )
 from .message import Message, MessageAllocator, allocate_message, bits_to_blocks
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule
 from .params import SCHEMES, WatermarkParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ __all__ = [
     "MessageError",
     "MessageSpaceExhausted",
     "ModelScores",
+    "NamingRule",
     "ParamsError",
     "RequestArgumentError",
     "SecretConfigError",

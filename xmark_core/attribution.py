@@ -34,10 +34,9 @@ from .decoder import DecodeResult, null_inclusion_probability
 from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
 from .message import bits_to_blocks
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking
 from .null import binomial_log_cdf, binomial_log_pmf
 from .params import WatermarkParams
-
-DEFAULT_MIN_CONFIDENCE = 0.99
 
 
 class CandidateSet:
@@ -179,27 +178,20 @@ def attribute(
     edited text included); needs a cTMM reading or k = 1. The ``gumbel`` scheme always runs its own
     identity test (:func:`gumbel_identity_p`), at ``alpha`` or at this level where it is stricter.
     """
-    if identity_level is not None and not 0.0 < identity_level < 1.0:
-        raise ValueError(f"identity_level must be in (0, 1) (got {identity_level})")
+    rule = NamingRule(alpha, min_confidence, identity_level)
     distortion_free = result.params.distortion_free
     if identity_level is not None and not distortion_free and not result.constrained and result.params.num_keys > 1:
         raise ValueError("identity_level needs a cTMM reading (decode(..., constrained=True)) or k = 1")
-    if not 0.0 <= min_confidence <= 1.0:
-        raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
-    if top < 1 or tries < 1:
-        raise ValueError("top and tries must be >= 1")
+    check_ranking(top, tries)
     count = len(candidates)
     trials = result.trials
     if count == 0 or trials == 0:
         return Attribution([], None, 1.0, 0.0, 0.0)
     if distortion_free:
-        level = alpha if identity_level is None else min(alpha, identity_level)
-        return _attribute_gumbel(
-            result, candidates, top=top, alpha=alpha, min_confidence=min_confidence, tries=tries, identity_level=level
-        )
+        return _attribute_gumbel(result, candidates, top=top, rule=rule, tries=tries)
     upper = params.scheme == "mpac"
     q0 = null_inclusion_probability(params, result.constrained)
     hits = candidates.hits(result.matrix)  # [C]
@@ -234,11 +226,12 @@ def attribute(
         margin = best_score
     p_best = float(p_values[0])
     confidence = float(posterior[order[0]])
-    named = p_best < alpha and margin > 0 and confidence >= min_confidence  # an exact tie names nobody
+    named = rule.evidence_names(p_best, margin, confidence)
     identity = None
-    if named and identity_level is not None:  # the best explains the text; does no other user?
+    level = rule.identity_bound(always=False)
+    if named and level is not None:  # the best explains the text; does no other user?
         identity = counting_identity_p(result, candidates, int(order[0]))
-        named = identity is not None and identity <= identity_level
+        named = identity is not None and identity <= level
     return Attribution(out, out[0] if named else None, p_best, confidence, margin, identity)
 
 
@@ -247,18 +240,16 @@ def _attribute_gumbel(
     candidates: CandidateSet,
     *,
     top: int,
-    alpha: float,
-    min_confidence: float,
+    rule: NamingRule,
     tries: int,
-    identity_level: float,
 ) -> Attribution:
     """:func:`attribute` for the ``gumbel`` scheme: a candidate's score S_m = sum_i M[i, m_i] is
     Gamma(n, 1) on unwatermarked text (n scored tokens), its p-value the exact Gamma tail (Bonferroni
     over candidates and tries); the reported score is the LLR of an Exp(rate) model of the message
     cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best). The best is
     named when, besides the rule of :func:`attribute`, its identity test against every other
-    candidate (:func:`gumbel_identity_p`) is at most ``identity_level`` (``alpha``, or the caller's
-    stricter level). With salts, the matrix is the read salt's and every p-value counts all S salts
+    candidate (:func:`gumbel_identity_p`) is at most ``rule.identity_bound(always=True)`` (``alpha``,
+    or the caller's stricter level). With salts, the matrix is the read salt's and every p-value counts all S salts
     (Bonferroni: some salt's best candidate scoring this well on unwatermarked text)."""
     count, tokens = len(candidates), result.scored_tokens
     totals = candidates.hits(result.matrix)  # float64 [C]
@@ -293,11 +284,12 @@ def _attribute_gumbel(
     else:
         margin = float(scores_all[order[0]])
     p_best, confidence = float(p_values[0]), float(posterior[order[0]])
-    named = p_best < alpha and margin > 0 and confidence >= min_confidence
+    named = rule.evidence_names(p_best, margin, confidence)
     identity = None
-    if named and count > 1:
+    level = rule.identity_bound(always=True)
+    if named and count > 1 and level is not None:
         identity = gumbel_identity_p(result, candidates, int(order[0]))
-        named = identity <= identity_level
+        named = identity <= level
     return Attribution(out, out[0] if named else None, p_best, confidence, margin, identity)
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .attribution import DEFAULT_MIN_CONFIDENCE, CandidateScore, CandidateSet, _hamming_blocks, largest_exact_p
+from .attribution import CandidateScore, CandidateSet, _hamming_blocks, largest_exact_p
 from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
 from .gumbel import hashed, pick_salt, value_codes
@@ -70,6 +70,7 @@ from .likelihood import (
     rank_by_likelihood,
     tempered,
 )
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking
 from .params import WatermarkParams
 
 FloatArray = npt.NDArray[np.float64]
@@ -368,12 +369,8 @@ def attribute_gumbel_likelihood(
     ``min_confidence``, and its identity test against every other registered message at most
     ``alpha`` (or ``identity_level`` where that is stricter), as the counting ``gumbel`` decoder.
     With salts, every p-value also counts the S salts the reading chose among."""
-    if identity_level is not None and not 0.0 < identity_level < 1.0:
-        raise ValueError(f"identity_level must be in (0, 1) (got {identity_level})")
-    if not 0.0 <= min_confidence <= 1.0:
-        raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
-    if top < 1 or tries < 1:
-        raise ValueError("top and tries must be >= 1")
+    rule = NamingRule(alpha, min_confidence, identity_level)
+    check_ranking(top, tries)
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
@@ -399,10 +396,10 @@ def attribute_gumbel_likelihood(
         out.append(
             CandidateScore(candidates.ids[idx], candidates.bits_of(int(idx)), float(totals[idx]), p_value, hamming)
         )
-    named = p_best < alpha and margin > 0 and confidence >= min_confidence
+    named = rule.evidence_names(p_best, margin, confidence)
     identity = None
-    if named and count > 1:
-        level = alpha if identity_level is None else min(alpha, identity_level)
+    level = rule.identity_bound(always=True)
+    if named and count > 1 and level is not None:
         identity = gumbel_likelihood_identity_p(result, candidates, int(order[0]))
         named = identity <= level
     return LikelihoodAttribution(

@@ -70,7 +70,6 @@ import numpy as np
 import numpy.typing as npt
 
 from .attribution import (
-    DEFAULT_MIN_CONFIDENCE,
     CandidateScore,
     CandidateSet,
     _hamming_blocks,
@@ -82,6 +81,7 @@ from .detect import DEFAULT_ALPHA
 from .errors import DecodeInputError, ParamsError
 from .hashing import block_index, context_multipliers, shard, shard_of, token_codes
 from .keys import WatermarkKey
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking
 from .params import WatermarkParams
 
 DEFAULT_TOP_K = 20
@@ -536,12 +536,8 @@ def attribute_likelihood(
     most this (a wrong registered user is then named with probability at most ``identity_level``
     on any watermarked text, whatever the model's calibration). Off by default: it costs naming
     (see docs/xmark_core.md)."""
-    if identity_level is not None and not 0.0 < identity_level < 1.0:
-        raise ValueError(f"identity_level must be in (0, 1) (got {identity_level})")
-    if not 0.0 <= min_confidence <= 1.0:
-        raise ValueError(f"min_confidence must be in [0, 1] (got {min_confidence})")
-    if top < 1 or tries < 1:
-        raise ValueError("top and tries must be >= 1")
+    rule = NamingRule(alpha, min_confidence, identity_level)
+    check_ranking(top, tries)
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
@@ -564,13 +560,14 @@ def attribute_likelihood(
         out.append(
             CandidateScore(candidates.ids[idx], candidates.bits_of(int(idx)), float(totals[idx]), p_value, hamming)
         )
-    named = p_best < alpha and margin > 0 and confidence >= min_confidence
+    named = rule.evidence_names(p_best, margin, confidence)
     identity = None
-    if named and identity_level is not None:  # the best explains the text; does no other user?
+    level = rule.identity_bound(always=False)
+    if named and level is not None:  # the best explains the text; does no other user?
         best = int(order[0])
         rivals = np.delete(candidates.blocks, best, axis=0)
         identity = identity_test(result, candidates.blocks[best].astype(np.int64), rivals)
-        named = identity <= identity_level
+        named = identity <= level
     return LikelihoodAttribution(
         out, out[0] if named else None, p_best, confidence, margin, statistic, identity_p_value=identity
     )
