@@ -42,8 +42,8 @@ from benchmarks.vllm_overhead import stop_server, wait_healthy
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.config import Settings
 from service.db import session_scope, upgrade_database
+from service.random_model import TEST_MODEL_NAME
 from service.services.users import UserService
-from service.test_model import TEST_MODEL_NAME
 from service.vocabulary import Role
 from xmark_core import Message, WatermarkKey
 

@@ -151,7 +151,7 @@ def cmd_fetch_embedding_model(_: argparse.Namespace) -> int:
 
 def cmd_build_test_model(args: argparse.Namespace) -> int:
     from service.model_store import ModelStoreError
-    from service.test_model import build_test_model, default_test_model_path
+    from service.random_model import build_test_model, default_test_model_path
 
     target = args.path if args.path is not None else default_test_model_path(_settings())
     try:

@@ -37,8 +37,8 @@ import pytest
 
 from benchmarks.launch import MODEL_NAME, free_port, vllm_serve_command
 from service.config import Settings
+from service.random_model import TEST_MODEL_NAME
 from service.security import generate_api_key
-from service.test_model import TEST_MODEL_NAME
 
 REPO_ROOT = Path(__file__).absolute().parents[2]
 # 5x margin and more: a CPU vLLM worker takes about 40-100 s to start here, 142 s on two cores

@@ -17,7 +17,7 @@ pytest.importorskip("vllm.sampling_params", reason="vLLM is not importable in th
 
 from openai import AsyncOpenAI
 
-from service.test_model import TEST_MODEL_NAME
+from service.random_model import TEST_MODEL_NAME
 from tests.e2e_vllm.test_vllm_e2e import MODEL, create_user, gateway_base, generation_rows, trace
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]

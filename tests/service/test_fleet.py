@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import Generation
-from service.test_model import TEST_MODEL_NAME
+from service.random_model import TEST_MODEL_NAME
 from tests.conftest import REPO_ROOT, checkpoint_path, make_test_settings
 
 # the verdicts depend on the users' message IDs (what is written, what it is told apart from):

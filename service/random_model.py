@@ -84,6 +84,8 @@ def _corpus_sha256() -> str:
 def _recipe() -> dict[str, str]:
     """The manifest's ``source``: what a checkpoint was built from, compared on every verify."""
     return {
+        # the recipe's name since its first build (the module was service/test_model.py then): a
+        # checkpoint built before the rename still verifies
         "builder": "service.test_model",
         "recipe": str(RECIPE_VERSION),
         "seed": str(SEED),

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from service import test_model as test_model_module
+from service import random_model as test_model_module
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.backends.local import LocalBackend
 from service.cli import main
 from service.model_store import MANIFEST_NAME, ModelStoreError
-from service.test_model import (
+from service.random_model import (
     SPECIAL_TOKENS,
     TEST_MODEL_NAME,
     VOCAB_SIZE,
