@@ -189,7 +189,15 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # 2 cores (models, private servers, subprocesses): the request bound of production (1 s, half of
     # it to connect) refused a connection that came 0.5 s late there. Tests of that bound build
     # settings of their own (make_test_settings) and keep the default.
-    return make_test_settings(tmp_path_factory.mktemp("var"), database_timeout_s=SHARED_DATABASE_TIMEOUT_S)
+    # The shared app's in-process clients all come from loopback, and the suite sends it many unknown
+    # keys on purpose: it opts loopback out of the failed-authentication budget (the product's default
+    # exempts nothing), or a module's refusals would back its later tests off. The budget's own tests
+    # (tests/service/test_auth_edge.py) run gateways of their own on the default.
+    return make_test_settings(
+        tmp_path_factory.mktemp("var"),
+        database_timeout_s=SHARED_DATABASE_TIMEOUT_S,
+        auth_edge_exempt="127.0.0.0/8,::1/128",
+    )
 
 
 async def reset_database(url: str) -> None:

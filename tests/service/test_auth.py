@@ -49,6 +49,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/trace/{report_id}"): frozenset({"auditor", "admin"}),
     ("GET", "/traces"): frozenset({"auditor", "admin"}),
     ("GET", "/me"): ALL_ROLES,
+    ("GET", "/admin/audit"): frozenset({"auditor", "admin"}),
     ("GET", "/admin/usage"): ADMIN,
     ("GET", "/admin/api-keys"): ADMIN,
     ("POST", "/admin/users"): ADMIN,
