@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from service.config import Settings, load_secrets
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.embeddings.router import router as embeddings_router
+from service.end_users.router import router as end_users_router
 from service.errors import ANTHROPIC_PATHS, install_error_handlers
 from service.keyring import Keyring, spec_from_settings
 from service.logging import configure_logging
@@ -116,6 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(me.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(end_users_router)
     app.include_router(audit.router)
     app.include_router(console.router)
     if settings.api_docs:

@@ -523,6 +523,21 @@ class Settings(BaseSettings):
         default=200_000,
         description="A user's tokens per minute, by default (0: unlimited); an admin overrides it per user.",
     )
+    end_users_max_per_account: int = Field(
+        default=1_000_000,
+        description=(
+            "The most end users (`safety_identifier`, `user`, `metadata.user_id`) one account may have, deleted "
+            "ones included (0: unlimited); a request naming a new end user past it gets 429 "
+            "`end_user_limit_exceeded`."
+        ),
+    )
+    end_users_new_per_minute: int = Field(
+        default=600,
+        description=(
+            "The most end users one account may add per minute (0: unlimited); a request naming a new end user "
+            "past it gets 429 `end_user_limit_exceeded`."
+        ),
+    )
     redis_url: SecretStr | None = Field(
         default=None,
         description=(
@@ -770,7 +785,13 @@ class Settings(BaseSettings):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("user_max_parallel_requests", "user_requests_per_minute", "user_tokens_per_minute")
+    @field_validator(
+        "user_max_parallel_requests",
+        "user_requests_per_minute",
+        "user_tokens_per_minute",
+        "end_users_max_per_account",
+        "end_users_new_per_minute",
+    )
     @classmethod
     def _limit_or_unlimited(cls, value: int) -> int:
         if value < 0:

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeEngine
 
-from service.vocabulary import AuditActorKind, KeyVersionStatus, Role, TraceDecoder, UserStatus
+from service.vocabulary import AuditActorKind, EndUserStatus, KeyVersionStatus, Role, TraceDecoder, UserStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -38,6 +38,7 @@ NAMING_CONVENTION = {
 
 USER_ROLES = tuple(role.value for role in Role)
 USER_STATUSES = tuple(status.value for status in UserStatus)
+END_USER_STATUSES = tuple(status.value for status in EndUserStatus)
 KEY_VERSION_STATUSES = tuple(status.value for status in KeyVersionStatus)
 AUDIT_ACTOR_KINDS = tuple(kind.value for kind in AuditActorKind)
 
@@ -130,21 +131,49 @@ class User(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
-class MessageId(Base):
-    """A user's message ID of one message length (bits, block_bits); never reused, never deleted.
+class EndUser(Base):
+    """An account's end user (migration 0013): the platform's own user, named by the identifier the
+    platform sends (``safety_identifier``, ``user``, Anthropic's ``metadata.user_id``), stored as sent.
+    It holds message IDs of its own (``message_ids.end_user_id``); deleting it is a tombstone."""
 
-    A user holds one per length in use (the lengths of the non-retired key versions and the
-    configured one); ``users.message_id`` is the one of the length the user was created with.
+    __tablename__ = "end_users"
+    __table_args__ = (
+        CheckConstraint(_in("status", END_USER_STATUSES), name="status"),
+        UniqueConstraint("user_id", "identifier", name="uq_end_users_user_id_identifier"),
+        Index("ix_end_users_user_id_created_at", "user_id", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # the account (the API key's owner) whose end user this is
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
+    identifier: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16), default=EndUserStatus.ACTIVE.value)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # a minute's resolution: written when a process reads the end user and the last write is older
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class MessageId(Base):
+    """A message ID of one message length (bits, block_bits), of a user or of an end user; never
+    reused, never deleted.
+
+    A user (and an end user) holds one per length in use (the lengths of the non-retired key
+    versions and the configured one); ``users.message_id`` is the one of the length the user was
+    created with. Exactly one of ``user_id`` (an account) and ``end_user_id`` (an end user) is set:
+    accounts and end users share one ID space per length (the unique constraint on the ID).
     """
 
     __tablename__ = "message_ids"
     __table_args__ = (
         UniqueConstraint("bits", "block_bits", "message_id", name="uq_message_ids_bits_block_bits_message_id"),
         UniqueConstraint("user_id", "bits", "block_bits", name="uq_message_ids_user_id_bits_block_bits"),
+        UniqueConstraint("end_user_id", "bits", "block_bits", name="uq_message_ids_end_user_id_bits_block_bits"),
+        CheckConstraint("(user_id IS NULL) <> (end_user_id IS NULL)", name="one_owner"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
+    user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), nullable=True)
+    end_user_id: Mapped[int | None] = mapped_column(ForeignKey("end_users.id", ondelete="RESTRICT"), nullable=True)
     bits: Mapped[int] = mapped_column(Integer)
     block_bits: Mapped[int] = mapped_column(Integer)
     message_id: Mapped[str] = mapped_column(String(256))
@@ -206,6 +235,8 @@ class Generation(Base):
     request_id: Mapped[str] = mapped_column(String(64), index=True)
     choice_index: Mapped[int] = mapped_column(Integer, server_default="0")
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
+    # the account's end user it was generated for (NULL: for the account itself); migration 0013
+    end_user_id: Mapped[int | None] = mapped_column(ForeignKey("end_users.id", ondelete="RESTRICT"), nullable=True)
     key_version_id: Mapped[int] = mapped_column(ForeignKey("key_versions.id", ondelete="RESTRICT"))
     # the scheme of the encoder that wrote it ("gumbel", "xmark", ...): a per-request key version's
     # primary or companion; NULL on records written before versions had two (the version's scheme)
@@ -287,6 +318,10 @@ class Trace(Base):
         ForeignKey("key_versions.id", ondelete="RESTRICT"), nullable=True
     )
     attributed_user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), nullable=True)
+    # the end user of that account the text was attributed to (migration 0013)
+    attributed_end_user_id: Mapped[int | None] = mapped_column(
+        ForeignKey("end_users.id", ondelete="RESTRICT"), nullable=True
+    )
     # which decoder decided (TraceDecoder.COUNTING or .LIKELIHOOD)
     decoder: Mapped[str] = mapped_column(String(16), server_default=TraceDecoder.COUNTING.value)
     # the signed report (services/reports.py); NULL on traces recorded before reports were signed,

@@ -25,6 +25,7 @@ from service.db import MAINTENANCE_TIMEOUT_S, RowWriter, create_engine, create_s
 from service.db.spool import SpooledWriter, open_generation_records
 from service.embeddings.models import EmbeddingModel, EmbeddingModels, build_embedding_backend
 from service.embeddings.records import EmbeddingRecords, open_embedding_records
+from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.errors import ServiceUnavailableError
 from service.fleet import Fleet, ServedModel, embedding_model_settings, model_settings
 from service.keyring import Keyring, spec_from_settings
@@ -83,6 +84,8 @@ class Resources:
     # the embedding models (POST /v1/embeddings; none unless configured) and their usage records
     embeddings: EmbeddingModels
     embedding_records: EmbeddingRecords
+    # the accounts' end users a request names: first sight, caps, the per-process cache
+    end_users: EndUserDirectory
     # OpenTelemetry spans (a no-op tracer unless an OTLP endpoint is configured)
     telemetry: Telemetry = field(default_factory=Telemetry)
     # content sketches of completions and suspect texts (None: XMARK_PROVENANCE=off)
@@ -347,6 +350,14 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         registry_warmer = _background(
             stack, asyncio.create_task(registry_cache.warm([handle.key.params for handle in keyring.readings()]))
         )
+        end_users = EndUserDirectory(
+            sessionmaker=sessionmaker,
+            settings=settings,
+            configured=keyring.spec,
+            signer=report_signer,
+            cache=EndUserCache(settings.auth_cache_ttl_s, settings.auth_cache_size),
+            on_change=registry_cache.invalidate,
+        )
         if FREEZE_START_UP_HEAP:
             _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, embeddings, warmer, registry_warmer)))
         yield Resources(
@@ -368,6 +379,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             report_signer=report_signer,
             embeddings=embeddings,
             embedding_records=embedding_records,
+            end_users=end_users,
             telemetry=telemetry,
             sketcher=sketcher_for(settings, secrets.api_key_pepper),
         )

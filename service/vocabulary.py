@@ -20,6 +20,15 @@ class UserStatus(StrEnum):
     DELETED = "deleted"  # a tombstone: the row and its message ID are kept for tracing
 
 
+class EndUserStatus(StrEnum):
+    """An account's end user (``end_users``): disabled and deleted end users get 403; a deleted
+    one is a tombstone whose message IDs stay reserved and whose texts keep tracing."""
+
+    ACTIVE = "active"
+    DISABLED = "disabled"
+    DELETED = "deleted"
+
+
 class KeyVersionStatus(StrEnum):
     ACTIVE = "active"  # encodes new generations; /trace tries it
     PENDING = "pending"  # configured, not yet activated; /trace tries it
@@ -73,6 +82,10 @@ class AuditAction(StrEnum):
     KEY_VERSION_ACTIVATE = "key_version.activate"
     KEY_VERSION_RETIRE = "key_version.retire"
     MESSAGE_IDS_ALLOCATE = "message_ids.allocate"  # start-up: IDs of a new length for existing users
+    END_USER_CREATE = "end_user.create"  # first sight of an account's end user (actor: the account)
+    END_USER_DISABLE = "end_user.disable"
+    END_USER_ENABLE = "end_user.enable"
+    END_USER_DELETE = "end_user.delete"
 
 
 class AuditTarget(StrEnum):
@@ -83,3 +96,4 @@ class AuditTarget(StrEnum):
     API_KEY = "api_key"
     KEY_VERSION = "key_version"
     MESSAGE_LENGTH = "message_length"
+    END_USER = "end_user"

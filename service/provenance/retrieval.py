@@ -30,6 +30,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from service.parties import party_key
 from service.provenance.sketch import TERM_LIMIT, Sketch, minhash_similarity
 
 MIN_CONTAINMENT_TERMS = 16
@@ -71,6 +72,13 @@ class LoggedSketch:
     model: str
     terms: tuple[int, ...]
     minhash: tuple[int, ...]
+    # the account's end user it was generated for (None: the account itself)
+    end_user_id: int | None = None
+
+    @property
+    def holder(self) -> int:
+        """Whose message ID the completion carries, as the registry numbers them (``service.parties``)."""
+        return party_key(self.user_id, self.end_user_id)
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,12 @@ class Lead:
     model: str
     similarity: float
     shingle_similarity: float
+    end_user_id: int | None = None
+
+    @property
+    def holder(self) -> int:
+        """Whose message ID the completion carries, as the registry numbers them (``service.parties``)."""
+        return party_key(self.user_id, self.end_user_id)
 
 
 def select_terms(
@@ -214,6 +228,7 @@ def rank(query: Sketch, stats: TermStats, candidates: Iterable[LoggedSketch], *,
             model=c.model,
             similarity=round(weighted.similarity(c), 4),
             shingle_similarity=round(minhash_similarity(query.minhash, c.minhash), 4),
+            end_user_id=c.end_user_id,
         )
         for c in candidates
     ]
@@ -241,7 +256,7 @@ def copy_holder(leads: Iterable[Lead]) -> int | None:
         (EDITED_COPY_SIMILARITY, EDITED_COPY_SHINGLES),
     ):
         holders = {
-            lead.user_id
+            lead.holder
             for lead in leads
             if lead.similarity >= min_similarity and lead.shingle_similarity >= min_shingles
         }
@@ -254,8 +269,8 @@ def lead_users(leads: Sequence[Lead], *, min_similarity: float, limit: int) -> l
     """The distinct users of the leads at least ``min_similarity``, best first, at most ``limit``."""
     users: list[int] = []
     for lead in leads:
-        if lead.similarity >= min_similarity and lead.user_id not in users:
-            users.append(lead.user_id)
+        if lead.similarity >= min_similarity and lead.holder not in users:
+            users.append(lead.holder)
             if len(users) >= limit:
                 break
     return users
@@ -290,9 +305,7 @@ class MemoryIndex:
             for generation_id in self._postings.get(term, ()):
                 hits[generation_id] = hits.get(generation_id, 0) + 1
         found = [
-            self._logged[g]
-            for g in hits
-            if g not in exclude and (user_id is None or self._logged[g].user_id == user_id)
+            self._logged[g] for g in hits if g not in exclude and (user_id is None or self._logged[g].holder == user_id)
         ]
         found.sort(key=lambda c: (-hits[c.generation_id], -c.generation_id))
         return found[:limit]

@@ -45,11 +45,12 @@ class MessageIdRepository:
             .order_by(MessageId.user_id, MessageId.bits, MessageId.block_bits)
         )
         for row in (await self._session.scalars(stmt)).all():
-            found[row.user_id].append(row)
+            if row.user_id is not None:
+                found[row.user_id].append(row)
         return found
 
     async def held(self, bits: int, block_bits: int) -> list[str]:
-        """Every message ID of this length ever allocated, deleted users' included."""
+        """Every message ID of this length ever allocated, deleted users' and end users' included."""
         stmt = select(MessageId.message_id).where(MessageId.bits == bits, MessageId.block_bits == block_bits)
         return list((await self._session.scalars(stmt)).all())
 

@@ -22,11 +22,12 @@ from sqlalchemy import Integer, String, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import Generation, IntArray, UTCDateTime
+from service.parties import end_user_of
 from service.provenance.retrieval import LoggedSketch, TermStats
 
 _PG_CANDIDATES = text(
     """
-    SELECT id, user_id, request_id, created_at, model, sketch_terms, sketch_minhash
+    SELECT id, user_id, end_user_id, request_id, created_at, model, sketch_terms, sketch_minhash
     FROM generations
     WHERE sketch_terms && CAST(:terms AS int4[]) {user_filter}
     ORDER BY icount(sketch_terms & CAST(:terms AS int4[])) DESC, id DESC
@@ -34,7 +35,7 @@ _PG_CANDIDATES = text(
     """
 )
 _SQLITE_CANDIDATES = """
-    SELECT g.id, g.user_id, g.request_id, g.created_at, g.model, g.sketch_terms, g.sketch_minhash
+    SELECT g.id, g.user_id, g.end_user_id, g.request_id, g.created_at, g.model, g.sketch_terms, g.sketch_minhash
     FROM (
         SELECT p.generation_id, count(*) AS hits FROM provenance_postings p
         {user_join}
@@ -125,27 +126,33 @@ class ProvenanceRepository:
         return TermStats(total, df, unlisted_df=max(1, round(planner.rarest * total)))
 
     async def candidates(self, terms: Sequence[int], limit: int, user_id: int | None = None) -> list[LoggedSketch]:
-        """The logged sketches sharing the most of ``terms`` (of ``user_id`` only, when given)."""
+        """The logged sketches sharing the most of ``terms`` (of the holder ``user_id`` only, when
+        given: an account's own completions, or an end user's, numbered as ``service.parties``)."""
         if not terms:
             return []
         params: dict[str, Any] = {"limit": limit}
+        holder = ""
+        if user_id is not None:
+            end_user_id = end_user_of(user_id)
+            if end_user_id is None:
+                holder, params["user_id"] = "{t}.user_id = :user_id AND {t}.end_user_id IS NULL", user_id
+            else:
+                holder, params["end_user_id"] = "{t}.end_user_id = :end_user_id", end_user_id
         if self._dialect.name == "postgresql":
             params["terms"] = [int(t) for t in terms]
-            user_filter = ""
-            if user_id is not None:
-                user_filter, params["user_id"] = "AND user_id = :user_id", user_id
+            user_filter = "AND " + holder.format(t="generations") if holder else ""
             statement = text(_PG_CANDIDATES.text.format(user_filter=user_filter))
         else:
             user_join = ""
-            if user_id is not None:
-                user_join = "JOIN generations u ON u.id = p.generation_id AND u.user_id = :user_id"
-                params["user_id"] = user_id
+            if holder:
+                user_join = "JOIN generations u ON u.id = p.generation_id AND " + holder.format(t="u")
             statement = text(
                 _SQLITE_CANDIDATES.format(user_join=user_join, terms=", ".join(str(int(t)) for t in terms))
             )
         typed = statement.columns(
             id=Integer(),
             user_id=Integer(),
+            end_user_id=Integer(),
             request_id=String(),
             created_at=UTCDateTime(),
             model=String(),
@@ -165,6 +172,7 @@ class ProvenanceRepository:
             model=str(row.model),
             terms=tuple(row.sketch_terms or ()),
             minhash=tuple(row.sketch_minhash or ()),
+            end_user_id=None if row.end_user_id is None else int(row.end_user_id),
         )
 
     async def purge_before(self, cutoff: datetime, batch: int = 5_000) -> int:

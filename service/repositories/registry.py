@@ -1,5 +1,5 @@
 """Read-only view of the message-ID registry: the message IDs of one length with their owners
-(the users table, tombstones included)."""
+(accounts and their end users, tombstones included)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,25 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.models import MessageId, User
+from service.models import EndUser, MessageId, User
+from service.parties import party_key
 
 
 @dataclass(frozen=True)
 class RegistryEntry:
-    user_id: int
-    name: str
-    status: str
+    """A message ID and its holder: an account (``end_user_id`` None) or one of its end users."""
+
+    user_id: int  # the account (for an end user's ID, the end user's account)
+    name: str  # the account's name
+    status: str  # the account's status
     message_id: str
+    end_user_id: int | None = None
+    identifier: str | None = None  # the end user's identifier, as the platform sent it
+
+    @property
+    def key(self) -> int:
+        """The holder's number in the registry (``service.parties``)."""
+        return party_key(self.user_id, self.end_user_id)
 
 
 @dataclass(frozen=True)
@@ -85,15 +95,26 @@ class RegistryRepository:
         self, bits: int, block_bits: int, row: int, *, limit: int | None = None
     ) -> Sequence[tuple[int, RegistryEntry]]:
         """The message IDs of this length in rows after ``row`` (row id, entry), oldest first."""
+        account = func.coalesce(MessageId.user_id, EndUser.user_id)
         stmt = (
-            select(MessageId.id.label("row"), User.id, User.name, User.status, MessageId.message_id)
-            .join(User, MessageId.user_id == User.id)
+            select(
+                MessageId.id.label("row"),
+                User.id,
+                User.name,
+                User.status,
+                MessageId.message_id,
+                EndUser.id.label("end_user_id"),
+                EndUser.identifier,
+            )
+            .select_from(MessageId)
+            .outerjoin(EndUser, MessageId.end_user_id == EndUser.id)
+            .join(User, User.id == account)
             .where(MessageId.bits == bits, MessageId.block_bits == block_bits, MessageId.id > row)
             .order_by(MessageId.id)
             .limit(limit)
         )
         rows = (await self._session.execute(stmt)).all()
-        return [(r.row, RegistryEntry(r.id, r.name, r.status, r.message_id)) for r in rows]
+        return [(r.row, RegistryEntry(r.id, r.name, r.status, r.message_id, r.end_user_id, r.identifier)) for r in rows]
 
     async def users_updated_since(self, since: datetime) -> Sequence[tuple[int, str, str]]:
         """(id, name, status) of the users changed at or after ``since`` (the ``updated_at`` index)."""

@@ -22,6 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from service.backends.base import GenerationStream
 from service.deps import PrincipalDep, ResourcesDep
+from service.end_users.directory import EndUserDirectory
+from service.end_users.identifier import openai_identifier
 from service.errors import GatewayError, NotFoundError, envelope
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelCard, ModelList
@@ -204,6 +206,35 @@ async def complete_while_connected(
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
 
 
+async def _end_users(resources: ResourcesDep) -> EndUserDirectory:
+    return resources.end_users
+
+
+EndUsersDep = Annotated[EndUserDirectory, Depends(_end_users)]
+
+
+async def for_end_user(
+    service: GenerationService,
+    end_users: EndUserDirectory,
+    prepared: PreparedCompletion,
+    identifier: str | None,
+    request: Request,
+) -> PreparedCompletion:
+    """``prepared`` (validated) generated for the caller's end user ``identifier`` (None: for the
+    account itself): the end user is found, or created on first sight, only once the request is
+    known to be valid."""
+    if identifier is None:
+        return prepared
+    params = prepared.stamp.key.params
+    identity = await end_users.resolve(
+        prepared.principal,
+        identifier,
+        (params.bits, params.block_bits),
+        request_id=getattr(request.state, "request_id", None),
+    )
+    return service.for_end_user(prepared, identity)
+
+
 @router.get("/models", response_model=ModelList)
 async def list_models(_: PrincipalDep, service: GenerationDep) -> ModelList:
     return service.list_models()
@@ -229,9 +260,14 @@ async def retrieve_model(model: str, _: PrincipalDep, service: GenerationDep) ->
     },
 )
 async def create_chat_completion(
-    body: ChatCompletionRequest, principal: PrincipalDep, service: GenerationDep, request: Request
+    body: ChatCompletionRequest,
+    principal: PrincipalDep,
+    service: GenerationDep,
+    end_users: EndUsersDep,
+    request: Request,
 ) -> Response:
-    prepared = service.prepare(principal, body)
+    identifier = openai_identifier({"safety_identifier": body.safety_identifier, "user": body.user})
+    prepared = await for_end_user(service, end_users, service.prepare(principal, body), identifier, request)
     if not body.stream:
         completed = await complete_while_connected(service, prepared, request.receive)
         if completed is None:

@@ -16,11 +16,14 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from service.deps import PrincipalDep
+from service.end_users.identifier import openai_identifier
 from service.routers.chat import (
     CLIENT_CLOSED_REQUEST,
     CompletionResponse,
+    EndUsersDep,
     GenerationDep,
     complete_while_connected,
+    for_end_user,
     sse_events,
 )
 from service.routing import AuthenticatedRoute
@@ -77,9 +80,10 @@ def text_chunk_payload(chunk: ChatCompletionChunk, *, include_usage: bool, echo:
     responses={200: {"content": {"text/event-stream": {}}, "description": "A completion, or SSE chunks"}},
 )
 async def create_completion(
-    body: CompletionRequest, principal: PrincipalDep, service: GenerationDep, request: Request
+    body: CompletionRequest, principal: PrincipalDep, service: GenerationDep, end_users: EndUsersDep, request: Request
 ) -> Response:
-    prepared = service.prepare_text(principal, body)
+    identifier = openai_identifier({"safety_identifier": body.safety_identifier, "user": body.user})
+    prepared = await for_end_user(service, end_users, service.prepare_text(principal, body), identifier, request)
     echo = prepared.request.prompt if body.echo else None
     if not body.stream:
         completed = await complete_while_connected(service, prepared, request.receive)

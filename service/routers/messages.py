@@ -16,7 +16,7 @@ tools (the local backend), a non-neutral ``top_k`` there, extended thinking, ima
 server tools, a final assistant message (a prefill the answer would continue), and every field
 this route does not know. ``cache_control`` is accepted: prompt caching never changes an answer,
 and the usage reports that nothing was written to or read from a cache. ``metadata.user_id``
-labels the request, as chat's ``user`` does.
+names the account's end user, as chat's ``safety_identifier`` does (``service.end_users``).
 
 Streamed, the answer is Anthropic's events, each with its ``event:`` name: ``message_start``, then
 per content block ``content_block_start``, its ``content_block_delta`` events (``text_delta``, or
@@ -48,9 +48,10 @@ from starlette.responses import Response
 
 from service.backends.base import GenerationStream
 from service.deps import PrincipalDep
+from service.end_users.identifier import checked_identifier
 from service.errors import GatewayError, InvalidRequestError, anthropic_envelope
 from service.fleet import ServedModel
-from service.routers.chat import GenerationDep, complete_rendered, typed_sse_events
+from service.routers.chat import EndUsersDep, GenerationDep, complete_rendered, for_end_user, typed_sse_events
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Usage
 from service.schemas.messages import (
@@ -422,8 +423,6 @@ def chat_request(body: MessagesPrompt, served: ServedModel) -> ChatCompletionReq
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 fields[name] = getattr(body, name)
-        if body.metadata is not None and body.metadata.user_id is not None:
-            fields["user"] = body.metadata.user_id
     try:
         return ChatCompletionRequest(**fields)
     except ValidationError as exc:  # the checks above admit nothing chat refuses: a bug, said plainly
@@ -649,11 +648,13 @@ class MessageEvents:
     },
 )
 async def create_message(
-    body: MessagesRequest, principal: PrincipalDep, service: GenerationDep, request: Request
+    body: MessagesRequest, principal: PrincipalDep, service: GenerationDep, end_users: EndUsersDep, request: Request
 ) -> Response:
+    identifier = checked_identifier(None if body.metadata is None else body.metadata.user_id, "metadata.user_id")
     with _messages_names():
         chat = chat_request(body, service.served_model(body.model))
         prepared = _with_message_id(service.prepare(principal, chat))
+        prepared = await for_end_user(service, end_users, prepared, identifier, request)
         if not body.stream:
             return await complete_rendered(
                 service, prepared, request, lambda completion: completed_message(prepared, completion)

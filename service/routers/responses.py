@@ -38,8 +38,9 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from service.deps import PrincipalDep
+from service.end_users.identifier import openai_identifier
 from service.errors import GatewayError, InvalidRequestError, RateLimitError, envelope
-from service.routers.chat import GenerationDep, complete_rendered, typed_sse_events
+from service.routers.chat import EndUsersDep, GenerationDep, complete_rendered, for_end_user, typed_sse_events
 from service.routing import AuthenticatedRoute
 from service.schemas.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Usage
 from service.schemas.common import ERROR_RESPONSES
@@ -100,7 +101,6 @@ KNOWN_FIELDS = frozenset(
         "prompt",
         "prompt_cache_key",
         "prompt_cache_retention",
-        "safety_identifier",
     }
 )
 # The gateway stores no responses: what needs them is refused with the way round it.
@@ -219,7 +219,7 @@ def chat_request(body: ResponseRequest) -> ChatCompletionRequest:
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
     if body.max_output_tokens is not None:
         fields["max_tokens"] = body.max_output_tokens
-    for name in ("temperature", "top_p", "user"):
+    for name in ("temperature", "top_p"):
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
     return ChatCompletionRequest(**fields)
@@ -290,6 +290,7 @@ def _response(
         top_p=prepared.request.top_p,
         tool_choice="none" if extra.get("tool_choice") == "none" else "auto",
         usage=_usage(usage),
+        safety_identifier=body.safety_identifier,
         user=body.user,
         metadata=body.metadata or {},
     )
@@ -446,11 +447,13 @@ class ResponseEvents:
     },
 )
 async def create_response(
-    body: ResponseRequest, principal: PrincipalDep, service: GenerationDep, request: Request
+    body: ResponseRequest, principal: PrincipalDep, service: GenerationDep, end_users: EndUsersDep, request: Request
 ) -> Response:
     chat = chat_request(body)
+    identifier = openai_identifier({"safety_identifier": body.safety_identifier, "user": body.user})
     with _responses_names():
         prepared = _with_response_id(service.prepare(principal, chat))
+        prepared = await for_end_user(service, end_users, prepared, identifier, request)
         if not body.stream:
             return await complete_rendered(
                 service, prepared, request, lambda completion: completed_response(prepared, body, completion)

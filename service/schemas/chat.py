@@ -15,6 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from service.schemas.text import SURROGATE_MESSAGE, Text, has_lone_surrogate
 
 MAX_STOP_STRINGS = 4
+# how the OpenAPI schema shows a field naming the end user (typed loosely so a bad value is a 400)
+END_USER_FIELD_SCHEMA: dict[str, Any] = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 256,
+    "description": "a stable identifier of the end user (e.g. an HMAC of the platform's user id)",
+}
 MAX_STOP_STRING_CHARS = 256
 
 
@@ -120,7 +127,9 @@ class SamplingRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: Text | None = Field(default=None, max_length=256)
+    # the account's end user (checked by service.end_users.identifier: a 400 names the field)
+    safety_identifier: Any = Field(default=None, json_schema_extra=END_USER_FIELD_SCHEMA)
+    user: Any = Field(default=None, json_schema_extra=END_USER_FIELD_SCHEMA)
 
     @field_validator("stop")
     @classmethod

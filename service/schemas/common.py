@@ -14,6 +14,7 @@ T = TypeVar("T")
 __all__ = [
     "ERROR_RESPONSES",
     "UNAVAILABLE_RESPONSES",
+    "EndUserIdentity",
     "ErrorDetail",
     "ErrorEnvelope",
     "MessageIdOut",
@@ -61,6 +62,23 @@ class MessageIdOut(BaseModel):
     message_id: str
 
 
+class EndUserIdentity(BaseModel):
+    """The end user of the calling account a request is generated for (``end_users``): its id, the
+    identifier the platform sent, and its message IDs (one per length in use, shortest first)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    identifier: str
+    message_ids: tuple[MessageIdOut, ...] = ()
+
+    def message_id_for(self, bits: int, block_bits: int) -> str | None:
+        return next(
+            (m.message_id for m in self.message_ids if m.bits == bits and m.block_bits == block_bits),
+            None,
+        )
+
+
 class Principal(BaseModel):
     """The authenticated caller of a request."""
 
@@ -76,9 +94,15 @@ class Principal(BaseModel):
     max_parallel_requests: int | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # the account's end user the request names (``safety_identifier``, ``user``, ``metadata.user_id``):
+    # its message IDs, not the account's, are embedded; limits and records stay the account's
+    end_user: EndUserIdentity | None = None
 
     def message_id_for(self, bits: int, block_bits: int) -> str | None:
-        """The caller's message ID of that length, or None when it has none."""
+        """The message ID of that length a generation embeds (the end user's, when the request
+        names one), or None when there is none."""
+        if self.end_user is not None:
+            return self.end_user.message_id_for(bits, block_bits)
         return next(
             (m.message_id for m in self.message_ids if m.bits == bits and m.block_bits == block_bits),
             None,

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.schemas.chat import check_stop_strings
+from service.schemas.chat import END_USER_FIELD_SCHEMA, check_stop_strings
 from service.schemas.text import Text
 
 # the most tools a request may define (OpenAI's limit, which the vLLM workers share)
@@ -84,12 +84,12 @@ class ToolChoice(BaseModel):
 
 
 class RequestMetadata(BaseModel):
-    """Anthropic's ``metadata``: ``user_id`` labels the end user; no effect on the output (the
-    watermark's identity comes from the API key)."""
+    """Anthropic's ``metadata``: ``user_id`` names the account's end user the answer is watermarked
+    for (checked by ``service.end_users.identifier``: a bad value is a 400 naming the field)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    user_id: Text | None = Field(default=None, max_length=256)
+    user_id: Any = Field(default=None, json_schema_extra=END_USER_FIELD_SCHEMA)
 
 
 class MessagesPrompt(BaseModel):

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.schemas.chat import END_USER_FIELD_SCHEMA
 from service.schemas.text import Text
 
 # OpenAI's limits on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512
@@ -66,8 +67,10 @@ class ResponseRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool | None = False
-    # labels: no effect on the output (the watermark's identity comes from the API key)
-    user: Text | None = Field(default=None, max_length=256)
+    # the account's end user the answer is watermarked for (checked by service.end_users.identifier)
+    safety_identifier: Any = Field(default=None, json_schema_extra=END_USER_FIELD_SCHEMA)
+    user: Any = Field(default=None, json_schema_extra=END_USER_FIELD_SCHEMA)
+    # a label: no effect on the output
     metadata: Metadata | None = None
 
 
@@ -156,6 +159,7 @@ class ResponseObject(BaseModel):
     background: bool = False
     service_tier: Literal["default"] = "default"
     usage: ResponseUsage | None = None
+    safety_identifier: str | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
 

@@ -39,19 +39,30 @@ class BlockReport(BaseModel):
     scores: list[float] | None = None
 
 
+class EndUserRef(BaseModel):
+    """An account's end user a text is attributed to: its id and the identifier as the platform
+    sent it (shown to admins and auditors only)."""
+
+    id: int
+    identifier: str
+
+
 class AttributionReport(BaseModel):
-    user_id: int
+    user_id: int  # the account (the API key's owner)
     name: str
     confidence: float
     p_value: float
+    # the account's end user whose message ID the text carries (None: the account's own)
+    end_user: EndUserRef | None = None
 
 
 class CandidateReport(BaseModel):
-    user_id: int
+    user_id: int  # the account
     name: str
     score: float
     p_value: float
     hamming: int
+    end_user: EndUserRef | None = None  # the account's end user holding this ID (None: the account)
 
 
 class TokenReport(BaseModel):
@@ -74,6 +85,14 @@ class CorroborationMatch(BaseModel):
     request_id: str
     created_at: str = Field(description="UTC, ISO 8601 with microseconds")
     similarity: float = Field(description="share of the text's content the completion holds, or the reverse (0-1)")
+    # the account's end user it was generated for; absent for the account's own completions (and
+    # from reports signed before end users), so their signed bytes are served unchanged
+    end_user_id: int | None = None
+
+    # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
+    @model_serializer(mode="wrap")
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
+        return _drop_absent(handler(self), self, ("end_user_id",))
 
 
 class Corroboration(BaseModel):
@@ -202,6 +221,8 @@ class SignedReport(BaseModel):
     statistic: float
     attributed_user_id: int | None
     attributed_user_name: str | None
+    # the account's end user the text is attributed to; present only where one is named
+    attributed_end_user: EndUserRef | None = None
     # the identity test's p-value for the best candidate; present only where the test ran
     identity_p_value: float | None = None
     # absent from reports signed before the generation log was a witness
@@ -213,7 +234,9 @@ class SignedReport(BaseModel):
     # no return annotation: pydantic would publish it (a bare object) as the schema in OpenAPI
     @model_serializer(mode="wrap")
     def _without_absent_fields(self, handler: SerializerFunctionWrapHandler):
-        return _drop_absent(handler(self), self, ("identity_p_value", "named_by", "corroboration", "model"))
+        return _drop_absent(
+            handler(self), self, ("attributed_end_user", "identity_p_value", "named_by", "corroboration", "model")
+        )
 
 
 class ReportSignature(BaseModel):
@@ -250,6 +273,7 @@ class TraceLogEntry(BaseModel):
     key_version: str | None
     attributed_user_id: int | None
     attributed_user_name: str | None
+    attributed_end_user_id: int | None = None
 
 
 class TraceLogPage(Page[TraceLogEntry]):

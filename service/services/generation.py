@@ -71,7 +71,7 @@ from service.schemas.chat import (
     SamplingRequest,
     Usage,
 )
-from service.schemas.common import Principal
+from service.schemas.common import EndUserIdentity, Principal
 from service.schemas.completions import TEXT_COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
 from service.services.admission import Admission, Ticket, UserLimits
 from service.services.encoder_choice import EncoderRule, choose_encoder
@@ -413,6 +413,21 @@ class GenerationService:
             deadline=time.monotonic() + self._settings.request_timeout_s,
         )
 
+    def for_end_user(self, prepared: PreparedCompletion, end_user: EndUserIdentity) -> PreparedCompletion:
+        """``prepared`` generated for the caller's end user: the stamp embeds the end user's message ID
+        of the same length (the account's admission limits and record stay)."""
+        params = prepared.stamp.key.params
+        bits = end_user.message_id_for(params.bits, params.block_bits)
+        if bits is None:  # the end-user directory gives it one of the length it is asked for
+            raise ServiceUnavailableError(
+                f"The end user has no {params.bits}-bit message ID for the active watermark key version "
+                f"'{prepared.stamp.key_version}' yet; retry shortly",
+                code="message_id_missing",
+            )
+        stamp = dataclasses.replace(prepared.stamp, message=Message.from_bits(bits, params))
+        principal = prepared.principal.model_copy(update={"end_user": end_user})
+        return dataclasses.replace(prepared, stamp=stamp, principal=principal)
+
     def _salt(self, user_id: int, request: GenerationRequest, salts: int) -> int:
         """The salt of the request's first answer: from its ``seed`` when it has one (the same seed,
         the same answer), else the user's next in rotation (``service.salts``)."""
@@ -445,6 +460,7 @@ class GenerationService:
                 "request_id": prepared.request_id,
                 "choice_index": choice.index,
                 "user_id": prepared.principal.user_id,
+                "end_user_id": None if prepared.principal.end_user is None else prepared.principal.end_user.id,
                 "key_version_id": prepared.key_version_id,
                 "encoder": prepared.stamp.key.params.scheme,
                 "model": prepared.model,
@@ -468,6 +484,7 @@ class GenerationService:
                 extra={
                     "request_id": prepared.request_id,
                     "user_id": prepared.principal.user_id,
+                    "end_user_id": None if prepared.principal.end_user is None else prepared.principal.end_user.id,
                     "key_version_id": prepared.key_version_id,
                     "model": prepared.model,
                     "streamed": streamed,

@@ -64,12 +64,15 @@ RIVAL_NOTE = (
 
 
 def _match(lead: Lead) -> CorroborationMatch:
-    return CorroborationMatch(
+    match = CorroborationMatch(
         user_id=lead.user_id,
         request_id=lead.request_id,
         created_at=iso_utc(lead.created_at),
         similarity=lead.similarity,
     )
+    if lead.end_user_id is not None:  # set only then: the signed payload holds it only then
+        match.end_user_id = lead.end_user_id
+    return match
 
 
 class SketchStore(Protocol):
@@ -154,11 +157,11 @@ class ProvenanceSearch:
         if named is None:
             matches = [_match(lead) for lead in shown]
             return Corroboration(status="leads", matches=matches) if shown else Corroboration(status="not_found")
-        own = [lead for lead in leads if lead.user_id == named]
+        own = [lead for lead in leads if lead.holder == named]
         if not own or own[0].similarity < threshold:
             # the leads are the whole log's best; the named user's own log may hold a weaker match
             own = await self.search(query, top=1, user_id=named)
-        rival = max((lead.similarity for lead in leads if lead.user_id != named), default=0.0)
+        rival = max((lead.similarity for lead in leads if lead.holder != named), default=0.0)
         found = [lead for lead in own if lead.similarity >= max(threshold, rival)]
         if found and all(lead.generation_id != found[0].generation_id for lead in shown):
             shown = [found[0], *shown[: MATCHES_SHOWN - 1]]

@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from service.repositories.registry import RegistryFingerprint, RegistryRepository
+from service.repositories.registry import RegistryEntry, RegistryFingerprint, RegistryRepository
 from xmark_core import CandidateSet, WatermarkParams
 
 logger = logging.getLogger("xmark.registry")
@@ -43,9 +43,18 @@ TIME_WINDOW = timedelta(minutes=10)
 
 @dataclass(frozen=True, slots=True)
 class RegisteredUser:
+    """A holder of message IDs: an account, or (``end_user_id`` set) one of its end users, named
+    by the account's id, name and status and the end user's id and identifier."""
+
     user_id: int
     name: str
     status: str
+    end_user_id: int | None = None
+    identifier: str | None = None
+
+
+def _registered(entry: RegistryEntry) -> RegisteredUser:
+    return RegisteredUser(entry.user_id, entry.name, entry.status, entry.end_user_id, entry.identifier)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class RegistrySnapshot:
     """Every registered message ID of one length, packed for scoring, and who owns it."""
 
     candidates: CandidateSet
+    # by the holder's number in the registry (``service.parties``: accounts' and end users')
     users: dict[int, RegisteredUser] = field(repr=False)
     fingerprint: RegistryFingerprint | None = None
 
@@ -168,8 +178,8 @@ class RegistryCache:
                 skipped += 1
                 continue
             bits.append(entry.message_id)
-            ids.append(entry.user_id)
-            users[entry.user_id] = RegisteredUser(entry.user_id, entry.name, entry.status)
+            ids.append(entry.key)
+            users[entry.key] = _registered(entry)
         if skipped:
             logger.warning("malformed message IDs are not attributable", extra={"count": skipped})
         self.reloads += 1
@@ -195,18 +205,19 @@ class RegistryCache:
         after = (seen.max_message_id_row or 0) - ROW_WINDOW
         added = [e for _, e in await repo.entries_after(params.bits, params.block_bits, after)]
         known = current.users
-        new = [e for e in added if e.user_id not in known and _well_formed(e.message_id, params)]
+        new = [e for e in added if e.key not in known and _well_formed(e.message_id, params)]
         changed = (
             await repo.users_updated_since(seen.max_updated_at - TIME_WINDOW) if seen.max_updated_at is not None else []
         )
         # users already registered keep their packed ID (IDs never change); names and statuses are
         # updated in place, so a snapshot in use by a request reads the newer values at worst
+        # (an end user keeps its account's name and status as they were when its ID was read)
         for user_id, name, status in changed:
             if user_id in known:
                 known[user_id] = RegisteredUser(user_id, name, status)
         for entry in new:
-            known[entry.user_id] = RegisteredUser(entry.user_id, entry.name, entry.status)
-        candidates = current.candidates.extended([e.message_id for e in new], [e.user_id for e in new])
+            known[entry.key] = _registered(entry)
+        candidates = current.candidates.extended([e.message_id for e in new], [e.key for e in new])
         self.refreshes += 1
         return RegistrySnapshot(candidates, known, now)
 

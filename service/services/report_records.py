@@ -109,6 +109,11 @@ def build_signed_report(signer: ReportSigner, given: SignedReportInput) -> Signe
         "attributed_user_id": None if attribution is None else int(attribution.user_id),
         "attributed_user_name": None if attribution is None else attribution.name,
     }
+    if attribution is not None and attribution.end_user is not None:  # only then: older reports never held it
+        payload["attributed_end_user"] = {
+            "id": int(attribution.end_user.id),
+            "identifier": attribution.end_user.identifier,
+        }
     if report.identity_level is not None:
         payload["identity_p_value"] = None if report.identity_p_value is None else float(report.identity_p_value)
     payload["named_by"] = report.named_by

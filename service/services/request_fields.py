@@ -5,7 +5,9 @@ would believe it had, say, JSON mode or tool calls and get neither. Each field o
 request therefore falls in one of these classes:
 
 - *honoured* by the backend serving the request (``Backend.honoured_fields``);
-- *without effect on the output* (``user``, ``metadata``): accepted, never needed;
+- *naming the end user* (``safety_identifier``, ``user``): accepted; the request is watermarked with
+  that end user's message ID (``service.end_users``), checked there;
+- *without effect on the output* (``metadata``): accepted, never needed;
 - *at its neutral value*: a field sent with the value that means "off" (``logprobs: false``,
   ``presence_penalty: 0``, ``tools: []``...) changes nothing, so it is accepted even where the
   feature is not honoured (many clients send such defaults);
@@ -40,7 +42,10 @@ TEXT_COMPLETION_OPTIONS = frozenset(
 )
 
 # Accepted with any value: they label the request, they do not change what is generated.
-WITHOUT_EFFECT = frozenset({"user", "metadata"})
+WITHOUT_EFFECT = frozenset({"metadata"})
+
+# They name the account's end user the answer is watermarked for (checked by service.end_users).
+END_USER_FIELDS = frozenset({"safety_identifier", "user"})
 
 # The watermark is the gateway's: a request cannot set or switch it off.
 GATEWAY_OWNED = frozenset({"vllm_xargs", "watermarking"})
@@ -79,6 +84,7 @@ KNOWN_CHAT_FIELDS = frozenset(
     {
         *DEFAULT_HONOURED,
         *WITHOUT_EFFECT,
+        *END_USER_FIELDS,
         *GATEWAY_OWNED,
         *NEUTRAL_VALUES,
         "audio",
@@ -105,7 +111,6 @@ KNOWN_CHAT_FIELDS = frozenset(
         "return_token_ids",
         "priority",
         "prompt_cache_key",
-        "safety_identifier",
         "verbosity",
     }
 )
@@ -125,7 +130,7 @@ def refuse_unhonoured(fields: Mapping[str, Any], honoured: frozenset[str], backe
     """Raise 400 ``unsupported_parameter`` for a field that ``backend`` cannot honour; ``fields``
     holds the fields the client sent, with their values."""
     for name, value in fields.items():
-        if name in honoured or name in WITHOUT_EFFECT or _is_neutral(name, value):
+        if name in honoured or name in WITHOUT_EFFECT or name in END_USER_FIELDS or _is_neutral(name, value):
             continue
         if name in GATEWAY_OWNED:
             message = f"'{name}' cannot be set by a request: the gateway sets the watermark from the caller's identity"

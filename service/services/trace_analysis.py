@@ -32,6 +32,7 @@ from service.schemas.trace import (
     AttributionReport,
     BlockReport,
     CandidateReport,
+    EndUserRef,
     TokenReport,
     TraceReport,
 )
@@ -86,6 +87,8 @@ GUMBEL_LIKELIHOOD_TEST = (
 class TraceOutcome:
     report: TraceReport
     key_version_id: int | None
+    # the named holder's number in the registry (``service.parties``: an account's user id, or the
+    # negative of an end user's id); the report names the account and the end user
     attributed_user_id: int | None
     # the corrected p-value the reading was chosen by among key versions (smaller = stronger):
     # counting, the smaller of the detection and the best candidate's; likelihood, the best candidate's
@@ -150,9 +153,53 @@ def _empty_report(bits: int, block_bits: int) -> TraceReport:
 
 
 def _user_id(candidate_id: object) -> int:
-    """The user id a registry snapshot gave its candidate (an int, or a numpy integer)."""
+    """The number a registry snapshot gave its candidate (an int, or a numpy integer): an account's
+    user id, or the negative of an end user's id (``service.parties``)."""
     assert isinstance(candidate_id, int | np.integer)
     return int(candidate_id)
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Who a candidate's message ID belongs to, as a report names them."""
+
+    user_id: int
+    name: str
+    end_user: EndUserRef | None
+
+
+def _holder(snapshot: RegistrySnapshot, candidate_id: object) -> _Holder:
+    key = _user_id(candidate_id)
+    user = snapshot.users.get(key)
+    if user is None:
+        return _Holder(key, "", None)
+    end_user = None
+    if user.end_user_id is not None:
+        end_user = EndUserRef(id=user.end_user_id, identifier=user.identifier or "")
+    return _Holder(user.user_id, user.name, end_user)
+
+
+def _attribution_report(
+    snapshot: RegistrySnapshot, candidate_id: object, confidence: float, p_value: float
+) -> AttributionReport:
+    holder = _holder(snapshot, candidate_id)
+    return AttributionReport(
+        user_id=holder.user_id, name=holder.name, confidence=confidence, p_value=p_value, end_user=holder.end_user
+    )
+
+
+def _candidate_report(
+    snapshot: RegistrySnapshot, candidate_id: object, score: float, p_value: float, hamming: int
+) -> CandidateReport:
+    holder = _holder(snapshot, candidate_id)
+    return CandidateReport(
+        user_id=holder.user_id,
+        name=holder.name,
+        score=score,
+        p_value=p_value,
+        hamming=hamming,
+        end_user=holder.end_user,
+    )
 
 
 def _pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
@@ -433,12 +480,6 @@ def analyze_counting(
             best = reading
     assert best is not None
     result, detection, attribution = best.result, best.detection, best.attribution
-    users = snapshot.users
-
-    def name_of(user_id: object) -> str:
-        user = users.get(_user_id(user_id))
-        return user.name if user is not None else ""
-
     attributed = attribution.best
     # A naming is itself a rejection of unwatermarked text (the attribution test, corrected for the
     # registry and the tries, at alpha): the report then says watermarked, with the smaller p-value,
@@ -464,22 +505,8 @@ def analyze_counting(
         blocks=_block_reports(result),
         attribution=None
         if attributed is None
-        else AttributionReport(
-            user_id=_user_id(attributed.id),
-            name=name_of(attributed.id),
-            confidence=attribution.confidence,
-            p_value=attributed.p_value,
-        ),
-        candidates=[
-            CandidateReport(
-                user_id=_user_id(c.id),
-                name=name_of(c.id),
-                score=c.score,
-                p_value=c.p_value,
-                hamming=c.hamming,
-            )
-            for c in attribution.candidates
-        ],
+        else _attribution_report(snapshot, attributed.id, attribution.confidence, attributed.p_value),
+        candidates=[_candidate_report(snapshot, c.id, c.score, c.p_value, c.hamming) for c in attribution.candidates],
         tokens=_token_reports(
             tokenizer, ids, result, candidate_bits=attribution.candidates[0].bits if attribution.candidates else None
         )
@@ -549,11 +576,6 @@ def analyze_likelihood(
             best = _LikelihoodReading(handle, result, attribution)
     assert best is not None
     handle, result, attribution = best.handle, best.result, best.attribution
-    users = snapshot.users
-
-    def name_of(user_id: object) -> str:
-        user = users.get(_user_id(user_id))
-        return user.name if user is not None else ""
 
     counted = decode(ids, handle.key, skip_ids=special, per_token=include_tokens)  # the counts, for the view
     top = attribution.candidates[0] if attribution.candidates else None
@@ -584,18 +606,8 @@ def analyze_likelihood(
         blocks=_block_reports(counted, result.scores),
         attribution=None
         if named is None
-        else AttributionReport(
-            user_id=_user_id(named.id),
-            name=name_of(named.id),
-            confidence=attribution.confidence,
-            p_value=named.p_value,
-        ),
-        candidates=[
-            CandidateReport(
-                user_id=_user_id(c.id), name=name_of(c.id), score=c.score, p_value=c.p_value, hamming=c.hamming
-            )
-            for c in attribution.candidates
-        ],
+        else _attribution_report(snapshot, named.id, attribution.confidence, named.p_value),
+        candidates=[_candidate_report(snapshot, c.id, c.score, c.p_value, c.hamming) for c in attribution.candidates],
         tokens=_token_reports(tokenizer, ids, counted, llr) if include_tokens else None,
         identity_level=identity_level,
         identity_p_value=attribution.identity_p_value,

@@ -75,6 +75,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from service.parties import party_key
 from service.provenance.retrieval import Retrieved
 from service.services.registry_cache import RegistrySnapshot
 from service.services.trace_analysis import (
@@ -383,7 +384,8 @@ def _ranks_first(outcome: TraceOutcome, user_id: int | None) -> bool:
     return (
         user_id is not None
         and bool(candidates)
-        and candidates[0].user_id == user_id
+        and party_key(candidates[0].user_id, None if candidates[0].end_user is None else candidates[0].end_user.id)
+        == user_id
         and outcome.confidence >= DEFAULT_MIN_CONFIDENCE
     )
 

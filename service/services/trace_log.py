@@ -61,6 +61,7 @@ class TraceLogService:
                 key_version=r.key_version,
                 attributed_user_id=r.trace.attributed_user_id,
                 attributed_user_name=r.attributed_user_name,
+                attributed_end_user_id=r.trace.attributed_end_user_id,
             )
             for r in rows
         ]

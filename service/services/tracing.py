@@ -194,7 +194,11 @@ class TracingService:
             "statistic": report.statistic,
             "scored_tokens": report.scored_tokens,
             "key_version_id": outcome.key_version_id,
-            "attributed_user_id": outcome.attributed_user_id,
+            # the account, and its end user when the text carries an end user's message ID
+            "attributed_user_id": None if report.attribution is None else report.attribution.user_id,
+            "attributed_end_user_id": None
+            if report.attribution is None or report.attribution.end_user is None
+            else report.attribution.end_user.id,
             "decoder": report.decoder,
             "created_at": signed.created_at,
             **signed.columns,

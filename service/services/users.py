@@ -20,7 +20,7 @@ service is given, in the same unit of work; a call that changes nothing records 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -79,8 +79,36 @@ def user_out(user: User, rows: Iterable[MessageId], encoding: MessageLength) -> 
     )
 
 
-def _allocate(existing: Iterable[str], params: WatermarkParams) -> Message:
+def allocate_one(existing: Iterable[str], params: WatermarkParams) -> Message:
+    """The registry's allocation rule for one new ID: ``xmark_core.allocate_message``."""
     return allocate_message(existing, params)
+
+
+async def choose_message_ids(
+    ids: MessageIdRepository, lengths: Sequence[WatermarkParams], allocator: Allocator = allocate_one
+) -> list[Message]:
+    """One new message ID per length in ``lengths``, for a new user or end user: each drawn far from
+    every ID of its length ever allocated (users', end users' and tombstones'), or uniformly past
+    ``SPREAD_ALLOCATION_LIMIT`` rows; the unique constraints on ``message_ids`` refuse one taken
+    concurrently (the caller then draws again). 409 when a length's space is exhausted."""
+    messages: list[Message] = []
+    large = await ids.newest_row() >= SPREAD_ALLOCATION_LIMIT
+    for params in lengths:
+        if large and params.bits >= SPREAD_MIN_BITS:
+            existing: list[str] = []  # drawn at random: the unique constraints check it
+        else:
+            existing = [
+                *await ids.held(params.bits, params.block_bits),
+                *await ids.created_with(params.bits),
+            ]
+        try:
+            messages.append(allocator(existing, params))
+        except MessageSpaceExhausted:
+            raise ConflictError(
+                f"The {params.bits}-bit message-ID space is exhausted; no more users can be registered",
+                code="message_space_exhausted",
+            ) from None
+    return messages
 
 
 class UserService:
@@ -90,7 +118,7 @@ class UserService:
         params: WatermarkParams | KeyVersionSpec,
         hasher: ApiKeyHasher,
         *,
-        allocator: Allocator = _allocate,
+        allocator: Allocator = allocate_one,
         on_change: Callable[[], None] | None = None,
         auth_cache: AuthCache | None = None,
         audit: AuditWriter = UNRECORDED,
@@ -143,23 +171,7 @@ class UserService:
         """Insert the user with one fresh message ID per length in use (and the encoding length)."""
         lengths = await lengths_in_use(self._session, self._params)
         for _ in range(MAX_ALLOCATION_ATTEMPTS):
-            messages: list[Message] = []
-            large = await self._ids.newest_row() >= SPREAD_ALLOCATION_LIMIT
-            for params in lengths.params:
-                if large and params.bits >= SPREAD_MIN_BITS:
-                    existing: list[str] = []  # drawn at random: the unique constraints check it
-                else:
-                    existing = [
-                        *await self._ids.held(params.bits, params.block_bits),
-                        *await self._ids.created_with(params.bits),
-                    ]
-                try:
-                    messages.append(self._allocator(existing, params))
-                except MessageSpaceExhausted:
-                    raise ConflictError(
-                        f"The {params.bits}-bit message-ID space is exhausted; no more users can be registered",
-                        code="message_space_exhausted",
-                    ) from None
+            messages = await choose_message_ids(self._ids, lengths.params, self._allocator)
             now = datetime.now(UTC)
             configured = messages[0]  # lengths.params[0] is the configured length
             user = User(

@@ -41,7 +41,6 @@ CHAT_CASES = [
     (_chat(messages=[{"role": "user", "content": "hi", "name": LONE}]), "messages.0.name"),
     (_chat(stop=LONE), "stop"),
     (_chat(stop=["fine", LONE]), "stop"),
-    (_chat(user=LONE), "user"),
     (_chat(model=LONE), "model"),
     (
         _chat(stream=True, messages=[{"role": "system", "content": "x"}, {"role": "user", "content": LONE}]),
@@ -61,6 +60,20 @@ async def test_chat_fields_with_lone_surrogates_are_422(
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert "\\ud800" not in error["message"] or "surrogate" in error["message"]
+    assert await _counts(db_session) == before
+
+
+@pytest.mark.parametrize("field", ["user", "safety_identifier"])
+async def test_an_end_user_identifier_with_a_lone_surrogate_is_400_and_creates_nothing(
+    client: httpx.AsyncClient, make_user: Any, db_session: AsyncSession, field: str
+) -> None:
+    # the end-user identifier's rules are one check (service.end_users.identifier): every refusal a 400
+    _, key = await make_user("user")
+    before = await _counts(db_session)
+    response = await _post(client, "/v1/chat/completions", _chat(**{field: LONE}), key)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "surrogate" in error["message"]
     assert await _counts(db_session) == before
 
 

@@ -31,6 +31,7 @@ TABLES = {
     "message_ids",
     "registry_audit",
     "registry_audit_head",
+    "end_users",
 }
 
 
@@ -363,3 +364,23 @@ async def test_sqlite_registry_audit_head(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_postgres_registry_audit_head(scratch_postgres: str) -> None:
     await _registry_audit_head(scratch_postgres)
+
+
+async def _end_users_keep_the_triggers(url: str) -> None:
+    """0013 adds the end-user columns without losing generations' triggers (usage, postings), and
+    its downgrade drops them the same way."""
+    await asyncio.to_thread(upgrade_database, url, "0012")
+    triggers = "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'generations'"
+    before = (await _execute(url, triggers))[0][0]
+    assert before > 0
+    await asyncio.to_thread(upgrade_database, url, "0013")
+    assert (await _execute(url, triggers))[0][0] == before
+    columns = {row[1] for row in await _execute(url, "PRAGMA table_info(generations)")}
+    assert "end_user_id" in columns
+    await asyncio.to_thread(downgrade_database, url, "0012")
+    assert (await _execute(url, triggers))[0][0] == before
+    assert "end_user_id" not in {row[1] for row in await _execute(url, "PRAGMA table_info(generations)")}
+
+
+async def test_sqlite_end_users_keep_the_generation_triggers(tmp_path: Path) -> None:
+    await _end_users_keep_the_triggers(f"sqlite+aiosqlite:///{tmp_path / 'e.db'}")

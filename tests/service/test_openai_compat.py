@@ -64,9 +64,12 @@ async def test_honoured_fields_have_their_effect(sdk: openai.AsyncOpenAI, stream
     stop = greedy[0].strip().split()[1]
     cut, _ = await _text(sdk, stream, max_tokens=12, temperature=0, stop=[stop])
     assert stop not in cut[0] and greedy[0].startswith(cut[0])
-    # fields without effect on the output are accepted
-    labelled, _ = await _text(sdk, stream, max_tokens=12, temperature=0, user="u-7", metadata={"case": "42"})
+    # a field without effect on the output is accepted
+    labelled, _ = await _text(sdk, stream, max_tokens=12, temperature=0, metadata={"case": "42"})
     assert labelled == greedy
+    # ``user`` names an end user: its own message ID is the watermark, the same answer each time
+    end_user, _ = await _text(sdk, stream, max_tokens=12, temperature=0, user="u-7")
+    assert end_user == (await _text(sdk, stream, max_tokens=12, temperature=0, user="u-7"))[0]
 
 
 async def test_logprobs_through_the_client(sdk: openai.AsyncOpenAI) -> None:

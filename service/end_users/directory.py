@@ -1,0 +1,279 @@
+"""The request path of end users: the identifier a request names -> the end user it is generated for.
+
+* **Warm** (a known end user, cached): no database round trip. The cache is per process, keyed by
+  (account, identifier), holds the end user's id, status and message IDs for ``ttl`` seconds (the
+  authentication cache's TTL) and at most ``max_entries`` of them (least recently used leave first).
+* **Cold, known**: one statement reads the end user with its message IDs; ``last_seen_at`` is
+  written when the last write is more than a minute old. An end user without an ID of the length the
+  request is encoded with (a key version of a new length) gets one there.
+* **First sight**: under the account's end-user lock (``EndUserRepository.lock_account``) the end
+  user is read again (a concurrent first sight may have created it), the account's caps are checked
+  (``end_users_max_per_account``, ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``,
+  nothing allocated), and the end user is inserted with ``ON CONFLICT DO NOTHING`` on (account,
+  identifier) with one new message ID per length in use, drawn by the registry's allocation rule
+  (``services/users.choose_message_ids``). The creation is recorded in the audit trail as made by the
+  account (actor ``api``). Two first sights racing for one identifier end with one end user.
+* A disabled or deleted end user is refused with 403, like a disabled account; the account's other
+  end users are unaffected. Admin changes through this process drop the entry at once and again
+  when they commit; other replicas see them within ``ttl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import event
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from service.config import Settings
+from service.db import session_scope
+from service.end_users.repository import EndUserRepository, FoundEndUser
+from service.errors import ConflictError, PermissionDeniedError, RateLimitError
+from service.models import EndUser, MessageId
+from service.repositories.message_ids import MessageIdRepository
+from service.schemas.common import EndUserIdentity, Principal
+from service.services.audit import Actor, AuditTrail, Change
+from service.services.message_ids import MessageLength, lengths_in_use, message_ids_out
+from service.services.reports import ReportSigner
+from service.services.users import MAX_ALLOCATION_ATTEMPTS, Allocator, allocate_one, choose_message_ids
+from service.vocabulary import AuditAction, AuditTarget, EndUserStatus
+from xmark_core import WatermarkParams
+from xmark_core.encoders import KeyVersionSpec
+
+logger = logging.getLogger("xmark.end_users")
+
+SEEN_RESOLUTION = timedelta(minutes=1)
+LIMIT_CODE = "end_user_limit_exceeded"
+
+
+@dataclass(slots=True)
+class _Entry:
+    identity: EndUserIdentity
+    status: str
+    expires_at: float
+
+
+def identity_of(row: EndUser, message_ids: Sequence[MessageId]) -> EndUserIdentity:
+    ids = message_ids_out(message_ids)
+    return EndUserIdentity(id=row.id, identifier=row.identifier, message_ids=tuple(ids))
+
+
+def refusal(status: str) -> PermissionDeniedError:
+    """403 for an end user that may not generate (its status)."""
+    if status == EndUserStatus.DELETED:
+        return PermissionDeniedError("This end user has been deleted", code="end_user_deleted")
+    return PermissionDeniedError("This end user is disabled", code="end_user_disabled")
+
+
+def end_user_created(row: EndUser, message_ids: Sequence[MessageId]) -> Change:
+    after = {
+        "user_id": row.user_id,
+        "identifier": row.identifier,
+        "status": row.status,
+        "message_ids": [m.model_dump() for m in message_ids_out(message_ids)],
+    }
+    return Change(AuditAction.END_USER_CREATE, AuditTarget.END_USER, row.id, None, after)
+
+
+class EndUserCache:
+    """Known end users of this process, by (account id, identifier)."""
+
+    def __init__(self, ttl: float, max_entries: int = 10_000, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[tuple[int, str], _Entry] = OrderedDict()
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def get(self, key: tuple[int, str]) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self._clock() >= entry.expires_at:
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple[int, str], identity: EndUserIdentity, status: str, *, epoch: int) -> None:
+        if self.ttl <= 0 or epoch != self._epoch:
+            return
+        self._entries[key] = _Entry(identity, status, self._clock() + self.ttl)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def invalidate(self, end_user_id: int, session: AsyncSession | None = None) -> None:
+        """Forget the end user now and, given the changing ``session``, again when it commits."""
+
+        def drop() -> None:
+            self._epoch += 1
+            for key in [k for k, e in self._entries.items() if e.identity.id == end_user_id]:
+                del self._entries[key]
+
+        drop()
+        if session is not None:
+            event.listen(session.sync_session, "after_commit", lambda _: drop(), once=True)
+
+    def clear(self) -> None:
+        self._epoch += 1
+        self._entries.clear()
+
+
+class EndUserDirectory:
+    def __init__(
+        self,
+        *,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        settings: Settings,
+        configured: WatermarkParams | KeyVersionSpec,
+        signer: ReportSigner,
+        cache: EndUserCache,
+        on_change: Callable[[], None] | None = None,
+        allocator: Allocator = allocate_one,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._settings = settings
+        self._configured = configured
+        self._signer = signer
+        self.cache = cache
+        self._on_change = on_change
+        self._allocator = allocator
+
+    async def resolve(
+        self, principal: Principal, identifier: str, length: MessageLength, *, request_id: str | None = None
+    ) -> EndUserIdentity:
+        """The account's end user named ``identifier``, holding an ID of ``length`` (created on first
+        sight); 403 for a disabled or deleted one, 429 past the account's caps."""
+        key = (principal.user_id, identifier)
+        entry = self.cache.get(key)
+        if entry is not None and entry.identity.message_id_for(*length) is not None:
+            if entry.status != EndUserStatus.ACTIVE:
+                raise refusal(entry.status)
+            return entry.identity
+        epoch = self.cache.epoch
+        async with session_scope(self._sessionmaker) as session:
+            repo = EndUserRepository(session)
+            found = await repo.find(principal.user_id, identifier)
+            if found is None:
+                audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
+                found = await self._first_sight(session, repo, principal.user_id, identifier, audit)
+            elif not any((m.bits, m.block_bits) == length for m in found.message_ids):
+                found = await self._fill(session, repo, found)
+            else:
+                now = datetime.now(UTC)
+                if now - found.row.last_seen_at >= SEEN_RESOLUTION:
+                    await repo.seen(found.row.id, now)
+            identity, status = identity_of(found.row, found.message_ids), found.row.status
+        self.cache.put(key, identity, status, epoch=epoch)
+        if status != EndUserStatus.ACTIVE:
+            raise refusal(status)
+        return identity
+
+    async def _first_sight(
+        self, session: AsyncSession, repo: EndUserRepository, user_id: int, identifier: str, audit: AuditTrail
+    ) -> FoundEndUser:
+        await repo.lock_account(user_id)
+        found = await repo.find(user_id, identifier)
+        if found is not None:  # a concurrent first sight created it while this one waited
+            return found
+        now = datetime.now(UTC)
+        self._check_caps(
+            total=await repo.count(user_id) if self._settings.end_users_max_per_account else 0,
+            recent=await repo.count(user_id, since=now - timedelta(minutes=1))
+            if self._settings.end_users_new_per_minute
+            else 0,
+        )
+        lengths = (await lengths_in_use(session, self._configured)).params
+        ids = MessageIdRepository(session)
+        for _ in range(MAX_ALLOCATION_ATTEMPTS):
+            messages = await choose_message_ids(ids, lengths, self._allocator)
+            try:
+                async with session.begin_nested():
+                    end_user_id = await repo.insert(user_id, identifier, now)
+                    if end_user_id is None:  # the unique constraint: it exists after all
+                        break
+                    rows = [
+                        MessageId(
+                            end_user_id=end_user_id,
+                            bits=m.params.bits,
+                            block_bits=m.params.block_bits,
+                            message_id=m.bits,
+                            created_at=now,
+                        )
+                        for m in messages
+                    ]
+                    await repo.add_message_ids(rows)
+            except IntegrityError:
+                logger.info("message ID taken concurrently; allocating again")
+                continue
+            found = await repo.find(user_id, identifier)
+            assert found is not None
+            await audit.record(session, end_user_created(found.row, found.message_ids))
+            if self._on_change is not None:
+                self._on_change()
+            logger.info("end user created", extra={"user_id": user_id, "end_user_id": end_user_id})
+            return found
+        else:
+            raise ConflictError("Could not allocate a unique message ID; retry the request", code="message_id_conflict")
+        found = await repo.find(user_id, identifier)
+        assert found is not None
+        return found
+
+    def _check_caps(self, *, total: int, recent: int) -> None:
+        s = self._settings
+        if s.end_users_max_per_account and total >= s.end_users_max_per_account:
+            raise RateLimitError(
+                f"This account has reached its limit of {s.end_users_max_per_account} end users "
+                "(end_users_max_per_account); no new end user was created",
+                retry_after_s=60,
+                code=LIMIT_CODE,
+            )
+        if s.end_users_new_per_minute and recent >= s.end_users_new_per_minute:
+            raise RateLimitError(
+                f"This account has reached its limit of {s.end_users_new_per_minute} new end users per minute "
+                "(end_users_new_per_minute); no new end user was created",
+                retry_after_s=60,
+                code=LIMIT_CODE,
+            )
+
+    async def _fill(self, session: AsyncSession, repo: EndUserRepository, found: FoundEndUser) -> FoundEndUser:
+        """Give a known end user an ID of every length in use it lacks (a key version of a new length)."""
+        held = {(m.bits, m.block_bits) for m in found.message_ids}
+        lengths = [
+            p for p in (await lengths_in_use(session, self._configured)).params if (p.bits, p.block_bits) not in held
+        ]
+        ids = MessageIdRepository(session)
+        now = datetime.now(UTC)
+        for _ in range(MAX_ALLOCATION_ATTEMPTS):
+            messages = await choose_message_ids(ids, lengths, self._allocator)
+            rows = [
+                {
+                    "end_user_id": found.row.id,
+                    "bits": m.params.bits,
+                    "block_bits": m.params.block_bits,
+                    "message_id": m.bits,
+                    "created_at": now,
+                }
+                for m in messages
+            ]
+            await ids.insert_if_free(rows)
+            refreshed = await repo.find(found.row.user_id, found.row.identifier)
+            assert refreshed is not None
+            if all(
+                any((m.bits, m.block_bits) == (p.bits, p.block_bits) for m in refreshed.message_ids) for p in lengths
+            ):
+                if self._on_change is not None:
+                    self._on_change()
+                return refreshed
+        raise ConflictError("Could not allocate a unique message ID; retry the request", code="message_id_conflict")

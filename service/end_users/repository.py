@@ -1,0 +1,129 @@
+"""Queries over the end_users table and the end users' rows of message_ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.models import EndUser, MessageId
+from service.repositories.like import escape_like
+
+
+@dataclass(frozen=True)
+class FoundEndUser:
+    """An end user as the request path reads it: the row and its message IDs."""
+
+    row: EndUser
+    message_ids: tuple[MessageId, ...]
+
+
+def _insert(dialect: str) -> Any:
+    if dialect == "postgresql":
+        return postgresql.insert
+    if dialect == "sqlite":
+        return sqlite.insert
+    raise NotImplementedError(f"no INSERT … ON CONFLICT for {dialect}")  # pragma: no cover
+
+
+class EndUserRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+        self._dialect = session.get_bind().dialect.name
+
+    async def find(self, user_id: int, identifier: str) -> FoundEndUser | None:
+        """The account's end user with ``identifier`` and its message IDs (one statement)."""
+        stmt = (
+            select(EndUser, MessageId)
+            .outerjoin(MessageId, MessageId.end_user_id == EndUser.id)
+            .where(EndUser.user_id == user_id, EndUser.identifier == identifier)
+        )
+        rows = (await self._session.execute(stmt)).all()
+        if not rows:
+            return None
+        return FoundEndUser(rows[0][0], tuple(m for _, m in rows if m is not None))
+
+    async def get(self, user_id: int, end_user_id: int, *, for_update: bool = False) -> EndUser | None:
+        stmt = select(EndUser).where(EndUser.id == end_user_id, EndUser.user_id == user_id)
+        if for_update:
+            stmt = stmt.with_for_update()
+        return (await self._session.execute(stmt)).scalar_one_or_none()
+
+    async def lock_account(self, user_id: int) -> None:
+        """Hold the account's end-user lock until the transaction ends, so first sights of its end
+        users (and the caps they count) are decided one after the other: PostgreSQL, the account's
+        row lock; SQLite, the database's write lock (a write that changes nothing)."""
+        if self._dialect == "postgresql":
+            await self._session.execute(text("SELECT id FROM users WHERE id = :id FOR UPDATE"), {"id": user_id})
+        else:
+            await self._session.execute(text("UPDATE end_users SET id = id WHERE 1 = 0"))
+
+    async def count(self, user_id: int, *, since: datetime | None = None) -> int:
+        """The account's end users (deleted ones included), or those created at or after ``since``."""
+        filters: list[ColumnElement[bool]] = [EndUser.user_id == user_id]
+        if since is not None:
+            filters.append(EndUser.created_at >= since)
+        return int(await self._session.scalar(select(func.count()).select_from(EndUser).where(*filters)) or 0)
+
+    async def insert(self, user_id: int, identifier: str, now: datetime) -> int | None:
+        """Insert the end user unless the account already has one with ``identifier`` (the unique
+        constraint: a concurrent first sight won); its id, or None when it was there."""
+        values = {
+            "user_id": user_id,
+            "identifier": identifier,
+            "status": "active",
+            "created_at": now,
+            "last_seen_at": now,
+        }
+        stmt = (
+            _insert(self._dialect)(EndUser)
+            .values(values)
+            .on_conflict_do_nothing(index_elements=["user_id", "identifier"])
+            .returning(EndUser.id)
+        )
+        return await self._session.scalar(stmt)
+
+    async def add_message_ids(self, rows: Sequence[MessageId]) -> None:
+        self._session.add_all(rows)
+        await self._session.flush()
+
+    async def seen(self, end_user_id: int, now: datetime) -> None:
+        await self._session.execute(update(EndUser).where(EndUser.id == end_user_id).values(last_seen_at=now))
+
+    async def page(
+        self, user_id: int, *, limit: int, offset: int, q: str | None = None, status: str | None = None
+    ) -> tuple[Sequence[EndUser], int]:
+        """A page of the account's end users by id, and how many match (``q``: a case-insensitive
+        substring of the identifier)."""
+        filters: list[ColumnElement[bool]] = [EndUser.user_id == user_id]
+        if q:
+            filters.append(EndUser.identifier.ilike(f"%{escape_like(q)}%", escape="\\"))
+        if status is not None:
+            filters.append(EndUser.status == status)
+        rows = await self._session.scalars(
+            select(EndUser).where(*filters).order_by(EndUser.id).limit(limit).offset(offset)
+        )
+        total = await self._session.scalar(select(func.count()).select_from(EndUser).where(*filters))
+        return rows.all(), int(total or 0)
+
+    async def message_ids_of(self, end_user_ids: Sequence[int]) -> dict[int, list[MessageId]]:
+        found: dict[int, list[MessageId]] = {i: [] for i in end_user_ids}
+        if not end_user_ids:
+            return found
+        stmt = (
+            select(MessageId)
+            .where(MessageId.end_user_id.in_(list(end_user_ids)))
+            .order_by(MessageId.end_user_id, MessageId.bits, MessageId.block_bits)
+        )
+        for row in (await self._session.scalars(stmt)).all():
+            if row.end_user_id is not None:
+                found[row.end_user_id].append(row)
+        return found
+
+    async def flush(self) -> None:
+        await self._session.flush()

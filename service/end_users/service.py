@@ -1,0 +1,116 @@
+"""The admin side of end users: listing an account's end users, disabling, enabling, deleting.
+
+Every change is recorded in the registry's audit trail by the writer the service is given, in the
+same unit of work; a call that changes nothing records nothing. A change drops the end user from
+this process's directory cache now and when it commits (other replicas: within the cache's TTL).
+Deleting is a tombstone: the row and its message IDs stay, its texts keep tracing, and its
+identifier cannot name a new end user of the account.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.end_users.directory import EndUserCache
+from service.end_users.repository import EndUserRepository
+from service.end_users.schemas import EndUserOut, EndUserPage
+from service.errors import ConflictError, NotFoundError
+from service.models import EndUser, MessageId, User
+from service.services.audit import UNRECORDED, AuditWriter, Change
+from service.services.message_ids import message_ids_out
+from service.vocabulary import AuditAction, AuditTarget, EndUserStatus
+
+logger = logging.getLogger("xmark.end_users")
+
+
+def end_user_out(row: EndUser, message_ids: Sequence[MessageId]) -> EndUserOut:
+    return EndUserOut(
+        id=row.id,
+        user_id=row.user_id,
+        identifier=row.identifier,
+        status=EndUserStatus(row.status),
+        message_ids=message_ids_out(message_ids),
+        created_at=row.created_at,
+        last_seen_at=row.last_seen_at,
+    )
+
+
+class EndUserService:
+    def __init__(
+        self,
+        session: AsyncSession,
+        *,
+        cache: EndUserCache | None = None,
+        on_change: Callable[[], None] | None = None,
+        audit: AuditWriter = UNRECORDED,
+    ) -> None:
+        self._session = session
+        self._repo = EndUserRepository(session)
+        self._cache = cache
+        self._on_change = on_change
+        self._audit = audit
+
+    async def list_end_users(
+        self, user_id: int, *, limit: int, offset: int, q: str | None = None, status: str | None = None
+    ) -> EndUserPage:
+        await self._require_account(user_id)
+        rows, total = await self._repo.page(user_id, limit=limit, offset=offset, q=q, status=status)
+        ids = await self._repo.message_ids_of([row.id for row in rows])
+        return EndUserPage.of([end_user_out(r, ids[r.id]) for r in rows], total=total, limit=limit, offset=offset)
+
+    async def disable(self, user_id: int, end_user_id: int) -> EndUserOut:
+        return await self._set_status(
+            user_id, end_user_id, EndUserStatus.DISABLED, AuditAction.END_USER_DISABLE, frm=EndUserStatus.ACTIVE
+        )
+
+    async def enable(self, user_id: int, end_user_id: int) -> EndUserOut:
+        return await self._set_status(
+            user_id, end_user_id, EndUserStatus.ACTIVE, AuditAction.END_USER_ENABLE, frm=EndUserStatus.DISABLED
+        )
+
+    async def delete(self, user_id: int, end_user_id: int) -> EndUserOut:
+        """Tombstone: status deleted; the row and its message IDs are kept forever."""
+        row = await self._require(user_id, end_user_id)
+        if row.status != EndUserStatus.DELETED:
+            await self._change(row, EndUserStatus.DELETED, AuditAction.END_USER_DELETE)
+        return await self._out(row)
+
+    async def _set_status(
+        self, user_id: int, end_user_id: int, status: EndUserStatus, action: AuditAction, *, frm: EndUserStatus
+    ) -> EndUserOut:
+        row = await self._require(user_id, end_user_id)
+        if row.status == EndUserStatus.DELETED:
+            raise ConflictError("A deleted end user cannot be changed", code="end_user_deleted")
+        if row.status == frm:
+            await self._change(row, status, action)
+        return await self._out(row)
+
+    async def _change(self, row: EndUser, status: EndUserStatus, action: AuditAction) -> None:
+        before: Mapping[str, Any] = {"status": row.status}
+        row.status = status
+        await self._repo.flush()
+        after = {"status": status, "user_id": row.user_id, "identifier": row.identifier}
+        await self._audit.record(self._session, Change(action, AuditTarget.END_USER, row.id, before, after))
+        if self._cache is not None:
+            self._cache.invalidate(row.id, self._session)
+        if self._on_change is not None:
+            self._on_change()
+        logger.info(f"end user {status}", extra={"user_id": row.user_id, "end_user_id": row.id})
+
+    async def _out(self, row: EndUser) -> EndUserOut:
+        return end_user_out(row, (await self._repo.message_ids_of([row.id]))[row.id])
+
+    async def _require_account(self, user_id: int) -> None:
+        if await self._session.get(User, user_id) is None:
+            raise NotFoundError(f"User {user_id} not found", param="user_id")
+
+    async def _require(self, user_id: int, end_user_id: int) -> EndUser:
+        await self._require_account(user_id)
+        row = await self._repo.get(user_id, end_user_id, for_update=True)
+        if row is None:
+            raise NotFoundError(f"End user {end_user_id} of user {user_id} not found", param="end_user_id")
+        return row
