@@ -232,20 +232,17 @@ class EndUserDirectory:
 
     def _check_caps(self, *, total: int, recent: int) -> None:
         s = self._settings
-        if s.end_users_max_per_account and total >= s.end_users_max_per_account:
-            raise RateLimitError(
-                f"This account has reached its limit of {s.end_users_max_per_account} end users "
-                "(end_users_max_per_account); no new end user was created",
-                retry_after_s=60,
-                code=LIMIT_CODE,
-            )
-        if s.end_users_new_per_minute and recent >= s.end_users_new_per_minute:
-            raise RateLimitError(
-                f"This account has reached its limit of {s.end_users_new_per_minute} new end users per minute "
-                "(end_users_new_per_minute); no new end user was created",
-                retry_after_s=60,
-                code=LIMIT_CODE,
-            )
+        caps = (
+            (s.end_users_max_per_account, total, "end users", "end_users_max_per_account"),
+            (s.end_users_new_per_minute, recent, "new end users per minute", "end_users_new_per_minute"),
+        )
+        for cap, count, what, name in caps:
+            if cap and count >= cap:
+                raise RateLimitError(
+                    f"This account has reached its limit of {cap} {what} ({name}); no new end user was created",
+                    retry_after_s=60,
+                    code=LIMIT_CODE,
+                )
 
     async def _fill(self, session: AsyncSession, repo: EndUserRepository, found: FoundEndUser) -> FoundEndUser:
         """Give a known end user an ID of every length in use it lacks (a key version of a new length)."""
