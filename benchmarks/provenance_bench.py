@@ -71,6 +71,7 @@ from service.db import create_engine, create_sessionmaker, session_scope, upgrad
 from service.keyring import params_from_settings
 from service.models import KeyVersion, User
 from service.provenance.retrieval import rank, select_terms
+from service.provenance.search import CANDIDATES, ProvenanceSearch
 from service.provenance.sketch import (
     QUERY_TERM_LIMIT,
     STOP_WORDS,
@@ -79,8 +80,9 @@ from service.provenance.sketch import (
     Sketcher,
     derive_sketch_key,
 )
-from service.repositories.provenance import PlannerStatistics, ProvenanceRepository
-from service.services.provenance import CANDIDATES, ProvenanceSearch
+from service.repositories.planner import PlannerStatistics
+from service.repositories.provenance import ProvenanceRepository
+from service.trace.policy import TracePolicy
 
 DEFAULT_URL = "postgresql+asyncpg://root@127.0.0.1:5432/xmark_provenance_bench"
 MODEL = "smollm2-135m-instruct"
@@ -488,7 +490,7 @@ def _provenance_search(
 ) -> ProvenanceSearch:
     """``ProvenanceSearch`` on the session's repository, as /trace builds it (``TracingService``:
     the process's cache of the planner's statistics)."""
-    return ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, settings)
+    return ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, TracePolicy.from_settings(settings))
 
 
 async def _timed_searches(

@@ -50,7 +50,7 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +68,14 @@ from service.config import Settings
 from service.keyring import KeyVersionHandle
 from service.security import generate_api_key
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
-from service.services.trace_analysis import analyze_counting, analyze_likelihood, tokenize
+from service.trace.analysis import analyze_counting, analyze_likelihood, tokenize
+from service.trace.policy import TracePolicy
 from service.vocabulary import KeyVersionStatus
 from xmark_core import CandidateSet, Message, MessageAllocator, WatermarkKey, WatermarkParams
 
 SECRET = "trace-naming-benchmark-secret-5a1f"
-ALPHA = 1e-3
+# the product's policy (its level alpha); each reading below is one test, as a trace of one version
+POLICY = TracePolicy()
 ATTEMPTS = 6
 ROUTES = ("chat", "messages")
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://root@127.0.0.1:5432/xmark_trace_naming"
@@ -133,16 +135,15 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
     outcome: dict[str, dict[str, int]] = {name: {"named": 0, "wrong": 0, "null_named": 0} for name in readers}
     seconds: list[float] = []
     lengths: list[int] = []
+    policy = replace(POLICY, temperature=args.trace_temperature)
     for texts, owners in ((marked, authors), (plain, [None] * args.users)):
         for text, owner in zip(texts, owners, strict=True):
             ids = tokenize(tokenizer, text)
             lengths.append(len(ids))
-            counted = analyze_counting(ids, tokenizer, versions, snapshot, alpha=ALPHA, tries=1)  # one test each
+            counted = analyze_counting(ids, tokenizer, versions, snapshot, policy=policy, tries=1)  # one test each
             begun = time.perf_counter()
             scores = await backend.score(ids, args.top_k)
-            likely = analyze_likelihood(
-                ids, scores, tokenizer, versions, snapshot, alpha=ALPHA, temperature=args.trace_temperature, tries=1
-            )
+            likely = analyze_likelihood(ids, scores, tokenizer, versions, snapshot, policy=policy, tries=1)
             seconds.append(time.perf_counter() - begun)
             readings = [("counting", counted), ("likelihood", likely)]
             if args.identity_level is not None:  # the same scores, named only after the identity test
@@ -152,10 +153,8 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
                     tokenizer,
                     versions,
                     snapshot,
-                    alpha=ALPHA,
-                    temperature=args.trace_temperature,
+                    policy=policy.with_identity_level(args.identity_level),
                     tries=1,
-                    identity_level=args.identity_level,
                 )
                 readings.append(("likelihood_identity", guarded))
             for name, result in readings:
@@ -445,7 +444,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "temperature": args.temperature,
         "trace_temperature": args.trace_temperature,
         "top_k": args.top_k,
-        "alpha": ALPHA,
+        "alpha": POLICY.alpha,
         "identity_level": args.identity_level,
         "results": results,
     }

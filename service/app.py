@@ -24,11 +24,12 @@ from service.resources import (
     startup_audit,
     sync_keyring,
 )
-from service.routers import admin, audit, chat, completions, console, health, me, messages, responses, trace
+from service.routers import admin, audit, chat, completions, console, health, me, messages, responses
 from service.routers.api_docs import install_api_docs
 from service.security import ApiKeyHasher
 from service.services.reports import ReportSigner
 from service.telemetry import TracingMiddleware
+from service.trace import router as trace
 
 logger = logging.getLogger("xmark.app")
 

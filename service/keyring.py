@@ -25,7 +25,9 @@ holds both; :meth:`Keyring.readings` gives one handle per encoder, what ``/trace
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -39,7 +41,7 @@ from service.errors import ServiceUnavailableError
 from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
 from service.vocabulary import KeyVersionStatus
-from xmark_core import WatermarkKey, WatermarkParams
+from xmark_core import WatermarkKey, WatermarkParams, warm_null_cache
 from xmark_core.encoders import KeyVersionSpec, as_spec, companion_key
 from xmark_core.params import Scheme
 
@@ -343,3 +345,31 @@ class Keyring:
         # but time) but never encode: order active ones first for clarity.
         handles.sort(key=lambda h: h.status != KeyVersionStatus.ACTIVE)
         self._handles = tuple(handles)
+
+
+async def prepare_null_distributions(keyring: Keyring, max_row_tokens: int) -> None:
+    """Simulate the per-row null distributions that /trace's test needs, for rows of 1 to
+    ``max_row_tokens`` tokens and the parameters of every usable key version.
+
+    Each row size is simulated once per process and cached; without
+    this, the first traces after start-up pay for it inline. Runs on a worker thread, one row
+    size at a time, so it can be cancelled between sizes and the event loop keeps serving.
+    """
+    started = time.perf_counter()
+    done: list[object] = []
+    try:
+        for handle in keyring.readings():
+            params = handle.key.params
+            if params in done:
+                continue
+            done.append(params)
+            for n in range(1, max_row_tokens + 1):
+                await asyncio.to_thread(warm_null_cache, params, n, min_row_tokens=n)
+    except Exception as exc:  # traces still work: they simulate what they need on first use
+        logger.warning("preparing trace null distributions failed", extra={"error_type": type(exc).__name__})
+        return
+    seconds = round(time.perf_counter() - started, 1)
+    logger.info(
+        "trace null distributions ready",
+        extra={"row_tokens": max_row_tokens, "parameter_sets": len(done), "seconds": seconds},
+    )

@@ -28,11 +28,11 @@ from service.embeddings.records import EmbeddingRecords, open_embedding_records
 from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.errors import ServiceUnavailableError
 from service.fleet import Fleet, ServedModel, embedding_model_settings, model_settings
-from service.keyring import Keyring, spec_from_settings
+from service.keyring import Keyring, prepare_null_distributions, spec_from_settings
 from service.metrics import Metrics
 from service.models import Generation, Trace
 from service.provenance.sketch import Sketcher, derive_sketch_key
-from service.repositories.provenance import PlannerStatistics
+from service.repositories.planner import PlannerStatistics
 from service.salts import SaltRotation
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.admission import Admission, open_admission
@@ -45,7 +45,6 @@ from service.services.last_use import LastUseRecorder
 from service.services.message_ids import backfill_message_ids
 from service.services.registry_cache import RegistryCache
 from service.services.reports import ReportSigner
-from service.services.tracing import prepare_null_distributions
 from service.telemetry import Telemetry, open_telemetry
 from service.vocabulary import KeyVersionStatus
 from xmark_core import WatermarkParams

@@ -34,7 +34,7 @@ from .decoder import DecodeResult, null_inclusion_probability
 from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
 from .message import bits_to_blocks
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking, rule_of
 from .null import binomial_log_cdf, binomial_log_pmf
 from .params import WatermarkParams
 
@@ -162,6 +162,7 @@ def attribute(
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     tries: int = 1,
     identity_level: float | None = None,
+    rule: NamingRule | None = None,
 ) -> Attribution:
     """Score every candidate against the decoded matrix.
 
@@ -178,7 +179,7 @@ def attribute(
     edited text included); needs a cTMM reading or k = 1. The ``gumbel`` scheme always runs its own
     identity test (:func:`gumbel_identity_p`), at ``alpha`` or at this level where it is stricter.
     """
-    rule = NamingRule(alpha, min_confidence, identity_level)
+    rule = rule_of(rule, alpha, min_confidence, identity_level)
     distortion_free = result.params.distortion_free
     if identity_level is not None and not distortion_free and not result.constrained and result.params.num_keys > 1:
         raise ValueError("identity_level needs a cTMM reading (decode(..., constrained=True)) or k = 1")
@@ -226,7 +227,7 @@ def attribute(
         margin = best_score
     p_best = float(p_values[0])
     confidence = float(posterior[order[0]])
-    named = rule.evidence_names(p_best, margin, confidence)
+    named = rule.evidence_names(p_best, margin, confidence, lone=count == 1)
     identity = None
     level = rule.identity_bound(always=False)
     if named and level is not None:  # the best explains the text; does no other user?
@@ -284,7 +285,7 @@ def _attribute_gumbel(
     else:
         margin = float(scores_all[order[0]])
     p_best, confidence = float(p_values[0]), float(posterior[order[0]])
-    named = rule.evidence_names(p_best, margin, confidence)
+    named = rule.evidence_names(p_best, margin, confidence, lone=count == 1)
     identity = None
     level = rule.identity_bound(always=True)
     if named and count > 1 and level is not None:

@@ -70,7 +70,7 @@ from .likelihood import (
     rank_by_likelihood,
     tempered,
 )
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking, rule_of
 from .params import WatermarkParams
 
 FloatArray = npt.NDArray[np.float64]
@@ -363,13 +363,14 @@ def attribute_gumbel_likelihood(
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     tries: int = 1,
     identity_level: float | None = None,
+    rule: NamingRule | None = None,
 ) -> LikelihoodAttribution:
     """Score every registered message; name the best only if its p-value, corrected for the
     registry size and ``tries``, is below ``alpha``, its posterior (softmax of the LLRs) at least
     ``min_confidence``, and its identity test against every other registered message at most
     ``alpha`` (or ``identity_level`` where that is stricter), as the counting ``gumbel`` decoder.
     With salts, every p-value also counts the S salts the reading chose among."""
-    rule = NamingRule(alpha, min_confidence, identity_level)
+    rule = rule_of(rule, alpha, min_confidence, identity_level)
     check_ranking(top, tries)
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
@@ -396,7 +397,7 @@ def attribute_gumbel_likelihood(
         out.append(
             CandidateScore(candidates.ids[idx], candidates.bits_of(int(idx)), float(totals[idx]), p_value, hamming)
         )
-    named = rule.evidence_names(p_best, margin, confidence)
+    named = rule.evidence_names(p_best, margin, confidence, lone=count == 1)
     identity = None
     level = rule.identity_bound(always=True)
     if named and count > 1 and level is not None:

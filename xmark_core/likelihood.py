@@ -81,7 +81,7 @@ from .detect import DEFAULT_ALPHA
 from .errors import DecodeInputError, ParamsError
 from .hashing import block_index, context_multipliers, shard, shard_of, token_codes
 from .keys import WatermarkKey
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking
+from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking, rule_of
 from .params import WatermarkParams
 
 DEFAULT_TOP_K = 20
@@ -528,6 +528,7 @@ def attribute_likelihood(
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     tries: int = 1,
     identity_level: float | None = None,
+    rule: NamingRule | None = None,
 ) -> LikelihoodAttribution:
     """Score every registered message; name the best only if its corrected p-value is below
     ``alpha`` and its posterior at least ``min_confidence`` (``tries``: key versions tried).
@@ -536,7 +537,7 @@ def attribute_likelihood(
     most this (a wrong registered user is then named with probability at most ``identity_level``
     on any watermarked text, whatever the model's calibration). Off by default: it costs naming
     (see docs/xmark_core.md)."""
-    rule = NamingRule(alpha, min_confidence, identity_level)
+    rule = rule_of(rule, alpha, min_confidence, identity_level)
     check_ranking(top, tries)
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
@@ -560,7 +561,7 @@ def attribute_likelihood(
         out.append(
             CandidateScore(candidates.ids[idx], candidates.bits_of(int(idx)), float(totals[idx]), p_value, hamming)
         )
-    named = rule.evidence_names(p_best, margin, confidence)
+    named = rule.evidence_names(p_best, margin, confidence, lone=count == 1)
     identity = None
     level = rule.identity_bound(always=False)
     if named and level is not None:  # the best explains the text; does no other user?

@@ -15,7 +15,7 @@ Protocol (``FORENSIC``):
   length of the re-tokenized T-token prefix. The model's top-20 log-probabilities come from one
   forward pass over the whole re-tokenized answer (``service.backends.scoring``, the local
   backend's own code); a causal model gives a prefix the same scores.
-* Every text is read by the gateway's own analysis (``service.services.trace_analysis``), with one
+* Every text is read by the gateway's own analysis (``service.trace.analysis``), with one
   key version and α = 0.001: counting alone, likelihood alone (temperature 0.7 assumed, as the
   gateway's default), and ``auto`` (the gateway's default: counting, then likelihood when counting
   names nobody; both tested at α / 2).
@@ -52,8 +52,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.trace.policy import TracePolicy
 from xmark_core import (
-    DEFAULT_EDIT_RATE,
     CandidateSet,
     Message,
     MessageAllocator,
@@ -77,9 +77,10 @@ if TYPE_CHECKING:
     from service.keyring import KeyVersionHandle
     from service.services.encoder_choice import EncoderRule
     from service.services.registry_cache import RegistrySnapshot
-    from service.services.trace_analysis import LengthGroup, TraceOutcome
-    from service.services.trace_fanout import FanoutPlan
+    from service.trace.analysis import LengthGroup, TraceOutcome
 
+# every threshold of a trace, as the gateway's default settings fill it
+PRODUCT_POLICY = TracePolicy()
 DECODERS = ("counting", "likelihood", "auto")
 ATTACKS = ("copy_paste", "word_deletion", "token_substitution")
 
@@ -134,12 +135,13 @@ class ForensicConfig:
     t_grid: tuple[int, ...] = (100, 150, 200, 300)
     max_tokens: int = 300
     registry_size: int = 10_000
-    alpha: float = 1e-3
-    trace_temperature: float = 0.7
-    trace_edit_rate: float = DEFAULT_EDIT_RATE
+    # the trace's policy: the product's (service.trace.policy) unless a preset or a flag varies it
+    alpha: float = PRODUCT_POLICY.alpha
+    trace_temperature: float = PRODUCT_POLICY.temperature
+    trace_edit_rate: float = PRODUCT_POLICY.edit_rate
     # the likelihood decoder's identity test (xmark_core.likelihood.identity_test); None: off, as /trace
-    trace_identity_level: float | None = None
-    top_k: int = 20
+    trace_identity_level: float | None = PRODUCT_POLICY.identity_level
+    top_k: int = PRODUCT_POLICY.top_k
     # (text, key) pairs per null text: the evaluation key plus this many independent keys
     null_keys: dict[float, int] | None = None
     attack_level: float = 0.2
@@ -160,6 +162,18 @@ class ForensicConfig:
     reuse: tuple[str, ...] = ()
     # the stem of the files written (``temperature``: temperature.json and TEMPERATURE.md); "": forensic
     report: str = ""
+
+    def policy(self, *, counting_only: bool = False) -> TracePolicy:
+        """The policy this preset traces with (``counting_only``: a counting trace, which runs no
+        identity test)."""
+        return replace(
+            PRODUCT_POLICY,
+            alpha=self.alpha,
+            temperature=self.trace_temperature,
+            edit_rate=self.trace_edit_rate,
+            identity_level=None if counting_only else self.trace_identity_level,
+            top_k=self.top_k,
+        )
 
     def null_key_count(self, temperature: float) -> int:
         return (self.null_keys or {}).get(temperature, 9)
@@ -717,7 +731,7 @@ class Scorer:
             _log(f"{taken} texts' scores taken from {path}")
 
     def tokenize(self, text: str) -> list[int]:
-        from service.services.trace_analysis import tokenize
+        from service.trace.analysis import tokenize
 
         return tokenize(self.tokenizer, text)
 
@@ -769,15 +783,6 @@ def setting_fields(setting: Setting) -> dict[str, Any]:
     return out
 
 
-def trace_plan(decoder: str, groups: Sequence[LengthGroup]) -> FanoutPlan:
-    """The fan-out /trace runs for a text of one model read under ``groups`` (each message length's
-    key versions and registry snapshot; a per-request version is two readings, one per encoder)."""
-    from service.services.trace_fanout import decoders_for, plan_for
-    from service.vocabulary import TraceDecoder
-
-    return plan_for(groups, [], decoders_for(TraceDecoder(decoder), scorer_available=True))
-
-
 def trace(
     decoder: str,
     scored: Scored,
@@ -785,20 +790,20 @@ def trace(
     groups: Sequence[LengthGroup],
     config: ForensicConfig,
 ) -> TraceOutcome:
-    """The gateway's reading of one text with one decoder, or ``auto`` as ``TracingService`` runs
-    it: the same fan-out (``service.services.trace_fanout``), its count included."""
-    from service.services.trace_fanout import TextReading, TraceFanout
+    """The gateway's reading of one text with one decoder, or ``auto`` as /trace runs it: the
+    product's trace (``service.trace.service.run_trace``, its count included) under the preset's
+    policy (``ForensicConfig.policy``). ``groups``: each message length's key versions and registry
+    snapshot (a per-request version is two readings, one per encoder)."""
+    from service.trace.fanout import TextReading
+    from service.trace.plan import decoders_for
+    from service.trace.service import run_trace_now
+    from service.vocabulary import TraceDecoder
 
-    plan = trace_plan(decoder, groups)
-    reading = TextReading(
-        scored.ids,
-        tokenizer,
-        alpha=config.alpha,
-        temperature=config.trace_temperature,
-        edit_rate=config.trace_edit_rate,
-        identity_level=config.trace_identity_level if decoder != "counting" else None,
-    )
-    return TraceFanout(plan, reading).run_now(scored.scores).outcome
+    decoders = decoders_for(TraceDecoder(decoder), scorer_available=True)
+    policy = config.policy(counting_only=decoder == "counting")
+    return run_trace_now(
+        groups, [], TextReading(scored.ids, tokenizer), scored.scores, policy, decoders=decoders
+    ).outcome
 
 
 class Evaluation:
@@ -943,7 +948,7 @@ class Evaluation:
         size): key version ``version`` (0: the evaluation's, j: the j-th independent one). One key
         version of ``params``, or the preset's per-request version, one reading per encoder, each
         encoder's message length against its registry (``Keyring.readings``, ``group_by_length``)."""
-        from service.services.trace_analysis import LengthGroup, group_by_length
+        from service.trace.analysis import LengthGroup, group_by_length
 
         if self.config.key_version is None:
             key = (
@@ -1289,7 +1294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--edit-rate",
         type=float,
-        default=DEFAULT_EDIT_RATE,
+        default=PRODUCT_POLICY.edit_rate,
         help="the likelihood decoder's assumed share of edited tokens, as XMARK_TRACE_EDIT_RATE (0: none)",
     )
     parser.add_argument(

@@ -14,7 +14,7 @@ the watermark) and traces every text the way ``/trace`` does, with the gateway's
   this machine; the composed ones have the real answers' vocabulary and topics.)
 * Retrieval: ``ProvenanceSearch`` over a ``MemoryIndex`` of the log's sketches (the code the
   gateway runs over its database; the index gives exact document frequencies, as SQLite does).
-* The watermark: ``trace_fanout`` with the registry and the retrieved users as candidate sets,
+* The watermark: ``trace.fanout`` with the registry and the retrieved users as candidate sets,
   counting and likelihood decoders (``auto``), one key version, alpha = 0.001: the gateway's plan
   and its one multiplicity count. The likelihood decoder reads the model's top-20 log-probs of the
   text, from one forward pass (``service.backends.scoring``, the local backend's code).
@@ -58,18 +58,14 @@ import numpy as np
 from service.config import Settings
 from service.keyring import KeyVersionHandle
 from service.provenance.retrieval import LoggedSketch, MemoryIndex, Retrieved
+from service.provenance.search import ProvenanceSearch
 from service.provenance.sketch import Sketcher, derive_sketch_key
-from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
-from service.services.trace_analysis import LengthGroup, TraceOutcome
-from service.services.trace_fanout import (
-    FanoutOutcome,
-    TextReading,
-    TraceFanout,
-    decoders_for,
-    lead_shares,
-    plan_for,
-)
+from service.trace.analysis import LengthGroup, TraceOutcome
+from service.trace.fanout import FanoutOutcome, TextReading
+from service.trace.plan import decoders_for
+from service.trace.policy import TracePolicy
+from service.trace.service import run_trace
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from xmark_core import (
     CandidateSet,
@@ -90,8 +86,8 @@ from .population import evaluation_key, null_keys
 from .prompts import load_prompts
 from .provenance_protocol import corpus_params
 
-ALPHA = 1e-3
-TOP_K = 20
+# the product's naming policy, every threshold at its default (the gateway's settings)
+POLICY = TracePolicy()
 ATTACKS = ("original", "t150", "paraphrase", "summary", "reorder", "substitution", "wrapped", "forged")
 REWRITES = ("paraphrase", "summary")
 # leads written per trace by --traces
@@ -246,7 +242,7 @@ class Evaluation:
             self.authors = [a for group in by_temperature.values() for a in group[: args.authors]]
         model, tokenizer = load_model(args.model_path)
         self.tokenizer = tokenizer
-        self.scorer = Scorer(model, tokenizer, self.folder / "provenance-scores.pkl", TOP_K)
+        self.scorer = Scorer(model, tokenizer, self.folder / "provenance-scores.pkl", POLICY.top_k)
         self.params = corpus_params(self.folder)
         self.sketcher = Sketcher(derive_sketch_key(SKETCH_SECRET))
         self.settings = Settings(
@@ -362,12 +358,6 @@ class Evaluation:
             leads_seen.extend(retrieved.users)
             self.last_holder = retrieved.copy_holder
             self.last_withdrawn = self.last_refused = None
-            plan = plan_for(
-                [LengthGroup((handle,), snapshot)],
-                retrieved,
-                decoders_for(TraceDecoder.AUTO, scorer_available=True),
-            )
-            reading = TextReading(scored.ids, self.tokenizer, alpha=ALPHA, temperature=0.7)
 
             async def scores() -> ModelScores:
                 return scored.scores
@@ -375,7 +365,16 @@ class Evaluation:
             async def inline(work: Any) -> TraceOutcome:
                 return work()  # type: ignore[no-any-return]
 
-            fanout = await TraceFanout(plan, reading).run(scores, run_counting=inline, run_likelihood=inline)
+            fanout = await run_trace(
+                [LengthGroup((handle,), snapshot)],
+                retrieved,
+                TextReading(scored.ids, self.tokenizer),
+                scores,
+                POLICY,
+                decoders=decoders_for(TraceDecoder.AUTO, scorer_available=True),
+                run_counting=inline,
+                run_likelihood=inline,
+            )
             self.last_withdrawn, self.last_refused = fanout.withdrawn, fanout.refused
             return fanout
 
@@ -396,17 +395,20 @@ class Evaluation:
         special = self.tokenizer.all_special_ids
         shared = restricted.candidates
         if len(restricted) > 1:
-            shared = shared.with_shares(lead_shares(len(restricted)))
+            shared = shared.with_shares(POLICY.lead_shares(len(restricted)))
         readings = (
             ("counting", decode(scored.ids, key, skip_ids=special)),
-            ("likelihood", score_text(scored.ids, scored.scores, key, temperature=0.7, skip_ids=special)),
+            (
+                "likelihood",
+                score_text(scored.ids, scored.scores, key, temperature=POLICY.temperature, skip_ids=special),
+            ),
         )
         out: dict[str, Any] = {}
         for name, result in readings:
             score = attribute if name == "counting" else attribute_likelihood
-            plain = score(result, restricted.candidates, top=1, tries=tries, alpha=ALPHA)  # type: ignore[arg-type]
-            weighted = score(result, shared, top=1, tries=tries, alpha=ALPHA)  # type: ignore[arg-type]
-            ranked = score(result, snapshot.candidates, top=6, tries=tries, alpha=ALPHA)  # type: ignore[arg-type]
+            plain = score(result, restricted.candidates, top=1, tries=tries, alpha=POLICY.alpha)  # type: ignore[arg-type]
+            weighted = score(result, shared, top=1, tries=tries, alpha=POLICY.alpha)  # type: ignore[arg-type]
+            ranked = score(result, snapshot.candidates, top=6, tries=tries, alpha=POLICY.alpha)  # type: ignore[arg-type]
             if not plain.candidates or not ranked.candidates:
                 continue
             best = int(str(plain.candidates[0].id))
@@ -451,14 +453,14 @@ class Evaluation:
         self, index: MemoryIndex, own: dict[int, int], handle: KeyVersionHandle, snapshot: RegistrySnapshot
     ) -> dict[tuple[float, str], Cell]:
         cells: dict[tuple[float, str], Cell] = {}
-        search = ProvenanceSearch(index, self.sketcher, self.settings)
+        search = ProvenanceSearch(index, self.sketcher, POLICY)
         for n, author in enumerate(self.authors):
             for attack in ATTACKS:
                 text = self.attacked(author, attack)
                 searcher = (
                     search
                     if attack != "forged"
-                    else ProvenanceSearch(_Without(index, own[author.author]), self.sketcher, self.settings)
+                    else ProvenanceSearch(_Without(index, own[author.author]), self.sketcher, POLICY)
                 )
                 self.last_holder = self.last_withdrawn = None
                 outcome, leads = await self.trace(text, self.scored(author, attack), handle, snapshot, searcher)
@@ -501,7 +503,7 @@ class Evaluation:
             evaluation_key(self.params, self.args.seed),
             *null_keys(self.params, self.args.seed, self.args.null_keys - 1),
         ]
-        search = ProvenanceSearch(index, self.sketcher, self.settings)
+        search = ProvenanceSearch(index, self.sketcher, POLICY)
         named = narrowed = pairs = with_leads = 0
         for author in self.authors:
             scored = self.scorer.cache[f"{author.author}/null"]
@@ -672,7 +674,7 @@ def write_report(results: dict[str, Any], meta: dict[str, Any], out: Path, name:
         lines += [
             "",
             f"Registry-wide namings withdrawn because the named user's log holds nothing like the text and the "
-            f"test's identity test did not rule out every lead (`trace_fanout.LEAD_IDENTITY_LEVEL`), of {texts} "
+            f"test's identity test did not rule out every lead (`TracePolicy.lead_identity_level`), of {texts} "
             f"attacked texts: "
             f"{withdrawn_other} of another user than the author, {withdrawn_author} of the author.",
             "",

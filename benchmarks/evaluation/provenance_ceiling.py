@@ -4,15 +4,16 @@
 
 For every rewrite in a provenance corpus (``provenance_corpus``: the unwatermarked model's paraphrase
 and summary of a watermarked answer of 300 tokens) and, for scale, the 20 % token substitution of
-the provenance evaluation, the trace's own fan-out (``trace_fanout``, decoder ``auto``, the corpus's
+the provenance evaluation, the trace's own fan-out (``trace.fanout``, decoder ``auto``, the corpus's
 key version, α = 0.001) runs with a registry that holds the author alone and no content search: one
 candidate, the smallest multiplicity any plan has. Every naming rule /trace applies, among the
 registry or among the content search's leads, tests the author's message ID with the same decoders
 at a share of the level of at most this one. One rule is stricter with one candidate: the
 likelihood decoders' margin over the runner-up is, without a runner-up, the candidate's own
-log-likelihood ratio, which must be positive (``xmark_core.likelihood.rank_by_likelihood``). So
-the test runs twice: as /trace runs it (``alone``), and with the p-value alone deciding
-(``p_value_only``: that margin is not asked for), the bound on every naming rule. The
+log-likelihood ratio, which must be positive (rule 2 of ``service.trace.policy``). So the test
+runs twice: under the product's policy (``alone``), and under the policy with that rule off
+(``TracePolicy(lone_candidate_margin=False)``: the p-value alone decides), the bound on every
+naming rule. The
 unwatermarked answers to the same prompts are traced against their corpus author the same way (the
 test's level, as a check that it is one).
 
@@ -25,31 +26,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-import xmark_core.gumbel_likelihood
-import xmark_core.likelihood
 from service.keyring import KeyVersionHandle
 from service.provenance.retrieval import Retrieved
 from service.services.registry_cache import RegistrySnapshot
-from service.services.trace_analysis import LengthGroup, TraceOutcome
-from service.services.trace_fanout import TextReading, TraceFanout, decoders_for, plan_for
+from service.trace.analysis import LengthGroup, TraceOutcome
+from service.trace.fanout import TextReading
+from service.trace.plan import decoders_for
+from service.trace.policy import TracePolicy
+from service.trace.service import run_trace
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from xmark_core import ModelScores
 
 from .metrics import rate_cell
 from .population import evaluation_key
-from .provenance import ALPHA, REWRITES, Evaluation, describe, kept_trigrams
+from .provenance import POLICY, REWRITES, Evaluation, describe, kept_trigrams
 
 ATTACKS = (*REWRITES, "substitution")
 STRONG = 0.3  # a rewrite that kept at least this share of the answer's word 3-grams
@@ -67,17 +66,10 @@ async def alone(
     ids: list[int],
     scores: ModelScores,
     *,
-    alpha: float = ALPHA,
-    temperature: float = 0.7,
+    policy: TracePolicy = POLICY,
 ) -> bool:
-    """Whether the trace's fan-out (decoder ``auto``) names ``user_id`` when the registry holds that
-    user alone and no content search adds a candidate set."""
-    plan = plan_for(
-        [LengthGroup((handle,), registry.restricted([user_id]))],
-        Retrieved(),
-        decoders_for(TraceDecoder.AUTO, scorer_available=True),
-    )
-    reading = TextReading(ids, tokenizer, alpha=alpha, temperature=temperature)
+    """Whether the trace (decoder ``auto``, ``policy``) names ``user_id`` when the registry holds
+    that user alone and no content search adds a candidate set."""
 
     async def read_scores() -> ModelScores:
         return scores
@@ -85,31 +77,24 @@ async def alone(
     async def inline(work: Any) -> TraceOutcome:
         return work()  # type: ignore[no-any-return]
 
-    fanout = await TraceFanout(plan, reading).run(read_scores, run_counting=inline, run_likelihood=inline)
+    fanout = await run_trace(
+        [LengthGroup((handle,), registry.restricted([user_id]))],
+        Retrieved(),
+        TextReading(ids, tokenizer),
+        read_scores,
+        policy,
+        decoders=decoders_for(TraceDecoder.AUTO, scorer_available=True),
+        run_counting=inline,
+        run_likelihood=inline,
+    )
     return fanout.outcome.attributed_user_id == user_id
 
 
-@contextlib.contextmanager
-def p_value_only() -> Iterator[None]:
-    """The likelihood decoders without the one-candidate margin rule: a lone candidate's margin is
-    taken as positive, so its p-value (with the same corrections) alone decides."""
-    original = xmark_core.likelihood.rank_by_likelihood
-
-    def ranked(totals: Any, top: int) -> tuple[Any, float, float]:
-        order, confidence, margin = original(totals, top)
-        return order, confidence, (np.inf if totals.size == 1 else margin)
-
-    modules = (xmark_core.likelihood, xmark_core.gumbel_likelihood)
-    for module in modules:
-        module.rank_by_likelihood = ranked  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.rank_by_likelihood = original  # type: ignore[attr-defined]
+# the bound: the lone candidate's margin (rule 2) not asked for, its p-value alone deciding
+P_VALUE_ONLY = replace(POLICY, lone_candidate_margin=False)
 
 
-async def measure(evaluation: Evaluation) -> dict[str, Any]:
+async def measure(evaluation: Evaluation, policy: TracePolicy = POLICY) -> dict[str, Any]:
     key = evaluation_key(evaluation.params, evaluation.args.seed)
     handle = KeyVersionHandle(1, "v1", key, KeyVersionStatus.ACTIVE)
     registry = evaluation.snapshot(len(evaluation.registry_bits))
@@ -125,14 +110,15 @@ async def measure(evaluation: Evaluation) -> dict[str, Any]:
         t = f"{author.temperature:g}"
         for attack in ATTACKS:
             scored = evaluation.scored(author, attack)
-            named = await alone(tokenizer, handle, registry, author.user_id, scored.ids, scored.scores)
+            named = await alone(tokenizer, handle, registry, author.user_id, scored.ids, scored.scores, policy=policy)
             add(f"{t}/{attack}", named)
             if attack in REWRITES:  # a rewrite's text is the corpus's own (no edit drawn again)
                 add("rewrites", named)
                 if kept_trigrams(author.answer_text, evaluation.attacked(author, attack)) >= STRONG:
                     add("rewrites kept >= 30 %", named)
         null = evaluation.scorer.cache[f"{author.author}/null"]
-        add("unwatermarked", await alone(tokenizer, handle, registry, author.user_id, null.ids, null.scores))
+        unmarked = await alone(tokenizer, handle, registry, author.user_id, null.ids, null.scores, policy=policy)
+        add("unwatermarked", unmarked)
         if n % 50 == 49:
             _log(f"{n + 1}/{len(evaluation.authors)} authors")
     return {cell: rate_cell(named, trials) for cell, (named, trials) in counts.items()}
@@ -158,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"scoring {len(texts)} texts (cached ones are skipped)")
     evaluation.scorer.score_all(texts)
     cells = asyncio.run(measure(evaluation))
-    with p_value_only():
-        bound = asyncio.run(measure(evaluation))
+    bound = asyncio.run(measure(evaluation, P_VALUE_ONLY))
     document = {
         "meta": {
             "command": "python -m benchmarks.evaluation.provenance_ceiling "
@@ -168,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "corpus": str(args.corpus),
             "authors": len(evaluation.authors),
             "watermark": describe(evaluation.params),
-            "alpha": ALPHA,
+            "alpha": POLICY.alpha,
             "seconds": round(time.monotonic() - started),
         },
         "named_alone": cells,
@@ -179,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(document))
     else:
-        print(f"{document['meta']['watermark']}, {len(evaluation.authors)} authors, α = {ALPHA:g}: named alone")
+        print(f"{document['meta']['watermark']}, {len(evaluation.authors)} authors, α = {POLICY.alpha:g}: named alone")
         for cell, rate in cells.items():
             low, high = rate["ci95"]
             other = bound[cell]

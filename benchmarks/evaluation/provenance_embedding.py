@@ -65,8 +65,9 @@ from transformers import AutoModel, AutoTokenizer
 from service.config import Settings
 from service.models import utcnow
 from service.provenance.retrieval import LoggedSketch, MemoryIndex
+from service.provenance.search import ProvenanceSearch
 from service.provenance.sketch import Sketcher, derive_sketch_key
-from service.services.provenance import ProvenanceSearch
+from service.trace.policy import TracePolicy
 
 from .metrics import wilson
 from .provenance import SKETCH_SECRET, Author, _log, kept_trigrams, load_corpus, sentences
@@ -194,7 +195,7 @@ class SketchArm:
             api_key_pepper=SecretStr("provenance-evaluation-pepper-0123456789"),
             watermark_secrets=SecretStr("v1:provenance-evaluation-secret-0123456789"),
         )
-        self.search = ProvenanceSearch(self.index, self.sketcher, settings)
+        self.search = ProvenanceSearch(self.index, self.sketcher, TracePolicy.from_settings(settings))
 
     def retrieve(self, queries: Sequence[Query], own: dict[int, int]) -> list[Retrieved]:
         return asyncio.run(self._retrieve(queries, own))

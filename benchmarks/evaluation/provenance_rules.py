@@ -23,19 +23,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xmark_core import DEFAULT_MIN_CONFIDENCE
+from service.trace.policy import TracePolicy
 
 from .metrics import rate_cell
 
-ALPHA = 1e-3
-IDENTITY_LEVEL = 0.01
+# the product's naming policy; the rules below are variants of its rules 6 and 8, weighed offline
+POLICY = TracePolicy()
 REWRITES = ("paraphrase", "summary")
 
 Guard = Callable[[dict[str, Any]], bool]
 
 
 def _ranked(probe: dict[str, Any]) -> bool:
-    return bool(probe["registry_first"] == probe["best"] and probe["registry_conf"] >= DEFAULT_MIN_CONFIDENCE)
+    return POLICY.registry_backs(probe["registry_first"] == probe["best"], probe["registry_conf"])
 
 
 def _first(probe: dict[str, Any]) -> bool:
@@ -44,7 +44,7 @@ def _first(probe: dict[str, Any]) -> bool:
 
 def _identity(probe: dict[str, Any]) -> bool:
     p = probe["identity_top5"]
-    return p is not None and p <= IDENTITY_LEVEL
+    return p is not None and POLICY.lead_identity_stands(p)
 
 
 RULES: dict[str, tuple[str, Guard]] = {
@@ -61,7 +61,7 @@ def retrieved_naming(probe: dict[str, Any] | None, p_field: str, guard: Guard) -
         seen = (probe or {}).get(decoder)
         if seen is None:
             continue
-        passes = seen[p_field] < ALPHA and seen["conf_leads"] >= DEFAULT_MIN_CONFIDENCE and seen["margin_leads"] > 0
+        passes = POLICY.naming_rule().evidence_names(seen[p_field], seen["margin_leads"], seen["conf_leads"])
         if passes and guard(seen):
             return int(seen["best"])
     return None
@@ -129,10 +129,10 @@ def unnamed_rewrites(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
         else:
             best = min(seen, key=lambda s: s["p_shared"])
             p = best["p_shared"]
-            if p < ALPHA:
+            if p < POLICY.alpha:
                 why = (
                     "p < alpha, no posterior among the leads"
-                    if best["conf_leads"] < DEFAULT_MIN_CONFIDENCE
+                    if best["conf_leads"] < POLICY.min_confidence
                     else "p < alpha, refused by the registry's ranking"
                 )
             else:

@@ -250,7 +250,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_purge_sketches(args: argparse.Namespace) -> int:
-    from service.services.provenance import purge_sketches
+    from service.provenance.search import purge_sketches
 
     settings = _settings()
     days = settings.provenance_retention_days if args.days is None else args.days

@@ -13,12 +13,15 @@ from service.errors import PayloadTooLargeError, ServiceUnavailableError
 from service.fleet import model_settings, tokenizer_fingerprint
 from service.keyring import Keyring, spec_from_settings
 from service.provenance.retrieval import Retrieved
+from service.provenance.search import ProvenanceSearch
 from service.repositories.provenance import ProvenanceRepository
 from service.resources import sketcher_for
-from service.services.provenance import ProvenanceSearch
 from service.services.registry_cache import RegistryCache
-from service.services.trace_analysis import LengthGroup, group_by_length, tokenize
-from service.services.trace_fanout import FanoutOutcome, ReadingPlan, TextReading, TraceFanout, on_thread, plan_for
+from service.trace.analysis import LengthGroup, group_by_length, tokenize
+from service.trace.fanout import FanoutOutcome, TextReading, on_thread
+from service.trace.plan import ReadingPlan
+from service.trace.policy import TracePolicy
+from service.trace.service import run_trace
 from service.vocabulary import TraceDecoder
 
 
@@ -57,18 +60,18 @@ async def offline_trace_async(settings: Settings, text: str) -> dict[str, Any]:
                 for group in group_by_length(versions)
             ]
 
+            policy = TracePolicy.from_settings(settings)
+
             async def analyze(retrieved: Retrieved) -> FanoutOutcome:
                 counting = (TraceDecoder.COUNTING,)
-                readings = tuple(ReadingPlan(tuple(names), counting) for names, _, _ in tokenized)
-                plan = plan_for(groups, retrieved, counting, readings)
-                texts = [
-                    TextReading(ids, tokenizer, alpha=settings.trace_alpha, temperature=settings.trace_temperature)
-                    for _, tokenizer, ids in tokenized
-                ]
-                return await TraceFanout(plan, texts).run(_no_scores, run_counting=on_thread)
+                plans = tuple(ReadingPlan(tuple(names), counting) for names, _, _ in tokenized)
+                texts = [TextReading(ids, tokenizer) for _, tokenizer, ids in tokenized]
+                return await run_trace(
+                    groups, retrieved, texts, _no_scores, policy, plans=plans, run_counting=on_thread
+                )
 
             provenance = ProvenanceSearch(
-                ProvenanceRepository(session), sketcher_for(settings, secrets.api_key_pepper), settings
+                ProvenanceRepository(session), sketcher_for(settings, secrets.api_key_pepper), policy
             )
             outcome = await provenance.witness(text, analyze, inline=False)
     finally:

@@ -42,23 +42,6 @@ DEFAULT_MAX_SHARE = 0.02
 DEFAULT_MIN_TERMS = 12
 # below this many sketched completions every term counts as informative
 MIN_TOTAL_FOR_SHARE = 1_000
-# A near-copy: a logged completion that holds at least this share of the suspect text's content
-# (``similarity``) and whose word 3-gram shingles agree with the text's in at least this share of
-# the MinHash positions (an estimate of their Jaccard similarity; 32 of 128). The first half of a
-# logged answer scores about 1.0 and 0.5. Answers to one prompt share topic but little wording
-# (four answers at temperature 0.7: 4-gram Jaccard 0.065, docs/results/QUALITY.md), and the model's
-# own rewrites keep a median 6-19 % of the original's 3-grams (docs/results/PROVENANCE.md).
-NEAR_COPY_SIMILARITY = 0.9
-NEAR_COPY_SHINGLES = 0.25
-# An edited copy, looked for only when no user's log holds a near-copy: the completion with a fifth
-# of its tokens replaced scores about 0.75 and 0.28 (median; 10th percentile 0.2), a rewrite that
-# keeps a third of the 3-grams about 0.8 and 0.2-0.4. In the provenance evaluation's log (10^5
-# generations, other users answering the same prompts) the best other-user lead of its 400 model
-# rewrites with at least 0.6 of the content reached 0.14 (one of 400 above 0.125). Near-copies come
-# first so that a same-prompt answer close enough to be an edited copy never hides the user whose
-# log holds the text itself.
-EDITED_COPY_SIMILARITY = 0.6
-EDITED_COPY_SHINGLES = 0.15
 
 
 @dataclass(frozen=True)
@@ -246,36 +229,6 @@ class Retrieved:
     copy_holder: int | None = None
 
 
-def copy_holder(leads: Iterable[Lead]) -> int | None:
-    """The one user whose leads include a near-copy of the text (``NEAR_COPY_*``) or, when no
-    lead is one, an edited copy (``EDITED_COPY_*``); None when no lead is either, or when the
-    first kind found belongs to more than one user."""
-    leads = list(leads)
-    for min_similarity, min_shingles in (
-        (NEAR_COPY_SIMILARITY, NEAR_COPY_SHINGLES),
-        (EDITED_COPY_SIMILARITY, EDITED_COPY_SHINGLES),
-    ):
-        holders = {
-            lead.holder
-            for lead in leads
-            if lead.similarity >= min_similarity and lead.shingle_similarity >= min_shingles
-        }
-        if holders:
-            return next(iter(holders)) if len(holders) == 1 else None
-    return None
-
-
-def lead_users(leads: Sequence[Lead], *, min_similarity: float, limit: int) -> list[int]:
-    """The distinct users of the leads at least ``min_similarity``, best first, at most ``limit``."""
-    users: list[int] = []
-    for lead in leads:
-        if lead.similarity >= min_similarity and lead.holder not in users:
-            users.append(lead.holder)
-            if len(users) >= limit:
-                break
-    return users
-
-
 class MemoryIndex:
     """The log's sketches held in memory, searched as the database searches them (tests, evaluation)."""
 
@@ -310,7 +263,7 @@ class MemoryIndex:
         found.sort(key=lambda c: (-hits[c.generation_id], -c.generation_id))
         return found[:limit]
 
-    # the store interface of service.services.provenance.ProvenanceSearch
+    # the store interface of service.provenance.search.ProvenanceSearch
     async def term_stats(self, terms: Sequence[int]) -> TermStats:
         return self.stats(terms)
 

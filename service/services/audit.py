@@ -45,8 +45,7 @@ from service.keyring import row_spec
 from service.models import ApiKey, KeyVersion, MessageId, RegistryAuditEntry, User
 from service.repositories.audit import AuditRepository
 from service.security import KEY_PATTERN
-from service.services.report_records import iso_utc
-from service.services.reports import ReportSigner, canonical_json, key_id_of
+from service.services.reports import ReportSigner, canonical_json, iso_utc, key_id_of
 from service.vocabulary import AuditAction, AuditActorKind, AuditTarget, KeyVersionStatus
 from xmark_core import WatermarkParams
 

@@ -22,6 +22,7 @@ import hashlib
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import rfc8785
@@ -151,3 +152,8 @@ def verify_report(document: Mapping[str, Any], public_key: bytes) -> dict[str, A
     except InvalidSignature:
         raise ReportVerificationError("the signature does not match the report: it was changed or forged") from None
     return dict(report)
+
+
+def iso_utc(moment: datetime) -> str:
+    """``2026-11-24T01:02:03.456789Z``: the report's timestamp format (always microseconds)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

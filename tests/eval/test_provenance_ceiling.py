@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
-from benchmarks.evaluation.provenance_ceiling import alone, p_value_only
+from benchmarks.evaluation.provenance_ceiling import P_VALUE_ONLY, alone
 from benchmarks.evaluation.provenance_protocol import corpus_params, salt_of, watermark_protocol, watermark_spec
 from service.keyring import KeyVersionHandle
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
-from service.services.trace_analysis import LengthGroup
-from service.services.trace_fanout import TextReading, TraceFanout, decoders_for, plan_for
+from service.trace.analysis import LengthGroup
+from service.trace.fanout import TextReading, TraceFanout
+from service.trace.plan import decoders_for, plan_for
+from service.trace.policy import TracePolicy
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from tests.core.synthetic import generate, random_messages
 from tests.core.test_likelihood import scores_of
 from xmark_core import CandidateSet, ModelScores, WatermarkKey, WatermarkParams
+
+# the product's policy, read at the synthetic model's temperature
+POLICY = TracePolicy(temperature=1.0)
 
 
 class _Tokenizer:
@@ -42,7 +48,7 @@ def test_the_author_alone_is_named_whenever_the_trace_names_them_and_never_for_a
 
     async def full(tokens: list[int], scores: ModelScores) -> int | None:
         plan = plan_for([LengthGroup((handle,), registry)], [author, other, 99, 4000], both)
-        reading = TextReading(tokens, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+        reading = TextReading(tokens, _Tokenizer())  # type: ignore[arg-type]
 
         async def read() -> ModelScores:
             return scores
@@ -50,7 +56,7 @@ def test_the_author_alone_is_named_whenever_the_trace_names_them_and_never_for_a
         async def inline(work):  # type: ignore[no-untyped-def]
             return work()
 
-        result = await TraceFanout(plan, reading).run(read, run_counting=inline, run_likelihood=inline)
+        result = await TraceFanout(plan, reading, POLICY).run(read, run_counting=inline, run_likelihood=inline)
         return result.outcome.attributed_user_id
 
     async def run() -> tuple[int, int, int]:
@@ -61,15 +67,16 @@ def test_the_author_alone_is_named_whenever_the_trace_names_them_and_never_for_a
             tokens = [int(t) for t in own.tokens[row]]
             scores = scores_of(own, row)
             traced = await full(tokens, scores) == author
-            named = await alone(_Tokenizer(), handle, registry, author, tokens, scores, temperature=1.0)
+            named = await alone(_Tokenizer(), handle, registry, author, tokens, scores, policy=POLICY)
             assert named or not traced, row  # the trace never names what the ceiling does not
-            with p_value_only():  # without the lone candidate's margin rule: never fewer namings
-                assert await alone(_Tokenizer(), handle, registry, author, tokens, scores, temperature=1.0) >= named
+            # without the lone candidate's margin rule: never fewer namings
+            bound = replace(P_VALUE_ONLY, temperature=1.0)
+            assert await alone(_Tokenizer(), handle, registry, author, tokens, scores, policy=bound) >= named
             by_trace += traced
             by_alone += named
             tokens = [int(t) for t in theirs.tokens[row]]
             foreign += await alone(
-                _Tokenizer(), handle, registry, author, tokens, scores_of(theirs, row), temperature=1.0
+                _Tokenizer(), handle, registry, author, tokens, scores_of(theirs, row), policy=POLICY
             )
         return by_trace, by_alone, foreign
 

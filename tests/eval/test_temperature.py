@@ -21,7 +21,6 @@ from benchmarks.evaluation.forensic import (
     jobs,
     temperature_cells,
     temperature_config,
-    trace_plan,
 )
 from benchmarks.evaluation.metrics import wilson
 from benchmarks.evaluation.plots import temperature_frontier
@@ -33,6 +32,8 @@ from service.config import Settings
 from service.fleet import ServedModel
 from service.schemas.chat import SamplingRequest
 from service.services.encoder_choice import EncoderRule, companion_reason
+from service.trace.plan import FanoutPlan, decoders_for, plan_for
+from service.vocabulary import TraceDecoder
 from xmark_core.encoders import companion_key, spec_for
 
 VERSION = spec_for("auto")
@@ -175,6 +176,11 @@ def test_a_cells_trace_reads_both_encoders_and_counts_both(tmp_path: Path) -> No
         SimpleNamespace(tokenizer=None),
     )  # type: ignore[arg-type]
     assert trace_plan("auto", single.reading(VERSION.primary)).key_versions == 1
+
+
+def trace_plan(decoder: str, groups: list) -> FanoutPlan:
+    """The plan /trace runs over ``groups`` for one model's text (as ``forensic.trace`` traces)."""
+    return plan_for(groups, [], decoders_for(TraceDecoder(decoder), scorer_available=True))
 
 
 def _rate(count: int, trials: int) -> dict:

@@ -23,8 +23,9 @@ from service.models import Generation, KeyVersion
 from service.schemas.admin import CreatedUser
 from service.schemas.chat import ChatCompletionRequest
 from service.services.encoder_choice import EncoderRule, choose_encoder, companion_reason
-from service.services.trace_analysis import LengthGroup, analyze_counting_by_length, group_by_length
-from service.services.trace_fanout import CandidateScope, CandidateSet, FanoutPlan
+from service.trace.analysis import LengthGroup, analyze_counting_by_length, group_by_length
+from service.trace.plan import CandidateScope, CandidateSet, FanoutPlan
+from service.trace.policy import TracePolicy
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from tests.conftest import TEST_WATERMARK_SECRETS
 from tests.service.conftest import make_only_active_version
@@ -215,7 +216,7 @@ def test_null_texts_read_under_both_encoders_are_detected_at_most_at_the_level()
     detected = named = 0
     for _ in range(texts):
         ids = rng.integers(0, 49_152, size=150).tolist()
-        outcome = analyze_counting_by_length(ids, _Tokenizer(), groups, alpha=alpha, tries=tries)  # type: ignore[arg-type]
+        outcome = analyze_counting_by_length(ids, _Tokenizer(), groups, policy=TracePolicy(alpha=alpha), tries=tries)  # type: ignore[arg-type]
         detected += outcome.report.watermarked
         named += outcome.named
     bound = int(binom.ppf(0.999, texts, alpha))

@@ -15,11 +15,19 @@ import pytest
 SERVICE = Path(__file__).resolve().parents[2] / "service"
 
 # package -> the packages above it, which it must not import
+# (/trace's package, service.trace, sits beside the routers: it may use the services below it)
 ABOVE = {
-    "service.backends": ("service.services", "service.routers", "service.repositories"),
-    "service.repositories": ("service.services", "service.routers", "service.backends"),
-    "service.services": ("service.routers",),
+    "service.backends": ("service.services", "service.routers", "service.repositories", "service.trace"),
+    "service.repositories": ("service.services", "service.routers", "service.backends", "service.trace"),
+    "service.services": ("service.routers", "service.trace"),
 }
+# /trace's modules: its package, the content search and the sketches' reading side
+TRACE_MODULES = (
+    "service.trace",
+    "service.provenance.search",
+    "service.provenance.retrieval",
+    "service.repositories.provenance",
+)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -46,17 +54,17 @@ def test_a_package_imports_nothing_from_the_layers_above_it(package: str) -> Non
     assert not upward, "\n".join(upward)
 
 
-def test_the_generation_service_imports_no_trace_module() -> None:
-    """The chat path's service sketches its records with the sketching code alone: importing it
-    loads none of /trace's modules (checked in a fresh interpreter)."""
+@pytest.mark.parametrize("module", ["service.services.generation", "service.routers.chat"])
+def test_the_chat_path_imports_no_trace_module(module: str) -> None:
+    """The chat path (its router and its service) sketches its records with the sketching code
+    alone: importing it loads none of /trace's modules (checked in a fresh interpreter)."""
     import subprocess
     import sys
 
     probe = (
-        "import sys, service.services.generation; "
-        "print('\\n'.join(m for m in sys.modules if m.startswith('service.') and "
-        "('trace' in m or m in ('service.services.provenance', 'service.provenance.retrieval'))))"
+        f"import sys, {module}; "
+        f"print('\\n'.join(m for m in sys.modules if m == {TRACE_MODULES!r}[0] or m.startswith({TRACE_MODULES!r})))"
     )
     # a bound on the child, not a timing check: the import took 3 s here
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.split() == [], f"the generation service imports {done.stdout.split()}"
+    assert done.stdout.split() == [], f"{module} imports {done.stdout.split()}"

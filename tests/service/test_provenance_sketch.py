@@ -10,19 +10,17 @@ from typing import Any
 
 import pytest
 
-from service.config import Settings
 from service.provenance.retrieval import (
     Lead,
     LoggedSketch,
     MemoryIndex,
     Retrieved,
     TermStats,
-    copy_holder,
-    lead_users,
     select_terms,
     select_terms_by_part,
     similarity,
 )
+from service.provenance.search import NEIGHBOUR_NOTE, ProvenanceSearch
 from service.provenance.sketch import (
     LEGACY_MINHASH_SIZE,
     MINHASH_SIZE,
@@ -35,10 +33,11 @@ from service.provenance.sketch import (
     text_parts,
     words,
 )
-from service.services.provenance import NEIGHBOUR_NOTE, ProvenanceSearch
-from service.services.trace_analysis import TraceOutcome, _empty_report
-from service.services.trace_fanout import FanoutOutcome
+from service.trace.analysis import TraceOutcome, _empty_report
+from service.trace.fanout import FanoutOutcome
+from service.trace.policy import TracePolicy
 
+POLICY = TracePolicy()
 SECRET = b"provenance-test-secret-0123456789abcdef"
 ORIGINAL = (
     "The printing press, developed by Johannes Gutenberg around 1440, transformed how knowledge travelled "
@@ -155,7 +154,7 @@ def test_a_paraphrase_finds_its_source_among_unrelated_completions(sketcher: Ske
     assert wrapped[0].user_id == 10 and wrapped[0].similarity == 1.0
     assert index.search(query, top=5, user_id=20) == []  # shares no rare term with the paraphrase
     assert [lead.user_id for lead in index.search(query, top=5, user_id=10)] == [10]
-    assert lead_users(leads, min_similarity=0.3, limit=5) == [10]
+    assert TracePolicy(lead_similarity=0.3, max_leads=5).lead_users(leads) == [10]
 
 
 def test_the_copy_holder_is_the_one_user_whose_log_holds_a_near_copy(sketcher: Sketcher) -> None:
@@ -165,18 +164,18 @@ def test_the_copy_holder_is_the_one_user_whose_log_holds_a_near_copy(sketcher: S
     half = " ".join(ORIGINAL.split()[: len(ORIGINAL.split()) // 2])
     for text in (ORIGINAL, half):
         leads = index.search(sketcher.sketch(text, limit=QUERY_TERM_LIMIT), top=5)  # type: ignore[arg-type]
-        assert copy_holder(leads) == 10, leads
+        assert POLICY.copy_holder(leads) == 10, leads
     # a fifth of its words replaced: most of the content and a fifth of the 3-grams stay
     rng = random.Random(1)
     edited = " ".join(f"w{rng.randrange(10**6)}" if rng.random() < 0.2 else w for w in ORIGINAL.split())
     leads = index.search(sketcher.sketch(edited, limit=QUERY_TERM_LIMIT), top=5)  # type: ignore[arg-type]
-    assert leads[0].similarity < 0.9 and copy_holder(leads) == 10, leads
+    assert leads[0].similarity < 0.9 and POLICY.copy_holder(leads) == 10, leads
     # a paraphrase keeps the topic, not the wording: no near-copy
-    assert copy_holder(index.search(sketcher.sketch(PARAPHRASE, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
+    assert POLICY.copy_holder(index.search(sketcher.sketch(PARAPHRASE, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
     # two users' logs hold the text: no holder
     index.add(_logged(3, 30, ORIGINAL, sketcher))
-    assert copy_holder(index.search(sketcher.sketch(ORIGINAL, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
-    assert copy_holder([]) is None
+    assert POLICY.copy_holder(index.search(sketcher.sketch(ORIGINAL, limit=QUERY_TERM_LIMIT), top=5)) is None  # type: ignore[arg-type]
+    assert POLICY.copy_holder([]) is None
 
 
 def _lead(user_id: int, similarity: float, shingles: float) -> Lead:
@@ -185,18 +184,18 @@ def _lead(user_id: int, similarity: float, shingles: float) -> Lead:
 
 def test_an_edited_copy_makes_a_holder_only_where_no_log_holds_a_near_copy() -> None:
     # the first half of user 1's answer; user 2's answer to the same prompt shares some wording
-    assert copy_holder([_lead(1, 1.0, 0.5625), _lead(2, 0.8966, 0.3125), _lead(3, 0.8929, 0.3438)]) == 1
+    assert POLICY.copy_holder([_lead(1, 1.0, 0.5625), _lead(2, 0.8966, 0.3125), _lead(3, 0.8929, 0.3438)]) == 1
     # nobody holds a near-copy: the one user whose log holds an edited copy
-    assert copy_holder([_lead(1, 0.75, 0.3125), _lead(2, 0.9, 0.125), _lead(3, 0.4, 0.0)]) == 1
+    assert POLICY.copy_holder([_lead(1, 0.75, 0.3125), _lead(2, 0.9, 0.125), _lead(3, 0.4, 0.0)]) == 1
     # two users' edited copies, or a lead that shares topic but too little wording: none
-    assert copy_holder([_lead(1, 0.75, 0.3125), _lead(2, 0.7, 0.25)]) is None
-    assert copy_holder([_lead(1, 0.75, 0.125), _lead(2, 0.59, 0.5)]) is None
+    assert POLICY.copy_holder([_lead(1, 0.75, 0.3125), _lead(2, 0.7, 0.25)]) is None
+    assert POLICY.copy_holder([_lead(1, 0.75, 0.125), _lead(2, 0.59, 0.5)]) is None
     # a model's rewrite that kept a third of the 3-grams (from the provenance evaluation, where the
     # registry named another user while this lead made no holder), beside another user's answer to
     # the same prompt at the most the evaluation saw (0.14)
-    assert copy_holder([_lead(1, 0.635, 0.1953), _lead(2, 0.85, 0.1406)]) == 1
+    assert POLICY.copy_holder([_lead(1, 0.635, 0.1953), _lead(2, 0.85, 0.1406)]) == 1
     # two near-copies: none, whatever the edited copies say
-    assert copy_holder([_lead(1, 1.0, 1.0), _lead(2, 0.95, 0.5), _lead(3, 0.7, 0.3)]) is None
+    assert POLICY.copy_holder([_lead(1, 1.0, 1.0), _lead(2, 0.95, 0.5), _lead(3, 0.7, 0.3)]) is None
 
 
 def test_the_trace_s_plan_is_given_the_copy_holder(sketcher: Sketcher) -> None:
@@ -204,7 +203,7 @@ def test_the_trace_s_plan_is_given_the_copy_holder(sketcher: Sketcher) -> None:
     index = MemoryIndex()
     index.add(_logged(1, 10, ORIGINAL, sketcher))
     index.add(_logged(2, 20, UNRELATED, sketcher))
-    search = ProvenanceSearch(index, sketcher, Settings(provenance_lead_similarity=0.0))
+    search = ProvenanceSearch(index, sketcher, TracePolicy(lead_similarity=0.0))
     seen: list[Retrieved] = []
 
     class _Seen(Exception):
@@ -225,7 +224,7 @@ def test_a_withdrawn_naming_is_said_in_the_corroboration_note(sketcher: Sketcher
     the report's corroboration lists the leads and its note says why no one is named."""
     index = MemoryIndex()
     index.add(_logged(1, 10, ORIGINAL, sketcher))
-    search = ProvenanceSearch(index, sketcher, Settings())
+    search = ProvenanceSearch(index, sketcher, TracePolicy())
 
     def analyze_with(withdrawn: int | None) -> Any:
         async def analyze(retrieved: Retrieved) -> FanoutOutcome:

@@ -17,6 +17,12 @@ from sqlalchemy.pool import NullPool
 from service.db import upgrade_database
 from service.models import Generation, KeyVersion, User
 from service.provenance.retrieval import LoggedSketch, MemoryIndex
+from service.provenance.search import (
+    NOT_FOUND_NOTE,
+    RIVAL_NOTE,
+    ProvenanceSearch,
+    purge_sketches,
+)
 from service.provenance.sketch import (
     LEGACY_MINHASH_SIZE,
     MINHASH_SIZE,
@@ -27,12 +33,7 @@ from service.provenance.sketch import (
     sketch_columns,
 )
 from service.repositories.provenance import ProvenanceRepository
-from service.services.provenance import (
-    NOT_FOUND_NOTE,
-    RIVAL_NOTE,
-    ProvenanceSearch,
-    purge_sketches,
-)
+from service.trace.policy import TracePolicy
 from tests.service.test_provenance_sketch import ORIGINAL, PARAPHRASE, UNRELATED
 
 SKETCHER = Sketcher(derive_sketch_key(b"provenance-store-secret-0123456789"))
@@ -98,7 +99,7 @@ def store(request: pytest.FixtureRequest) -> AsyncSession:
 async def test_search_finds_the_source_of_a_paraphrase_on_both_databases(store: AsyncSession, settings: Any) -> None:
     noise = [f"{UNRELATED} Note {i} on leaves, stomata and chlorophyll {i}." for i in range(30)]
     ids = await _seed(store, [ORIGINAL, *noise])
-    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, settings)
+    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, TracePolicy.from_settings(settings))
     query = search.sketch(PARAPHRASE)
     assert query is not None and search.enabled
     leads = await search.search(query, top=5)
@@ -127,7 +128,7 @@ async def test_a_sketch_logged_with_the_shorter_minhash_still_makes_a_copy_holde
     legacy = list(SKETCHER.sketch(ORIGINAL).minhash[:LEGACY_MINHASH_SIZE])  # type: ignore[union-attr]
     await store.execute(update(Generation).where(Generation.id == ids[0]).values(sketch_minhash=legacy))
     await store.flush()
-    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, settings)
+    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, TracePolicy.from_settings(settings))
     query = search.sketch(ORIGINAL.replace("Europe", "the continent"))
     assert query is not None and len(query.minhash) == MINHASH_SIZE
     leads = await search.search(query, top=5)
@@ -155,7 +156,7 @@ async def test_purge_drops_old_sketches_and_keeps_the_records(store: AsyncSessio
     assert rows[old_ids[0]].sketch_terms is None and rows[old_ids[0]].sketch_minhash is None
     assert rows[new_ids[0]].sketch_terms
     assert len(rows) == 2  # the records stay
-    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, settings)
+    search = ProvenanceSearch(ProvenanceRepository(store), SKETCHER, TracePolicy.from_settings(settings))
     assert all(lead.generation_id != old_ids[0] for lead in await search.search(search.sketch(ORIGINAL), top=5))
     if store.get_bind().dialect.name == "sqlite":  # the trigger dropped its postings too
         left = await store.scalar(
@@ -213,7 +214,9 @@ async def test_a_served_completion_is_logged_with_its_sketch(
     expected = sketcher.sketch(data["choices"][0]["message"]["content"])
     assert row.sketch_terms == list(expected.terms)
     assert row.sketch_minhash == list(expected.minhash)
-    search = ProvenanceSearch(ProvenanceRepository(db_session), sketcher, app.state.resources.settings)
+    search = ProvenanceSearch(
+        ProvenanceRepository(db_session), sketcher, TracePolicy.from_settings(app.state.resources.settings)
+    )
     query = sketcher.sketch(data["choices"][0]["message"]["content"], limit=QUERY_TERM_LIMIT)
     leads = await search.search(query, top=3)
     assert leads[0].request_id == data["id"] and leads[0].similarity == 1.0
@@ -228,7 +231,7 @@ async def test_corroboration_needs_the_named_users_completion_to_be_the_closest(
         sketch = SKETCHER.sketch(body)
         assert sketch is not None
         index.add(LoggedSketch(generation_id, user_id, f"req-{generation_id}", now, "m", sketch.terms, sketch.minhash))
-    search = ProvenanceSearch(index, SKETCHER, settings)
+    search = ProvenanceSearch(index, SKETCHER, TracePolicy.from_settings(settings))
     query = search.sketch(ORIGINAL)
     leads = await search.search(query, top=5)
     assert [lead.user_id for lead in leads[:2]] == [10, 20]

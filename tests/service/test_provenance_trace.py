@@ -15,8 +15,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import Generation, utcnow
+from service.provenance.search import NOT_FOUND_NOTE, RIVAL_NOTE
 from service.repositories.provenance import ProvenanceRepository
-from service.services.provenance import NOT_FOUND_NOTE, RIVAL_NOTE
 from tests.service.test_trace import ESSAY, _auth, _watermarked_text
 
 # the answers and their verdicts depend on the users' message IDs: drawn from a seeded generator

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.schemas.trace import TraceReportDocument
 from service.services.reports import ReportSigner, verify_report
+from service.trace.schemas import TraceReportDocument
 
 
 def _payload(settings: dict[str, Any]) -> dict[str, Any]:

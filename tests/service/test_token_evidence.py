@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.services.trace_analysis import candidate_blocks, token_evidence
+from service.trace.analysis import candidate_blocks, token_evidence
 from xmark_core import WatermarkKey, WatermarkParams, decode
 from xmark_core.encoder import boost_mask
 from xmark_core.hashing import token_codes

@@ -273,7 +273,7 @@ async def test_a_large_registry_reads_only_what_changed(
 
 async def test_trace_tokenization_matches_the_tokenizer(app: Any, ready: None) -> None:
     """/trace reads token ids through the fast tokenizer's backend: exactly tokenizer.encode's ids."""
-    from service.services.trace_analysis import tokenize
+    from service.trace.analysis import tokenize
 
     tokenizer = app.state.resources.backend.tokenizer
     texts = [
@@ -291,7 +291,7 @@ async def test_trace_tokenization_ignores_a_truncation_in_the_tokenizer_file(app
     """A checkpoint whose tokenizer file configures truncation still has every token read."""
     import copy
 
-    from service.services.trace_analysis import tokenize
+    from service.trace.analysis import tokenize
 
     tokenizer = copy.deepcopy(app.state.resources.backend.tokenizer)
     tokenizer.backend_tokenizer.enable_truncation(max_length=8)
@@ -329,7 +329,7 @@ async def test_null_distributions_are_prepared_at_start_up(settings: Any, migrat
 async def test_token_pieces_join_to_the_text_when_a_character_spans_tokens(app: Any, ready: None) -> None:
     """A byte-level token can end inside a multi-byte character: decoded alone it is U+FFFD. The
     report gives that character to the token that completes it, so the pieces join to the text."""
-    from service.services.trace_analysis import _pieces, tokenize
+    from service.trace.analysis import _pieces, tokenize
 
     tokenizer = app.state.resources.backend.tokenizer
     text = "The sail was called the lÃ¶f, 日本語 and émigré."
@@ -374,8 +374,8 @@ async def test_a_text_long_in_tokens_is_read_off_the_event_loop(
     import asyncio
     import time
 
-    from service.services.trace_analysis import tokenize
-    from service.services.tracing import INLINE_ANALYSIS_TOKENS
+    from service.trace.analysis import tokenize
+    from service.trace.service import INLINE_ANALYSIS_TOKENS
 
     _, key = await make_user("auditor")
     text = _cjk_text(chars)

@@ -14,16 +14,10 @@ from scipy.stats import binom
 from service.keyring import KeyVersionHandle
 from service.provenance.retrieval import Retrieved
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
-from service.services.trace_analysis import LengthGroup, TraceOutcome
-from service.services.trace_fanout import (
-    CandidateScope,
-    FanoutPlan,
-    TextReading,
-    TraceFanout,
-    decoders_for,
-    lead_shares,
-    plan_for,
-)
+from service.trace.analysis import LengthGroup, TraceOutcome
+from service.trace.fanout import TextReading, TraceFanout
+from service.trace.plan import CandidateScope, FanoutPlan, decoders_for, plan_for
+from service.trace.policy import TracePolicy
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from tests.core.synthetic import generate, random_messages
 from tests.core.test_likelihood import scores_of
@@ -89,17 +83,19 @@ def test_the_first_lead_has_half_of_the_retrieved_set_s_level() -> None:
     """Within each length the retrieved set's first lead holding an ID there gets half the level,
     the others equal parts of the rest; a copy holder alone, or equal shares when asked for."""
     groups = _groups(users=50)
-    assert lead_shares(1) == [1.0] and lead_shares(0) == []
-    assert lead_shares(3) == [0.5, 0.25, 0.25] and lead_shares(4, None) == [0.25] * 4
-    with pytest.raises(ValueError, match="top_share"):
-        lead_shares(3, 1.0)
+    policy = TracePolicy()
+    assert policy.lead_shares(1) == [1.0] and policy.lead_shares(0) == []
+    assert policy.lead_shares(3) == [0.5, 0.25, 0.25]
+    assert TracePolicy(top_lead_share=None).lead_shares(4) == [0.25] * 4
+    with pytest.raises(ValueError, match="top_lead_share"):
+        TracePolicy(top_lead_share=1.0)
     retrieved = plan_for(groups, [7, 999, 3, 5], BOTH).candidate_sets[1]
     for group in retrieved.groups:
         candidates = group.snapshot.candidates
         assert candidates.ids == [7, 3, 5]
         assert candidates.shares is not None and candidates.shares.tolist() == [0.5, 0.25, 0.25]
         assert candidates.multiplicity([0, 1, 2]).tolist() == [2.0, 4.0, 4.0]
-    equal = plan_for(groups, [7, 3, 5], BOTH, top_lead_share=None).candidate_sets[1]
+    equal = plan_for(groups, [7, 3, 5], BOTH, policy=TracePolicy(top_lead_share=None)).candidate_sets[1]
     assert all(g.snapshot.candidates.shares is None for g in equal.groups)
     held = plan_for(groups, Retrieved((7, 3, 5), 3), BOTH).candidate_sets[1]
     assert all(g.snapshot.candidates.ids == [3] and g.snapshot.candidates.shares is None for g in held.groups)
@@ -132,9 +128,10 @@ def test_null_texts_are_rejected_at_alpha_over_the_whole_fan_out() -> None:
         ids = [int(t) for t in generation.tokens[row]]
         scores = scores_of(generation, row)
         plan = plan_for(groups, leads, BOTH)
-        reading = TextReading(ids, _Tokenizer(), alpha=alpha, temperature=1.0)  # type: ignore[arg-type]
-        corrected += _smallest_p(_all_tests(TraceFanout(plan, reading), scores)) < alpha
-        once = TraceFanout(_UncountedPlan(plan.candidate_sets, plan.decoders), reading)
+        reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+        policy = TracePolicy(alpha=alpha, temperature=1.0)
+        corrected += _smallest_p(_all_tests(TraceFanout(plan, reading, policy), scores)) < alpha
+        once = TraceFanout(_UncountedPlan(plan.candidate_sets, plan.decoders), reading, policy)
         uncorrected += _smallest_p(_all_tests(once, scores)) < alpha
     # corrected: binomial(300, <= alpha); 0.999 upper quantile as the bound
     assert corrected <= binom.ppf(0.999, 300, alpha), corrected
@@ -175,9 +172,10 @@ def test_retrieval_narrowing_names_an_author_the_registry_test_cannot() -> None:
     generation = generate(key, [messages[author - 1]] * rows, 60, top_k=20, seed=3, temperature=1.0)
     for row in range(rows):
         ids = [int(t) for t in generation.tokens[row]]
-        reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+        reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+        policy = TracePolicy(alpha=1e-3, temperature=1.0)
         plan = plan_for(groups, [author, 17, 99, 4000, 12_000], BOTH)
-        result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+        result = _run(TraceFanout(plan, reading, policy), scores_of(generation, row))
         named_by[result.named_in] += 1
         if result.outcome.attributed_user_id not in (None, author):
             wrong += 1
@@ -206,10 +204,11 @@ def test_the_copy_holder_is_named_without_the_registry_s_ranking() -> None:
         by_retrieval[holder] = named[holder] = 0
         for row in range(rows):
             ids = [int(t) for t in generation.tokens[row]]
-            reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+            reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+            policy = TracePolicy(alpha=1e-3, temperature=1.0)
             plan = plan_for(groups, Retrieved(leads, holder), BOTH)
             assert plan.tries == 2 * 1 * 2  # the holder changes no count
-            result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+            result = _run(TraceFanout(plan, reading, policy), scores_of(generation, row))
             assert result.outcome.attributed_user_id in (None, author)
             by_retrieval[holder] += result.named_in == CandidateScope.RETRIEVED
             named[holder] += result.named_in is not None
@@ -235,8 +234,11 @@ def test_a_copy_holder_overrules_a_registry_naming_of_another_user() -> None:
         named[holder] = []
         for row in range(rows):
             ids = [int(t) for t in generation.tokens[row]]
-            reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
-            result = _run(TraceFanout(plan_for(groups, Retrieved((other, author), holder), BOTH), reading), None)
+            reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+            policy = TracePolicy(alpha=1e-3, temperature=1.0)
+            result = _run(
+                TraceFanout(plan_for(groups, Retrieved((other, author), holder), BOTH), reading, policy), None
+            )
             named[holder].append(result.outcome.attributed_user_id)
             if holder == other:
                 assert result.named_in is None and result.outcome.report.attribution is None
@@ -266,8 +268,9 @@ def test_with_a_copy_holder_the_retrieved_test_reads_the_holder_alone() -> None:
     named = 0
     for row in range(rows):
         ids = [int(t) for t in generation.tokens[row]]
-        reading = TextReading(ids, _Tokenizer(), alpha=alpha, temperature=1.0)  # type: ignore[arg-type]
-        result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+        reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+        policy = TracePolicy(alpha=alpha, temperature=1.0)
+        result = _run(TraceFanout(plan, reading, policy), scores_of(generation, row))
         assert result.outcome.attributed_user_id in (None, 7)
         named += result.outcome.attributed_user_id == 7
     assert named <= binom.ppf(0.999, rows, alpha), named
@@ -277,8 +280,9 @@ def test_a_plan_without_leads_reports_the_registry_reading() -> None:
     groups = _groups(users=30)
     generation = generate(groups[0].versions[0].key, [None], 50, top_k=20, seed=2)
     ids = [int(t) for t in generation.tokens[0]]
-    reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
-    result = _run(TraceFanout(plan_for(groups, [], BOTH), reading), None)  # no scorer: counting decides
+    reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+    policy = TracePolicy(alpha=1e-3, temperature=1.0)
+    result = _run(TraceFanout(plan_for(groups, [], BOTH), reading, policy), None)  # no scorer: counting decides
     assert result.named_in is None
     assert result.outcome.report.decoder == TraceDecoder.COUNTING
     assert math.isclose(result.tries, 8)
@@ -308,10 +312,11 @@ def test_a_retrieved_user_who_shares_blocks_with_the_real_author_is_not_named() 
     named_alone = named_lead = refused = 0
     for row in range(rows):
         ids = [int(t) for t in generation.tokens[row]]
-        reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
-        lone = _run(TraceFanout(plan_for(alone, [], BOTH), reading), scores_of(generation, row))
+        reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+        policy = TracePolicy(alpha=1e-3, temperature=1.0)
+        lone = _run(TraceFanout(plan_for(alone, [], BOTH), reading, policy), scores_of(generation, row))
         named_alone += lone.outcome.attributed_user_id == leads[0]
-        result = _run(TraceFanout(plan_for(groups, leads, BOTH), reading), scores_of(generation, row))
+        result = _run(TraceFanout(plan_for(groups, leads, BOTH), reading, policy), scores_of(generation, row))
         named_lead += result.outcome.attributed_user_id in leads
         refused += result.refused == leads[0]
         assert result.outcome.attributed_user_id in (None, author)
@@ -350,10 +355,11 @@ def test_a_registry_naming_the_watermark_cannot_tell_from_a_lead_is_withdrawn() 
         named[case] = withdrawn[case] = 0
         for row in range(rows):
             ids = [int(t) for t in generation.tokens[row]]
-            reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=1.0)  # type: ignore[arg-type]
+            reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+            policy = TracePolicy(alpha=1e-3, temperature=1.0)
             plan = plan_for(groups, leads, BOTH)
             assert plan.leads == leads and plan.tries == 2 * 1 * 2  # the check changes no count
-            result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+            result = _run(TraceFanout(plan, reading, policy), scores_of(generation, row))
             assert result.outcome.attributed_user_id in (None, author)
             named[case] += result.outcome.attributed_user_id == author
             withdrawn[case] += result.withdrawn is not None
@@ -383,9 +389,10 @@ def test_a_gumbel_key_version_is_read_by_its_model_aware_decoder() -> None:
     by_decoder = {TraceDecoder.COUNTING: 0, TraceDecoder.LIKELIHOOD: 0}
     for row in range(rows):
         ids = [int(t) for t in generation.tokens[row]]
-        reading = TextReading(ids, _Tokenizer(), alpha=1e-3, temperature=0.7)  # type: ignore[arg-type]
+        reading = TextReading(ids, _Tokenizer())  # type: ignore[arg-type]
+        policy = TracePolicy(alpha=1e-3, temperature=0.7)
         plan = plan_for(groups, [], BOTH)
-        result = _run(TraceFanout(plan, reading), scores_of(generation, row))
+        result = _run(TraceFanout(plan, reading, policy), scores_of(generation, row))
         report = result.outcome.report
         assert result.outcome.attributed_user_id in (None, row + 1)
         if result.outcome.attributed_user_id is not None:

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.errors import InvalidRequestError, ServiceUnavailableError
 from service.models import Trace
 from service.services.reports import decode_public_key, verify_report
-from service.services.trace_analysis import tokenize
+from service.trace.analysis import tokenize
 from tests.service.test_trace import _auth, _watermarked_text
 
 # the verdicts depend on the users' message IDs (what is written, what it is told apart from):

@@ -1,15 +1,13 @@
-"""Tracing: check the request, analyse the text (``trace_analysis``), record the trace, count it.
-
-Also the start-up simulation of the null distributions the analysis's test needs.
-"""
+"""Tracing: :func:`run_trace`, the one entry point of a trace's analysis (the HTTP route, ``xmark
+trace`` and every evaluation call it), and the route's service around it: check the request, find
+the log's leads (``provenance.search``), run the trace, sign and record the report, count it."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,27 +24,23 @@ from service.errors import (
 from service.fleet import Fleet, ServedModel, models_by_tokenizer
 from service.models import utcnow
 from service.provenance.retrieval import Retrieved
-from service.repositories.provenance import PlannerStatistics, ProvenanceRepository
+from service.provenance.search import ProvenanceSearch
+from service.repositories.planner import PlannerStatistics
+from service.repositories.provenance import ProvenanceRepository
 from service.schemas.common import Principal
-from service.schemas.trace import (
+from service.services.registry_cache import RegistryCache
+from service.services.reports import ReportSigner
+from service.trace.analysis import LengthGroup, TraceOutcome, group_by_length, tokenize
+from service.trace.fanout import FanoutOutcome, Runner, ScoreSource, TextReading, TraceFanout, on_thread
+from service.trace.plan import ReadingPlan, decoders_for, plan_for
+from service.trace.policy import TracePolicy
+from service.trace.report import SignedReportInput, build_signed_report
+from service.trace.schemas import (
     TraceReport,
     TraceRequest,
 )
-from service.services.provenance import ProvenanceSearch
-from service.services.registry_cache import RegistryCache
-from service.services.report_records import SignedReportInput, build_signed_report
-from service.services.reports import ReportSigner
-from service.services.trace_analysis import LengthGroup, TraceOutcome, group_by_length, tokenize
-from service.services.trace_fanout import (
-    FanoutOutcome,
-    ReadingPlan,
-    TextReading,
-    TraceFanout,
-    decoders_for,
-    plan_for,
-)
 from service.vocabulary import TraceDecoder, TraceVerdict
-from xmark_core import ModelScores, warm_null_cache
+from xmark_core import ModelScores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,7 +57,7 @@ logger = logging.getLogger("xmark.trace")
 # analysis's cost grows with the text's tokens, not its characters (8,000 CJK characters are about
 # 21,000 tokens: ~0.75 s of analysis), so texts of more tokens than this are analysed on a worker
 # thread. Below it the analysis takes a few milliseconds once the rows' null distributions are
-# prepared (``prepare_null_distributions``), and short traces do not queue behind long ones for
+# prepared (``keyring.prepare_null_distributions``), and short traces do not queue behind long ones for
 # the worker threads.
 INLINE_ANALYSIS_TOKENS = 256
 # Tokenizing is fast (a fast tokenizer reads about a million characters a second), but longer
@@ -71,31 +65,58 @@ INLINE_ANALYSIS_TOKENS = 256
 INLINE_TOKENIZE_CHARS = 4_000
 
 
-async def prepare_null_distributions(keyring: Keyring, max_row_tokens: int) -> None:
-    """Simulate the per-row null distributions that /trace's test needs, for rows of 1 to
-    ``max_row_tokens`` tokens and the parameters of every usable key version.
+async def _inline(work: Callable[[], TraceOutcome]) -> TraceOutcome:
+    return work()
 
-    Each row size is simulated once per process and cached; without
-    this, the first traces after start-up pay for it inline. Runs on a worker thread, one row
-    size at a time, so it can be cancelled between sizes and the event loop keeps serving.
+
+async def run_trace(
+    groups: Sequence[LengthGroup],
+    retrieved: Retrieved | Sequence[int],
+    readings: TextReading | Sequence[TextReading],
+    scores: ScoreSource | Mapping[str, ScoreSource],
+    policy: TracePolicy,
+    *,
+    decoders: tuple[TraceDecoder, ...] | None = None,
+    plans: tuple[ReadingPlan, ...] | None = None,
+    run_counting: Runner[TraceOutcome] = _inline,
+    run_likelihood: Runner[TraceOutcome] = on_thread,
+) -> FanoutOutcome:
+    """A trace's analysis: the fan-out's plan (``trace.plan``) over the registry's ``groups`` and
+    the ``retrieved`` leads, run on the text's ``readings`` under ``policy`` (``trace.fanout``).
+
+    ``plans``: one per reading (its models, decoders and scorers; the route's and the CLI's); or
+    ``decoders`` for one reading by one model (``scores`` its scores; the evaluations'). ``run_*``
+    run the analyses (inline by default, the likelihood decoder's on a worker thread).
     """
-    started = time.perf_counter()
-    done: list[object] = []
-    try:
-        for handle in keyring.readings():
-            params = handle.key.params
-            if params in done:
-                continue
-            done.append(params)
-            for n in range(1, max_row_tokens + 1):
-                await asyncio.to_thread(warm_null_cache, params, n, min_row_tokens=n)
-    except Exception as exc:  # traces still work: they simulate what they need on first use
-        logger.warning("preparing trace null distributions failed", extra={"error_type": type(exc).__name__})
-        return
-    seconds = round(time.perf_counter() - started, 1)
-    logger.info(
-        "trace null distributions ready",
-        extra={"row_tokens": max_row_tokens, "parameter_sets": len(done), "seconds": seconds},
+    if (plans is None) == (decoders is None):
+        raise ValueError("give either plans (one per reading) or decoders (one reading)")
+    used = decoders or tuple(
+        d for d in (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD) if any(d in p.decoders for p in plans or ())
+    )
+    plan = plan_for(groups, retrieved, used, plans, policy=policy)
+    fanout = TraceFanout(plan, readings, policy)
+    return await fanout.run(scores, run_counting=run_counting, run_likelihood=run_likelihood)
+
+
+def run_trace_now(
+    groups: Sequence[LengthGroup],
+    retrieved: Retrieved | Sequence[int],
+    reading: TextReading,
+    scores: ModelScores | None,
+    policy: TracePolicy,
+    *,
+    decoders: tuple[TraceDecoder, ...],
+) -> FanoutOutcome:
+    """:func:`run_trace` of one reading with its scores at hand, every analysis inline (offline
+    evaluations; not from within a running event loop)."""
+
+    async def given() -> ModelScores | None:
+        return scores
+
+    return asyncio.run(
+        run_trace(
+            groups, retrieved, reading, given, policy, decoders=decoders, run_counting=_inline, run_likelihood=_inline
+        )
     )
 
 
@@ -123,7 +144,8 @@ class TracingService:
         planner: PlannerStatistics | None = None,
     ) -> None:
         self._signer = signer
-        self._provenance = ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, settings)
+        self._policy = TracePolicy.from_settings(settings)
+        self._provenance = ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, self._policy)
         self._session = session
         self._records = records
         self._settings = settings
@@ -183,8 +205,8 @@ class TracingService:
                 verdict=verdict,
                 handle=handle,
                 requested_decoder=request.decoder,
-                alpha=settings.trace_alpha,
-                top_k=settings.trace_top_k if report.decoder == TraceDecoder.LIKELIHOOD else None,
+                alpha=self._policy.alpha,
+                top_k=self._policy.top_k if report.decoder == TraceDecoder.LIKELIHOOD else None,
             ),
         )
         row = {
@@ -247,7 +269,7 @@ class TracingService:
         *,
         identity_level: float | None = None,
     ) -> FanoutOutcome:
-        """The fan-out's plan for this request, run (``trace_fanout``): counting, likelihood, or
+        """The fan-out's plan for this request, run (``trace.fanout``): counting, likelihood, or
         counting then likelihood (``auto``), over the registry and then the users the generation
         log's leads point to, every message length's key versions, every served model's reading
         (counting once per tokenizer, likelihood with each model's scorer), corrected for all of them.
@@ -261,8 +283,8 @@ class TracingService:
         ``auto`` always goes on to it, and a text it cannot read is refused rather than left to
         counting's name.
         """
-        settings = self._settings
-        limit = settings.trace_likelihood_max_tokens
+        policy = self._policy.with_identity_level(identity_level)
+        limit = policy.likelihood_max_tokens
         must_score = request.decoder == TraceDecoder.LIKELIHOOD or identity_level is not None
         plans: list[ReadingPlan] = []
         for reading in readings:
@@ -294,29 +316,13 @@ class TracingService:
             if TraceDecoder.LIKELIHOOD not in decoders:
                 scorers = ()
             plans.append(ReadingPlan(tuple(m.name for m in reading.models), decoders, scorers))
-        used = tuple(d for d in (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD) if any(d in p.decoders for p in plans))
-        plan = plan_for(groups, retrieved, used, tuple(plans))
-        fanout = TraceFanout(
-            plan,
-            [
-                TextReading(
-                    reading.ids,
-                    reading.tokenizer,
-                    alpha=settings.trace_alpha,
-                    temperature=settings.trace_temperature,
-                    edit_rate=settings.trace_edit_rate,
-                    include_tokens=request.include_tokens,
-                    identity_level=identity_level,
-                )
-                for reading in readings
-            ],
-        )
+        texts = [TextReading(reading.ids, reading.tokenizer, request.include_tokens) for reading in readings]
 
         async def score(model: ServedModel, ids: list[int]) -> ModelScores | None:
             if must_score:
-                return await model.backend.score(ids, settings.trace_top_k)
+                return await model.backend.score(ids, policy.top_k)
             try:
-                return await model.backend.score(ids, settings.trace_top_k)
+                return await model.backend.score(ids, policy.top_k)
             except (
                 ServiceUnavailableError,
                 UpstreamUnavailableError,
@@ -338,4 +344,4 @@ class TracingService:
         async def run(work: Callable[[], TraceOutcome]) -> TraceOutcome:  # long texts off the event loop
             return work() if inline else await asyncio.to_thread(work)
 
-        return await fanout.run(sources, run_counting=run)
+        return await run_trace(groups, retrieved, texts, sources, policy, plans=tuple(plans), run_counting=run)

@@ -1,22 +1,13 @@
-"""/trace's fan-out and its one multiplicity count.
+"""/trace's fan-out: the plan's tests (``trace.plan``) run in order until one names someone, and
+the rules that withdraw a naming (``trace.policy``, rules 8-10).
 
-A trace may test one text many times: against each candidate set (the whole registry; the users a
-content search of the generation log led to), under each key version of each message length, in
-each reading of the text (one per tokenizer of the served models), with each decoder (counting,
-once per tokenization; likelihood, once per served model, with that model's scorer). Each test's
-p-value is exact on its own; naming the best of them is valid at ``alpha`` only if every p-value
-is multiplied by the number of tests that *could* run, fixed before any of them looks at the
-watermark: ``FanoutPlan.tries``. The plan is chosen from what needs no watermark key (the request,
-the served models, whether their scorers are at hand, the text's length, and the retrieved
-candidates, which a content search chose), so it is the same whatever the watermark says. This
-module is the only place that counts; ``trace_analysis`` applies the count it is given.
 
 Order of the tests: the registry first, then the retrieved users; within each, every reading's
 counting test (in the order of the models file), then every model's likelihood test; the first
 test that names someone decides, and its reading's model is the one the report names. A candidate set's p-values
 are also corrected for its own size (``xmark_core.attribute``), so the retrieved set's test pays
 for its handful of users rather than the whole registry. Within the retrieved set the level is not
-split equally: the content search's best lead gets ``TOP_LEAD_SHARE`` of it and every other lead
+split equally: the content search's best lead gets ``TracePolicy.top_lead_share`` of it and every other lead
 an equal part of the rest (a weighted Bonferroni correction, ``xmark_core.CandidateSet.with_shares``).
 A rewritten answer's author is the best lead far more often than any other (the provenance
 evaluation: 85–95 % of paraphrases and summaries), so the author's p-value is multiplied by 2
@@ -28,14 +19,14 @@ The retrieved set's test is exact for a text no one watermarked, but a text that
 user's watermark can make a retrieved user whose message ID shares blocks with that user's pass
 it (a forged text, or an answer whose own generation the log does not hold). So a naming in the
 retrieved set stands only if the same decoder over the whole registry ranks that user first with
-the posterior confidence a naming needs there (``DEFAULT_MIN_CONFIDENCE``): only the registry's
+the posterior confidence a naming needs there (``TracePolicy.min_confidence``): only the registry's
 p-value, which pays for every registered user, may fall short. A registry user who explains the
 watermark as well or better withdraws it. The rule only withdraws namings, so the count stays
 valid.
 
 One retrieved user is exempt from the registry's ranking: the copy holder, the only user whose
 logged completions hold a near-copy of the text (where no user's do: an edited copy;
-``retrieval.copy_holder``). The case the rule guards against needs a text that carries another
+``TracePolicy.copy_holder``). The case the rule guards against needs a text that carries another
 user's watermark; a near-copy in the holder's log says the gateway served this text to the holder,
 so the holder's own test suffices: with a holder the retrieved set is the holder alone (only the
 holder may be named, below), its p-value corrected for every test of the plan. The content search
@@ -53,11 +44,11 @@ author's log. The rule only withdraws namings, so the count stays valid.
 Without a holder the same mistake is checked by the watermark itself. When the user a
 registry-wide test names is not among the leads (their log holds nothing like the text), that
 test's own identity test is run against the leads: the p-value that the text carries a lead's
-message ID rather than the named user's (``trace_analysis.lead_identity_p``). If it does not reject
-every lead at ``LEAD_IDENTITY_LEVEL``, the naming is withdrawn (the report's note says why) and the
+message ID rather than the named user's (``analysis.lead_identity_p``). If it does not reject
+every lead at ``TracePolicy.lead_identity_level``, the naming is withdrawn (the report's note says why) and the
 fan-out goes on. An attacked answer whose watermark fits a registry neighbour of its author's ID
 better than the author's own, with the author among the leads, is withdrawn with probability at
-least 1 - ``LEAD_IDENTITY_LEVEL`` when the counting decoder named (its identity test is exact for
+least 1 - ``TracePolicy.lead_identity_level`` when the counting decoder named (its identity test is exact for
 the message a text carries, edits included; the likelihood decoder's is exact on unedited text:
 ``xmark_core.identity_p``). A text that does carry the named user's watermark (a
 forgery, a generation past the retention) keeps its naming unless a lead's message ID is so close
@@ -68,123 +59,22 @@ count stays valid.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from service.parties import party_key
-from service.provenance.retrieval import Retrieved
-from service.services.registry_cache import RegistrySnapshot
-from service.services.trace_analysis import (
-    LengthGroup,
-    TraceOutcome,
-    analyze_counting_by_length,
-    analyze_likelihood_by_length,
-)
+from service.trace.analysis import TraceOutcome, analyze_counting_by_length, analyze_likelihood_by_length
+from service.trace.plan import CandidateScope, CandidateSet, FanoutPlan
+from service.trace.policy import TracePolicy
 from service.vocabulary import TraceDecoder
-from xmark_core import DEFAULT_EDIT_RATE, DEFAULT_MIN_CONFIDENCE, ModelScores
+from xmark_core import ModelScores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
-
-# a registry-wide naming of a user whose log holds nothing like the text stands only if its identity
-# test rejects every lead at this level (see the module's docstring)
-LEAD_IDENTITY_LEVEL = 0.01
-# the retrieved set's test gives its first lead this share of the level, the others equal parts of
-# the rest (see the module's docstring)
-TOP_LEAD_SHARE = 0.5
-
-
-class CandidateScope(enum.StrEnum):
-    """Which registered users a test scores the text against."""
-
-    REGISTRY = "registry"  # every registered message ID
-    RETRIEVED = "retrieved"  # the users whose logged completions the text resembles
-
-
-@dataclass(frozen=True)
-class CandidateSet:
-    """One candidate set of the fan-out: each message length's key versions and its candidates."""
-
-    scope: CandidateScope
-    groups: tuple[LengthGroup, ...]
-    # the retrieved set only: the one user whose logged completions hold a near-copy of the text
-    copy_holder: int | None = None
-
-
-@dataclass(frozen=True)
-class ReadingPlan:
-    """The tests of one tokenization of the text: the models that tokenize it this way (the first
-    names its counting test), the decoders, and the models whose scorer runs the likelihood test."""
-
-    models: tuple[str, ...]
-    decoders: tuple[TraceDecoder, ...]
-    scorers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.models or not self.decoders:
-            raise ValueError("a reading needs a model and a decoder")
-        if TraceDecoder.LIKELIHOOD in self.decoders and not self.scorers:
-            raise ValueError("a reading with the likelihood decoder needs a scorer")
-
-    @property
-    def tests(self) -> int:
-        """Tests of this reading per candidate set and key version."""
-        counting = 1 if TraceDecoder.COUNTING in self.decoders else 0
-        likelihood = len(self.scorers) if TraceDecoder.LIKELIHOOD in self.decoders else 0
-        return counting + likelihood
-
-
-@dataclass(frozen=True)
-class FanoutPlan:
-    """The tests a trace may run: candidate sets × key versions (of every length) × the readings'
-    tests (a counting test per tokenization, a likelihood test per model)."""
-
-    candidate_sets: tuple[CandidateSet, ...]
-    decoders: tuple[TraceDecoder, ...]
-    # None: one reading, by the model "" (a plan of a single model's text, as evaluations build)
-    readings: tuple[ReadingPlan, ...] | None = None
-    # the users of the content search's leads, best first (the registry-wide namings' identity check)
-    leads: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.candidate_sets or not self.decoders:
-            raise ValueError("a plan needs at least one candidate set and one decoder")
-        if self.readings is not None and not self.readings:
-            raise ValueError("a plan needs at least one reading")
-        counts = {self._versions(c) for c in self.candidate_sets}
-        if len(counts) != 1 or 0 in counts:
-            raise ValueError("every candidate set must read the same, non-empty, key versions")
-
-    @staticmethod
-    def _versions(candidates: CandidateSet) -> int:
-        return sum(len(group.versions) for group in candidates.groups)
-
-    @property
-    def key_versions(self) -> int:
-        return self._versions(self.candidate_sets[0])
-
-    @property
-    def reading_plans(self) -> tuple[ReadingPlan, ...]:
-        if self.readings is not None:
-            return self.readings
-        scorers = ("",) if TraceDecoder.LIKELIHOOD in self.decoders else ()
-        return (ReadingPlan(("",), self.decoders, scorers),)
-
-    @property
-    def copy_holder(self) -> int | None:
-        """The retrieved set's copy holder (see the module's docstring), if any."""
-        return next((c.copy_holder for c in self.candidate_sets if c.copy_holder is not None), None)
-
-    @property
-    def tries(self) -> int:
-        """The number of tests, the factor every p-value of the trace is multiplied by."""
-        return len(self.candidate_sets) * self.key_versions * sum(r.tests for r in self.reading_plans)
 
 
 @dataclass(frozen=True)
@@ -203,17 +93,12 @@ class FanoutOutcome:
 
 @dataclass(frozen=True)
 class TextReading:
-    """How the text is read, the same for every test."""
+    """One tokenization of the text (the thresholds and the likelihood reading's parameters are the
+    policy's, the same for every test)."""
 
     ids: list[int]
     tokenizer: PreTrainedTokenizerBase
-    alpha: float
-    temperature: float
-    edit_rate: float = DEFAULT_EDIT_RATE
     include_tokens: bool = False
-    # with a level, only the likelihood decoder names (after its identity test); counting's
-    # verdict still counts
-    identity_level: float | None = None
 
 
 Runner = Callable[[Callable[[], T]], Awaitable[T]]
@@ -230,8 +115,13 @@ ScoreSource = Callable[[], Awaitable[ModelScores | None]]
 class TraceFanout:
     """Runs a plan's tests in order until one names someone."""
 
-    def __init__(self, plan: FanoutPlan, reading: TextReading | Sequence[TextReading]) -> None:
+    def __init__(
+        self, plan: FanoutPlan, reading: TextReading | Sequence[TextReading], policy: TracePolicy | None = None
+    ) -> None:
         self.plan = plan
+        # with an identity level, only the likelihood decoder names (after its identity test);
+        # counting's verdict still counts
+        self.policy = policy or TracePolicy()
         self.readings = (reading,) if isinstance(reading, TextReading) else tuple(reading)
         if len(self.readings) != len(plan.reading_plans):
             raise ValueError("one text reading per planned reading")
@@ -243,7 +133,7 @@ class TraceFanout:
             r.ids,
             r.tokenizer,
             candidates.groups,
-            alpha=r.alpha,
+            policy=self.policy,
             include_tokens=r.include_tokens,
             tries=self.plan.tries,
             leads=self._leads(candidates),
@@ -262,13 +152,10 @@ class TraceFanout:
             scores,
             r.tokenizer,
             candidates.groups,
-            alpha=r.alpha,
-            temperature=r.temperature,
-            edit_rate=r.edit_rate,
+            policy=self.policy,
             counting=counting,
             include_tokens=r.include_tokens,
             tries=self.plan.tries,
-            identity_level=r.identity_level,
             leads=self._leads(candidates),
         )
 
@@ -293,7 +180,7 @@ class TraceFanout:
         """
         plan = self.plan
         # with an identity level, counting gives its verdict but never the name
-        counting_names = self.reading.identity_level is None
+        counting_names = self.policy.identity_level is None
         scored: dict[str, ModelScores | None] = {}
         reported: list[tuple[TraceOutcome, str]] = []
         # each (model, decoder)'s outcome over the whole registry: a retrieved user's naming must agree with it
@@ -314,7 +201,7 @@ class TraceFanout:
                 named = outcome.attributed_user_id
                 if named is None or plan.copy_holder not in (None, named):
                     return False
-                if not lead_identity_stands(outcome):  # (the holder is a lead: never here)
+                if not self.policy.lead_identity_stands(outcome.lead_identity_p):  # (the holder is a lead: never here)
                     withdrawn.append(named)
                     return False
                 return True
@@ -324,7 +211,7 @@ class TraceFanout:
             if plan.copy_holder is not None:  # the gateway served this text to that user: no one else
                 return user == plan.copy_holder
             ranked = registry.get((model, decoder))
-            if ranked is not None and _ranks_first(ranked, user):
+            if ranked is not None and self.policy.registry_backs(_ranks_first(ranked, user), ranked.confidence):
                 return True
             refused.append(user)
             return False
@@ -379,23 +266,14 @@ async def _inline(work: Callable[[], T]) -> T:
 
 
 def _ranks_first(outcome: TraceOutcome, user_id: int | None) -> bool:
-    """Whether ``outcome`` (a test over the whole registry) ranks ``user_id`` first, confidently."""
+    """Whether ``outcome`` (a test over the whole registry) ranks ``user_id`` first."""
     candidates = outcome.report.candidates
     return (
         user_id is not None
         and bool(candidates)
         and party_key(candidates[0].user_id, None if candidates[0].end_user is None else candidates[0].end_user.id)
         == user_id
-        and outcome.confidence >= DEFAULT_MIN_CONFIDENCE
     )
-
-
-def lead_identity_stands(outcome: TraceOutcome) -> bool:
-    """Whether a registry-wide naming survives the leads' identity test (see the module's
-    docstring): not run (the named user is a lead, no lead holds an ID of that length, or the
-    decoder has none), or every lead rejected at ``LEAD_IDENTITY_LEVEL``."""
-    p = outcome.lead_identity_p
-    return p is None or p <= LEAD_IDENTITY_LEVEL
 
 
 def _first(users: Sequence[int]) -> int | None:
@@ -406,64 +284,3 @@ def _unnamed(outcome: TraceOutcome) -> TraceOutcome:
     """``outcome`` with its naming withdrawn (the report keeps its candidates)."""
     report = outcome.report.model_copy(update={"attribution": None})
     return TraceOutcome(report, outcome.key_version_id, None, strength=outcome.strength)
-
-
-def decoders_for(requested: TraceDecoder, *, scorer_available: bool) -> tuple[TraceDecoder, ...]:
-    """The decoders a request may run: ``auto`` runs the likelihood decoder too when a scorer can
-    read the text (then both count as tests)."""
-    if requested == TraceDecoder.COUNTING:
-        return (TraceDecoder.COUNTING,)
-    if requested == TraceDecoder.LIKELIHOOD:
-        return (TraceDecoder.LIKELIHOOD,)
-    if scorer_available:
-        return (TraceDecoder.COUNTING, TraceDecoder.LIKELIHOOD)
-    return (TraceDecoder.COUNTING,)
-
-
-def lead_shares(count: int, top_share: float | None = TOP_LEAD_SHARE) -> list[float]:
-    """Each of ``count`` leads' share of the level, best first: ``top_share`` for the first, equal
-    parts of the rest for the others (one lead: all of it; ``top_share`` None: equal shares)."""
-    if count <= 1 or top_share is None:
-        return [1.0 / count] * count if count else []
-    if not 0.0 < top_share < 1.0:
-        raise ValueError(f"top_share must be in (0, 1) (got {top_share})")
-    return [top_share] + [(1.0 - top_share) / (count - 1)] * (count - 1)
-
-
-def plan_for(
-    registry: Sequence[LengthGroup],
-    retrieved: Retrieved | Sequence[int],
-    decoders: tuple[TraceDecoder, ...],
-    readings: tuple[ReadingPlan, ...] | None = None,
-    *,
-    top_lead_share: float | None = TOP_LEAD_SHARE,
-) -> FanoutPlan:
-    """The registry, and the retrieved users when a content search found any that hold a message
-    ID of a length the registry reads. The retrieved set reads every key version the registry
-    reads (a length where no lead holds an ID has no candidate there), so the count is the same.
-    Within each length, the retrieved set's first lead (the content search's best) has
-    ``top_lead_share`` of the level and the others equal parts of the rest (``lead_shares``;
-    None: equal shares, the plain Bonferroni correction for the set's size).
-    ``retrieved``: the search's result (or just its users: no copy holder).
-    ``readings``: the text's readings by the served models (None: one, by one model)."""
-    if not isinstance(retrieved, Retrieved):
-        retrieved = Retrieved(tuple(retrieved))
-    sets = [CandidateSet(CandidateScope.REGISTRY, tuple(registry))]
-    if retrieved.users:
-        holder = retrieved.copy_holder if retrieved.copy_holder in retrieved.users else None
-        # with a copy holder only the holder may be named, so the holder alone is tested: its p-value
-        # pays for one user, not every lead (the content search chose the holder: the plan is fixed)
-        users = [holder] if holder is not None else list(retrieved.users)
-        groups = tuple(LengthGroup(g.versions, _shared(g.snapshot.restricted(users), top_lead_share)) for g in registry)
-        if any(len(g.snapshot) for g in groups):
-            sets.append(CandidateSet(CandidateScope.RETRIEVED, groups, holder))
-    return FanoutPlan(tuple(sets), decoders, readings, tuple(retrieved.users))
-
-
-def _shared(snapshot: RegistrySnapshot, top_share: float | None) -> RegistrySnapshot:
-    """``snapshot`` (the leads holding an ID of one length, best first) with each lead's share."""
-    if len(snapshot) <= 1 or top_share is None:
-        return snapshot
-    return dataclasses.replace(
-        snapshot, candidates=snapshot.candidates.with_shares(lead_shares(len(snapshot), top_share))
-    )

@@ -6,9 +6,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import NotFoundError
 from service.repositories.traces import TraceRepository
-from service.schemas.trace import ReportKey, TraceLogEntry, TraceLogPage, TraceReportDocument
-from service.services.report_records import report_document
 from service.services.reports import ReportSigner
+from service.trace.report import report_document
+from service.trace.schemas import ReportKey, TraceLogEntry, TraceLogPage, TraceReportDocument
 from service.vocabulary import TraceDecoder, TraceVerdict
 
 

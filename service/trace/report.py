@@ -12,11 +12,11 @@ import functools
 import importlib.metadata
 import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from service.schemas.trace import ReportSignature, SignedReport, TraceReport, TraceReportDocument
-from service.services.reports import ReportSigner, canonical_json, new_report_id, text_sha256
+from service.services.reports import ReportSigner, canonical_json, iso_utc, new_report_id, text_sha256
+from service.trace.schemas import ReportSignature, SignedReport, TraceReport, TraceReportDocument
 from service.vocabulary import TraceDecoder, TraceVerdict
 
 if TYPE_CHECKING:
@@ -31,11 +31,6 @@ def gateway_version() -> str:
         return importlib.metadata.version("xmark-gateway")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def iso_utc(moment: datetime) -> str:
-    """``2026-11-24T01:02:03.456789Z``: the report's timestamp format (always microseconds)."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)

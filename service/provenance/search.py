@@ -22,23 +22,22 @@ from service.provenance.retrieval import (
     LoggedSketch,
     Retrieved,
     TermStats,
-    copy_holder,
-    lead_users,
     rank,
     select_terms,
     select_terms_by_part,
 )
 from service.provenance.sketch import QUERY_TERM_LIMIT, Sketch, Sketcher
 from service.repositories.provenance import ProvenanceRepository
-from service.schemas.trace import Corroboration, CorroborationMatch
-from service.services.report_records import iso_utc
-from service.services.trace_analysis import TraceOutcome
-from service.services.trace_fanout import CandidateScope, FanoutOutcome
+from service.services.reports import iso_utc
+from service.trace.analysis import TraceOutcome
+from service.trace.fanout import CandidateScope, FanoutOutcome
+from service.trace.schemas import Corroboration, CorroborationMatch
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-    from service.config import Settings
+    from service.trace.policy import TracePolicy
+
 
 logger = logging.getLogger("xmark.provenance")
 
@@ -49,7 +48,7 @@ NOT_FOUND_NOTE = (
     "watermark only — no matching generation in this user's log: possible forgery or a generation "
     "older than the retention"
 )
-# nobody named: a registry-wide naming was withdrawn (``trace_fanout.lead_identity_stands``)
+# nobody named: a registry-wide naming was withdrawn (``TracePolicy.lead_identity_stands``)
 NEIGHBOUR_NOTE = (
     "not named: the watermark fits best a user whose log holds nothing like the text, but it cannot "
     "rule out a user whose log does (a match): an edited text's watermark can fit a registry "
@@ -88,10 +87,10 @@ class ProvenanceSearch:
     """Retrieval over the generation log for one trace (``store``: the request's session's
     ``ProvenanceRepository``, or a ``MemoryIndex``)."""
 
-    def __init__(self, store: SketchStore, sketcher: Sketcher | None, settings: Settings) -> None:
+    def __init__(self, store: SketchStore, sketcher: Sketcher | None, policy: TracePolicy) -> None:
         self._repo = store
         self._sketcher = sketcher
-        self._settings = settings
+        self._policy = policy
 
     @property
     def enabled(self) -> bool:
@@ -109,14 +108,9 @@ class ProvenanceSearch:
         candidates = await self._repo.candidates(chosen, CANDIDATES, user_id=user_id)
         return rank(query, stats, candidates, top=top)
 
-    def lead_users(self, leads: Sequence[Lead]) -> list[int]:
-        """The users whose message IDs the retrieval-narrowed test reads."""
-        s = self._settings
-        return lead_users(leads, min_similarity=s.provenance_lead_similarity, limit=s.provenance_leads)
-
     def retrieved(self, leads: Sequence[Lead]) -> Retrieved:
-        """The lead users and the copy holder (``retrieval.copy_holder``) the fan-out plans with."""
-        return Retrieved(tuple(self.lead_users(leads)), copy_holder(leads))
+        """The lead users and the copy holder the fan-out plans with (rules 5 and 7 of the policy)."""
+        return Retrieved(tuple(self._policy.lead_users(leads)), self._policy.copy_holder(leads))
 
     async def witness(
         self, text: str, analyze: Callable[[Retrieved], Awaitable[FanoutOutcome]], *, inline: bool = True
@@ -126,7 +120,7 @@ class ProvenanceSearch:
         users (and the copy holder); the outcome's report gains ``named_by`` and ``corroboration``.
         ``inline``: sketch the text on the event loop (short texts), else on a worker thread."""
         query = self.sketch(text) if inline else await asyncio.to_thread(self.sketch, text)
-        leads = await self.search(query, top=max(self._settings.provenance_leads, MATCHES_SHOWN))
+        leads = await self.search(query, top=max(self._policy.max_leads, MATCHES_SHOWN))
         fanout = await analyze(self.retrieved(leads))
         outcome = fanout.outcome
         corroboration = await self.corroborate(query, leads, outcome.attributed_user_id)
@@ -151,8 +145,8 @@ class ProvenanceSearch:
         not back the naming)."""
         if not self.enabled:
             return Corroboration(status="disabled")
-        threshold = self._settings.provenance_match_similarity
-        shown = [lead for lead in leads if lead.similarity >= self._settings.provenance_lead_similarity]
+        threshold = self._policy.match_similarity
+        shown = [lead for lead in leads if lead.similarity >= self._policy.lead_similarity]
         shown = shown[:MATCHES_SHOWN]
         if named is None:
             matches = [_match(lead) for lead in shown]

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Depends, Path, Query
 from service.deps import ResourcesDep, SessionDep, require_roles
 from service.routing import AuthenticatedRoute
 from service.schemas.common import ERROR_RESPONSES, UNAVAILABLE_RESPONSES, Principal
-from service.schemas.trace import ReportKey, TraceLogPage, TraceReport, TraceReportDocument, TraceRequest
-from service.services.trace_log import TraceLogService, public_key_of
-from service.services.tracing import TracingService
+from service.trace.log import TraceLogService, public_key_of
+from service.trace.schemas import ReportKey, TraceLogPage, TraceReport, TraceReportDocument, TraceRequest
+from service.trace.service import TracingService
 from service.vocabulary import Role, TraceVerdict
 
 router = APIRouter(tags=["trace"], responses=ERROR_RESPONSES, route_class=AuthenticatedRoute)

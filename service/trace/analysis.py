@@ -10,7 +10,7 @@ Two decoders: counting (``analyze_counting``: the cTMM, no model needed) and lik
 (``analyze_likelihood``: each token weighted by the served model's own next-token distribution,
 which the service fetches from the backend). ``tries`` is the number of tests a trace may run on the
 same text (candidate sets × key versions × decoders), counted in one place
-(``service.services.trace_fanout``): every p-value is multiplied by it, so the verdict stays valid
+(``service.trace.fanout``): every p-value is multiplied by it, so the verdict stays valid
 at ``alpha`` whichever test decides.
 
 Key versions of different message lengths (bits, block_bits) coexist, and a reading under a version
@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from service.keyring import KeyVersionHandle
-from service.schemas.trace import (
+from service.services.registry_cache import RegistrySnapshot
+from service.trace.policy import TracePolicy
+from service.trace.schemas import (
     AttributionReport,
     BlockReport,
     CandidateReport,
@@ -36,10 +38,8 @@ from service.schemas.trace import (
     TokenReport,
     TraceReport,
 )
-from service.services.registry_cache import RegistrySnapshot
 from service.vocabulary import TraceDecoder
 from xmark_core import (
-    DEFAULT_EDIT_RATE,
     Attribution,
     DecodeResult,
     Detection,
@@ -371,7 +371,7 @@ def analyze_counting_by_length(
     tokenizer: PreTrainedTokenizerBase,
     groups: Sequence[LengthGroup],
     *,
-    alpha: float,
+    policy: TracePolicy,
     include_tokens: bool = False,
     tries: int,
     leads: Sequence[int] = (),
@@ -386,7 +386,7 @@ def analyze_counting_by_length(
                 tokenizer,
                 group.versions,
                 group.snapshot,
-                alpha=alpha,
+                policy=policy,
                 include_tokens=include_tokens,
                 tries=tries,
                 leads=leads,
@@ -402,13 +402,10 @@ def analyze_likelihood_by_length(
     tokenizer: PreTrainedTokenizerBase,
     groups: Sequence[LengthGroup],
     *,
-    alpha: float,
-    temperature: float,
-    edit_rate: float = DEFAULT_EDIT_RATE,
+    policy: TracePolicy,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
     tries: int,
-    identity_level: float | None = None,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """``analyze_likelihood`` of each length group, every p-value corrected for ``tries`` tests;
@@ -422,13 +419,10 @@ def analyze_likelihood_by_length(
                 tokenizer,
                 group.versions,
                 group.snapshot,
-                alpha=alpha,
-                temperature=temperature,
-                edit_rate=edit_rate,
+                policy=policy,
                 counting=counting,
                 include_tokens=include_tokens,
                 tries=tries,
-                identity_level=identity_level,
                 leads=leads,
             )
             for group in groups
@@ -442,14 +436,14 @@ def analyze_counting(
     versions: Sequence[KeyVersionHandle],
     snapshot: RegistrySnapshot,
     *,
-    alpha: float,
+    policy: TracePolicy,
     include_tokens: bool = False,
     tries: int,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """The counting decoder's report of the text with token ids ``ids``.
 
-    ``tries``: the tests run on the text in all (``trace_fanout.FanoutPlan.tries``; at least the
+    ``tries``: the tests run on the text in all (``fanout.FanoutPlan.tries``; at least the
     key versions read here, all of one message length, that of ``snapshot``): every p-value is
     corrected for them. ``leads``: users a content search led to; a naming of someone else gets
     the identity test against them (``TraceOutcome.lead_identity_p``)."""
@@ -463,6 +457,7 @@ def analyze_counting(
             ]
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
+    counting_rule = policy.with_identity_level(None).naming_rule()
     # Several key versions, decoders and candidate sets are several tests: Bonferroni-correct the
     # level and the p-values.
     _check_tries(versions, tries)
@@ -472,8 +467,10 @@ def analyze_counting(
         reading = _Reading(
             handle,
             result,
-            detect(result, alpha=alpha / tries, sigma_test=False),  # the report has no sigma p-value
-            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries),
+            detect(result, alpha=policy.alpha / tries, sigma_test=False),  # the report has no sigma p-value
+            # the counting decoder's naming never waits on the identity level: with one, the fan-out
+            # takes counting's verdict but not its name
+            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, tries=tries, rule=counting_rule),
             tries,
         )
         if best is None or reading.strength < best.strength:
@@ -538,25 +535,24 @@ def analyze_likelihood(
     versions: Sequence[KeyVersionHandle],
     snapshot: RegistrySnapshot,
     *,
-    alpha: float,
-    temperature: float,
-    edit_rate: float = DEFAULT_EDIT_RATE,
+    policy: TracePolicy,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
     tries: int,
-    identity_level: float | None = None,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
     verdict counts too (both were tested at ``alpha / tries``). ``tries``: as for
-    :func:`analyze_counting`. ``identity_level``: as for ``xmark_core.attribute_likelihood``; the
-    report gives the level and the best candidate's identity p-value. ``leads``: as for
-    :func:`analyze_counting`.
+    :func:`analyze_counting`. ``policy``: the naming rule and the reading's parameters (its
+    identity level as for ``xmark_core.attribute_likelihood``; the report gives the level and the
+    best candidate's identity p-value). ``leads``: as for :func:`analyze_counting`.
     """
     special = tokenizer.all_special_ids
     _check_tries(versions, tries)
+    rule = policy.naming_rule()
+    alpha, temperature, edit_rate = policy.alpha, policy.temperature, policy.edit_rate
     best: _LikelihoodReading | None = None
     for handle in versions:
         result: LikelihoodResult | GumbelLikelihoodResult
@@ -565,13 +561,11 @@ def analyze_likelihood(
                 ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special
             )
             attribution = attribute_gumbel_likelihood(
-                result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries, identity_level=identity_level
+                result, snapshot.candidates, top=TOP_CANDIDATES, tries=tries, rule=rule
             )
         else:
             result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
-            attribution = attribute_likelihood(
-                result, snapshot.candidates, top=TOP_CANDIDATES, alpha=alpha, tries=tries, identity_level=identity_level
-            )
+            attribution = attribute_likelihood(result, snapshot.candidates, top=TOP_CANDIDATES, tries=tries, rule=rule)
         if best is None or attribution.p_value < best.attribution.p_value:
             best = _LikelihoodReading(handle, result, attribution)
     assert best is not None
@@ -609,7 +603,7 @@ def analyze_likelihood(
         else _attribution_report(snapshot, named.id, attribution.confidence, named.p_value),
         candidates=[_candidate_report(snapshot, c.id, c.score, c.p_value, c.hamming) for c in attribution.candidates],
         tokens=_token_reports(tokenizer, ids, counted, llr) if include_tokens else None,
-        identity_level=identity_level,
+        identity_level=policy.identity_level,
         identity_p_value=attribution.identity_p_value,
     )
     named_user = None if named is None else _user_id(named.id)
