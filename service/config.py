@@ -527,15 +527,35 @@ class Settings(BaseSettings):
         default=1_000_000,
         description=(
             "The most end users (`safety_identifier`, `user`, `metadata.user_id`) one account may have, deleted "
-            "ones included (0: unlimited); a request naming a new end user past it gets 429 "
+            "ones included (0: unlimited), by default; an admin overrides it per account (`end_users_max` on "
+            "`PATCH /admin/users/{id}`). A request naming a new end user past it gets 429 "
             "`end_user_limit_exceeded`."
         ),
     )
     end_users_new_per_minute: int = Field(
         default=600,
         description=(
-            "The most end users one account may add per minute (0: unlimited); a request naming a new end user "
-            "past it gets 429 `end_user_limit_exceeded`."
+            "The most end users one account may add per minute (0: unlimited), by default; an admin overrides it "
+            "per account (`end_users_new_per_minute`). A request naming a new end user past it gets 429 "
+            "`end_user_limit_exceeded`."
+        ),
+    )
+    end_user_requests_per_minute: int = Field(
+        default=60,
+        description=(
+            "The requests one end user of an account may start per minute, by default (0: unlimited); counted "
+            "apart for each end user, under the account's own limits, which still apply. An admin overrides it "
+            "per account (`PATCH /admin/users/{id}`) and per end user. Past it: 429 "
+            "`end_user_rate_limit_exceeded` with `Retry-After`; the account's other end users are not held back "
+            "([details](docs/service.md#end-users))."
+        ),
+    )
+    end_user_tokens_per_minute: int = Field(
+        default=50_000,
+        description=(
+            "The tokens (prompt plus n x max_tokens, reserved as for the account) one end user may use per "
+            "minute, by default (0: unlimited); overridden per account and per end user like "
+            "`XMARK_END_USER_REQUESTS_PER_MINUTE`."
         ),
     )
     redis_url: SecretStr | None = Field(
@@ -791,6 +811,8 @@ class Settings(BaseSettings):
         "user_tokens_per_minute",
         "end_users_max_per_account",
         "end_users_new_per_minute",
+        "end_user_requests_per_minute",
+        "end_user_tokens_per_minute",
     )
     @classmethod
     def _limit_or_unlimited(cls, value: int) -> int:

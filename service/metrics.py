@@ -92,7 +92,8 @@ class Metrics:
         self.admission_refusals = Counter(
             "xmark_admission_refusals",
             "Chat requests refused with 429, by the limit reached "
-            "(queue, max_parallel_requests, requests_per_minute, tokens_per_minute).",
+            "(queue, max_parallel_requests, requests_per_minute, tokens_per_minute, "
+            "end_user_requests_per_minute, end_user_tokens_per_minute).",
             ["limit"],
             registry=self.registry,
         )

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
@@ -129,6 +130,13 @@ class User(Base):
     max_parallel_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # This account's end-user limits (migration 0014): the caps on its end users (in all, new per
+    # minute) and each end user's requests and tokens per minute. NULL takes the gateway's default
+    # (Settings.end_users_*, Settings.end_user_*), 0 is unlimited.
+    end_users_max: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    end_users_new_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    end_user_requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    end_user_tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class EndUser(Base):
@@ -151,6 +159,10 @@ class EndUser(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     # a minute's resolution: written when a process reads the end user and the last write is older
     last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # this end user's own rate limits (migration 0014): NULL takes the account's end-user limit
+    # (users.end_user_*, else the gateway's default), 0 is unlimited
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class MessageId(Base):
@@ -227,6 +239,14 @@ class Generation(Base):
     __tablename__ = "generations"
     __table_args__ = (
         Index("ix_generations_user_id_created_at", "user_id", "created_at"),
+        # an end user's records by time (its usage); rows of no end user are left out (migration 0014)
+        Index(
+            "ix_generations_end_user_id_created_at",
+            "end_user_id",
+            "created_at",
+            postgresql_where=text("end_user_id IS NOT NULL"),
+            sqlite_where=text("end_user_id IS NOT NULL"),
+        ),
         # one row per choice of a request, however often its write is retried or drained
         UniqueConstraint("request_id", "choice_index", name="uq_generations_request_id_choice_index"),
     )

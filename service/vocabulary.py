@@ -83,6 +83,7 @@ class AuditAction(StrEnum):
     KEY_VERSION_RETIRE = "key_version.retire"
     MESSAGE_IDS_ALLOCATE = "message_ids.allocate"  # start-up: IDs of a new length for existing users
     END_USER_CREATE = "end_user.create"  # first sight of an account's end user (actor: the account)
+    END_USER_UPDATE = "end_user.update"  # its own rate limits
     END_USER_DISABLE = "end_user.disable"
     END_USER_ENABLE = "end_user.enable"
     END_USER_DELETE = "end_user.delete"

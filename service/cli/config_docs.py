@@ -137,6 +137,8 @@ GROUPS: tuple[Group, ...] = (
             "user_tokens_per_minute",
             "end_users_max_per_account",
             "end_users_new_per_minute",
+            "end_user_requests_per_minute",
+            "end_user_tokens_per_minute",
             "redis_url",
             "redis_timeout_s",
             "request_timeout_s",

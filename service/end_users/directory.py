@@ -1,14 +1,17 @@
 """The request path of end users: the identifier a request names -> the end user it is generated for.
 
 * **Warm** (a known end user, cached): no database round trip. The cache is per process, keyed by
-  (account, identifier), holds the end user's id, status and message IDs for ``ttl`` seconds (the
-  authentication cache's TTL) and at most ``max_entries`` of them (least recently used leave first).
+  (account, identifier), holds the end user's id, status, message IDs and own rate limits for
+  ``ttl`` seconds (the authentication cache's TTL) and at most ``max_entries`` of them (least
+  recently used leave first). The account's end-user limits travel with the account
+  (``Principal``, from the authentication cache).
 * **Cold, known**: one statement reads the end user with its message IDs; ``last_seen_at`` is
   written when the last write is more than a minute old. An end user without an ID of the length the
   request is encoded with (a key version of a new length) gets one there.
 * **First sight**: under the account's end-user lock (``EndUserRepository.lock_account``) the end
   user is read again (a concurrent first sight may have created it), the account's caps are checked
-  (``end_users_max_per_account``, ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``,
+  (its ``end_users_max`` and ``end_users_new_per_minute`` where set, else the settings
+  ``end_users_max_per_account`` and ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``,
   nothing allocated), and the end user is inserted with ``ON CONFLICT DO NOTHING`` on (account,
   identifier) with one new message ID per length in use, drawn by the registry's allocation rule
   (``services/users.choose_message_ids``). The creation is recorded in the audit trail as made by the
@@ -52,6 +55,21 @@ SEEN_RESOLUTION = timedelta(minutes=1)
 LIMIT_CODE = "end_user_limit_exceeded"
 
 
+@dataclass(frozen=True, slots=True)
+class Cap:
+    """One cap on an account's end users: its value (0: unlimited) and where it comes from (the
+    account's override, named as the admin API names it, or the setting)."""
+
+    value: int
+    name: str
+
+    @classmethod
+    def of(cls, override: int | None, field: str, default: int, setting: str) -> Cap:
+        if override is None:
+            return cls(default, setting)
+        return cls(override, f"this account's {field}")
+
+
 @dataclass(slots=True)
 class _Entry:
     identity: EndUserIdentity
@@ -61,7 +79,13 @@ class _Entry:
 
 def identity_of(row: EndUser, message_ids: Sequence[MessageId]) -> EndUserIdentity:
     ids = message_ids_out(message_ids)
-    return EndUserIdentity(id=row.id, identifier=row.identifier, message_ids=tuple(ids))
+    return EndUserIdentity(
+        id=row.id,
+        identifier=row.identifier,
+        message_ids=tuple(ids),
+        requests_per_minute=row.requests_per_minute,
+        tokens_per_minute=row.tokens_per_minute,
+    )
 
 
 def refusal(status: str) -> PermissionDeniedError:
@@ -167,7 +191,7 @@ class EndUserDirectory:
             found = await repo.find(principal.user_id, identifier)
             if found is None:
                 audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
-                found = await self._first_sight(session, repo, principal.user_id, identifier, audit)
+                found = await self._first_sight(session, repo, principal, identifier, audit)
             elif not any((m.bits, m.block_bits) == length for m in found.message_ids):
                 found = await self._fill(session, repo, found)
             else:
@@ -181,18 +205,19 @@ class EndUserDirectory:
         return identity
 
     async def _first_sight(
-        self, session: AsyncSession, repo: EndUserRepository, user_id: int, identifier: str, audit: AuditTrail
+        self, session: AsyncSession, repo: EndUserRepository, principal: Principal, identifier: str, audit: AuditTrail
     ) -> FoundEndUser:
+        user_id = principal.user_id
         await repo.lock_account(user_id)
         found = await repo.find(user_id, identifier)
         if found is not None:  # a concurrent first sight created it while this one waited
             return found
         now = datetime.now(UTC)
+        caps = self.caps(principal)
         self._check_caps(
-            total=await repo.count(user_id) if self._settings.end_users_max_per_account else 0,
-            recent=await repo.count(user_id, since=now - timedelta(minutes=1))
-            if self._settings.end_users_new_per_minute
-            else 0,
+            caps,
+            total=await repo.count(user_id) if caps[0].value else 0,
+            recent=await repo.count(user_id, since=now - timedelta(minutes=1)) if caps[1].value else 0,
         )
         lengths = (await lengths_in_use(session, self._configured)).params
         ids = MessageIdRepository(session)
@@ -230,16 +255,26 @@ class EndUserDirectory:
         assert found is not None
         return found
 
-    def _check_caps(self, *, total: int, recent: int) -> None:
+    def caps(self, principal: Principal) -> tuple[Cap, Cap]:
+        """The account's caps on its end users (in all, new per minute): its own where set, else
+        the settings'."""
         s = self._settings
-        caps = (
-            (s.end_users_max_per_account, total, "end users", "end_users_max_per_account"),
-            (s.end_users_new_per_minute, recent, "new end users per minute", "end_users_new_per_minute"),
+        return (
+            Cap.of(principal.end_users_max, "end_users_max", s.end_users_max_per_account, "end_users_max_per_account"),
+            Cap.of(
+                principal.end_users_new_per_minute,
+                "end_users_new_per_minute",
+                s.end_users_new_per_minute,
+                "end_users_new_per_minute",
+            ),
         )
-        for cap, count, what, name in caps:
-            if cap and count >= cap:
+
+    def _check_caps(self, caps: tuple[Cap, Cap], *, total: int, recent: int) -> None:
+        for cap, count, what in zip(caps, (total, recent), ("end users", "new end users per minute"), strict=True):
+            if cap.value and count >= cap.value:
                 raise RateLimitError(
-                    f"This account has reached its limit of {cap} {what} ({name}); no new end user was created",
+                    f"This account has reached its limit of {cap.value} {what} ({cap.name}); "
+                    "no new end user was created",
                     retry_after_s=60,
                     code=LIMIT_CODE,
                 )

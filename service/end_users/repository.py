@@ -1,4 +1,4 @@
-"""Queries over the end_users table and the end users' rows of message_ids."""
+"""Queries over the end_users table, the end users' rows of message_ids and their generation records."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select, text, update
+from sqlalchemy import ColumnElement, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.models import EndUser, MessageId
+from service.models import EndUser, Generation, MessageId
 from service.repositories.like import escape_like
 
 
@@ -123,6 +123,27 @@ class EndUserRepository:
         for row in (await self._session.scalars(stmt)).all():
             if row.end_user_id is not None:
                 found[row.end_user_id].append(row)
+        return found
+
+    async def usage(self, end_user_ids: Sequence[int], since: datetime) -> dict[int, tuple[int, int]]:
+        """Per end user: the generation requests recorded at or after ``since`` and their tokens
+        (prompt tokens once per request, plus every choice's completion tokens); one statement on
+        ``ix_generations_end_user_id_created_at``."""
+        found = dict.fromkeys(end_user_ids, (0, 0))
+        if not end_user_ids:
+            return found
+        first = Generation.choice_index == 0
+        stmt = (
+            select(
+                Generation.end_user_id,
+                func.sum(case((first, 1), else_=0)),
+                func.sum(case((first, Generation.prompt_tokens), else_=0) + Generation.completion_tokens),
+            )
+            .where(Generation.end_user_id.in_(list(end_user_ids)), Generation.created_at >= since)
+            .group_by(Generation.end_user_id)
+        )
+        for end_user_id, requests, tokens in (await self._session.execute(stmt)).all():
+            found[end_user_id] = (int(requests or 0), int(tokens or 0))
         return found
 
     async def flush(self) -> None:

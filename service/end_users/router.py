@@ -1,5 +1,6 @@
-"""Admin API of an account's end users (role admin): list and search, disable, enable, delete.
-Every change is recorded in the registry's audit trail as made by the calling admin."""
+"""Admin API of an account's end users (role admin): list and search (with their limits and usage),
+change an end user's own rate limits, disable, enable, delete. Every change is recorded in the
+registry's audit trail as made by the calling admin."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query
 
 from service.deps import ResourcesDep, SessionDep, require_roles
-from service.end_users.schemas import EndUserOut, EndUserPage
+from service.end_users.schemas import EndUserOut, EndUserPage, UpdateEndUserRequest
 from service.end_users.service import EndUserService
 from service.routers.admin import AuditDep, UserId
 from service.routing import AuthenticatedRoute
@@ -28,7 +29,11 @@ EndUserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 async def _end_users(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> EndUserService:
     return EndUserService(
-        session, cache=resources.end_users.cache, on_change=resources.registry_cache.invalidate, audit=audit
+        session,
+        settings=resources.settings,
+        cache=resources.end_users.cache,
+        on_change=resources.registry_cache.invalidate,
+        audit=audit,
     )
 
 
@@ -44,8 +49,22 @@ async def list_end_users(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> EndUserPage:
-    """The account's end users by id, with their identifiers as sent, message IDs, first and last seen."""
+    """The account's end users by id, with their identifiers as sent, message IDs, first and last seen,
+    the limits their requests are held to and their usage over the last 24 hours."""
     return await end_users.list_end_users(user_id, limit=limit, offset=offset, q=q, status=status_)
+
+
+@router.patch("/users/{user_id}/end-users/{end_user_id}", response_model=EndUserOut)
+async def update_end_user(
+    user_id: UserId, end_user_id: EndUserId, body: UpdateEndUserRequest, end_users: EndUsersDep
+) -> EndUserOut:
+    """Change the end user's own requests and tokens per minute; only the fields sent change.
+
+    A limit sent as null goes back to the account's end-user limit (else the gateway's default),
+    0 means unlimited. The change applies from the end user's next request (other replicas within
+    ``XMARK_AUTH_CACHE_TTL_S``); 409 for a deleted end user.
+    """
+    return await end_users.update(user_id, end_user_id, body.changes())
 
 
 @router.post("/users/{user_id}/end-users/{end_user_id}/disable", response_model=EndUserOut)

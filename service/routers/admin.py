@@ -134,10 +134,10 @@ async def get_user(user_id: UserId, users: UsersDep) -> UserOut:
 
 @router.patch("/users/{user_id}", response_model=UserOut)
 async def update_user(user_id: UserId, body: UpdateUserRequest, users: UsersDep) -> UserOut:
-    """Change the name, role or admission limits of a user; only the fields sent change.
+    """Change the name, role, admission limits or end-user limits of a user; only the fields sent change.
 
-    A limit sent as null goes back to the gateway's default (``XMARK_USER_*``), 0 means unlimited.
-    The change applies from the user's next request.
+    A limit sent as null goes back to the gateway's default (``XMARK_USER_*``, ``XMARK_END_USERS_*``,
+    ``XMARK_END_USER_*``), 0 means unlimited. The change applies from the user's next request.
     """
     return await users.update_user(user_id, body.changes())
 

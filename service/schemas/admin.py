@@ -33,6 +33,19 @@ LIMIT_DOCS = {
     "tokens_per_minute": "Prompt and completion tokens per minute (null: gateway default, 0: unlimited).",
 }
 LIMIT_FIELDS = tuple(LIMIT_DOCS)
+# The account's limits on its end users (the platform's own users, ``/admin/users/{id}/end-users``):
+# null takes the gateway's default (XMARK_END_USERS_*, XMARK_END_USER_*), 0 is unlimited.
+END_USER_LIMIT_DOCS = {
+    "end_users_max": "End users this account may have in all, deleted ones included "
+    "(null: XMARK_END_USERS_MAX_PER_ACCOUNT, 0: unlimited).",
+    "end_users_new_per_minute": "New end users this account may add per minute "
+    "(null: XMARK_END_USERS_NEW_PER_MINUTE, 0: unlimited).",
+    "end_user_requests_per_minute": "Requests each end user of this account may start per minute, unless the "
+    "end user has its own (null: XMARK_END_USER_REQUESTS_PER_MINUTE, 0: unlimited).",
+    "end_user_tokens_per_minute": "Tokens each end user of this account may use per minute, unless the end "
+    "user has its own (null: XMARK_END_USER_TOKENS_PER_MINUTE, 0: unlimited).",
+}
+END_USER_LIMIT_FIELDS = tuple(END_USER_LIMIT_DOCS)
 
 
 def _not_a_credential(value: str) -> str:
@@ -65,6 +78,14 @@ class UpdateUserRequest(_Request):
     max_parallel_requests: Limit = Field(default=None, description=LIMIT_DOCS["max_parallel_requests"])
     requests_per_minute: Limit = Field(default=None, description=LIMIT_DOCS["requests_per_minute"])
     tokens_per_minute: Limit = Field(default=None, description=LIMIT_DOCS["tokens_per_minute"])
+    end_users_max: Limit = Field(default=None, description=END_USER_LIMIT_DOCS["end_users_max"])
+    end_users_new_per_minute: Limit = Field(default=None, description=END_USER_LIMIT_DOCS["end_users_new_per_minute"])
+    end_user_requests_per_minute: Limit = Field(
+        default=None, description=END_USER_LIMIT_DOCS["end_user_requests_per_minute"]
+    )
+    end_user_tokens_per_minute: Limit = Field(
+        default=None, description=END_USER_LIMIT_DOCS["end_user_tokens_per_minute"]
+    )
 
     @field_validator("name", "role", mode="before")
     @classmethod
@@ -111,6 +132,16 @@ class UserOut(BaseModel):
     max_parallel_requests: int | None = Field(default=None, description=LIMIT_DOCS["max_parallel_requests"])
     requests_per_minute: int | None = Field(default=None, description=LIMIT_DOCS["requests_per_minute"])
     tokens_per_minute: int | None = Field(default=None, description=LIMIT_DOCS["tokens_per_minute"])
+    end_users_max: int | None = Field(default=None, description=END_USER_LIMIT_DOCS["end_users_max"])
+    end_users_new_per_minute: int | None = Field(
+        default=None, description=END_USER_LIMIT_DOCS["end_users_new_per_minute"]
+    )
+    end_user_requests_per_minute: int | None = Field(
+        default=None, description=END_USER_LIMIT_DOCS["end_user_requests_per_minute"]
+    )
+    end_user_tokens_per_minute: int | None = Field(
+        default=None, description=END_USER_LIMIT_DOCS["end_user_tokens_per_minute"]
+    )
     created_at: datetime
     updated_at: datetime
     deleted_at: datetime | None = None

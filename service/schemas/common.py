@@ -71,6 +71,9 @@ class EndUserIdentity(BaseModel):
     id: int
     identifier: str
     message_ids: tuple[MessageIdOut, ...] = ()
+    # its own rate limits (``end_users`` columns): None takes the account's end-user limit
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
     def message_id_for(self, bits: int, block_bits: int) -> str | None:
         return next(
@@ -94,8 +97,15 @@ class Principal(BaseModel):
     max_parallel_requests: int | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # the account's end-user limits (users columns): the caps on its end users and each end user's
+    # requests and tokens per minute; None takes the gateway's default, 0 is unlimited
+    end_users_max: int | None = None
+    end_users_new_per_minute: int | None = None
+    end_user_requests_per_minute: int | None = None
+    end_user_tokens_per_minute: int | None = None
     # the account's end user the request names (``safety_identifier``, ``user``, ``metadata.user_id``):
-    # its message IDs, not the account's, are embedded; limits and records stay the account's
+    # its message IDs, not the account's, are embedded; the account's limits and records stay, and
+    # the end user's own rate limits apply on top
     end_user: EndUserIdentity | None = None
 
     def message_id_for(self, bits: int, block_bits: int) -> str | None:

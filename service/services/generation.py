@@ -626,9 +626,9 @@ class GenerationService:
         backend = prepared.served.backend
         limit = prepared.served.limits(self._settings).max_prompt_tokens
         # a cheap upper bound is reserved where it cannot change the outcome; counted exactly where
-        # it meets the prompt limit or the caller's tokens per minute
+        # it meets the prompt limit or the caller's tokens per minute (the account's or its end user's)
         prompt_tokens = await backend.prompt_token_bound(request)
-        per_minute = UserLimits.of(prepared.principal, self._settings).tokens_per_minute
+        per_minute = UserLimits.of(prepared.principal, self._settings).tightest_tokens_per_minute
         if prompt_tokens > limit or (per_minute and prompt_tokens + request.n * request.max_tokens > per_minute):
             prompt_tokens = await backend.count_prompt_tokens(request)
         if prompt_tokens > limit:

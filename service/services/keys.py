@@ -106,6 +106,10 @@ def principal_from_rows(rows: Sequence[Row[Any]], key_hash: str) -> tuple[Princi
         max_parallel_requests=first.max_parallel_requests,
         requests_per_minute=first.requests_per_minute,
         tokens_per_minute=first.tokens_per_minute,
+        end_users_max=first.end_users_max,
+        end_users_new_per_minute=first.end_users_new_per_minute,
+        end_user_requests_per_minute=first.end_user_requests_per_minute,
+        end_user_tokens_per_minute=first.end_user_tokens_per_minute,
     )
     return principal, first.last_used_at
 

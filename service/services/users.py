@@ -73,6 +73,10 @@ def user_out(user: User, rows: Iterable[MessageId], encoding: MessageLength) -> 
         max_parallel_requests=user.max_parallel_requests,
         requests_per_minute=user.requests_per_minute,
         tokens_per_minute=user.tokens_per_minute,
+        end_users_max=user.end_users_max,
+        end_users_new_per_minute=user.end_users_new_per_minute,
+        end_user_requests_per_minute=user.end_user_requests_per_minute,
+        end_user_tokens_per_minute=user.end_user_tokens_per_minute,
         created_at=user.created_at,
         updated_at=user.updated_at,
         deleted_at=user.deleted_at,
@@ -281,7 +285,8 @@ class UserService:
         return await self._out(user)
 
     async def update_user(self, user_id: int, changes: Mapping[str, Any]) -> UserOut:
-        """Change a user's name, role or admission limits (``changes``: only the fields to change).
+        """Change a user's name, role, admission limits or end-user limits (``changes``: only the
+        fields to change), recorded in the audit trail as the changed fields' old and new values.
 
         A limit set to None goes back to the gateway's default. Taking the admin role from the
         last active admin is refused. The user's cached authentications are dropped, so the next

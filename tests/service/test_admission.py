@@ -1,6 +1,6 @@
-"""Admission control: the backend's queue bound and the per-user limits, counted in this process
-and in the real Redis (127.0.0.1:6379, keys under a prefix of each test's own), Redis outages,
-and what a client sees: 429 with Retry-After, 400 for a prompt over the token limit, 504 at the
+"""Admission control: the backend's queue bound, the per-user limits and the per-end-user limits,
+counted in this process and in the real Redis (127.0.0.1:6379, keys under a prefix of each test's
+own), Redis outages, and what a client sees: 429 with Retry-After, 400 for a prompt over the token limit, 504 at the
 deadline, and a backend failure as an error (never a completion that looks finished)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from service.config import Settings
 from service.errors import RateLimitError
 from service.metrics import Metrics
 from service.models import Generation, User
-from service.schemas.common import Principal
+from service.schemas.common import EndUserIdentity, Principal
 from service.services import admission as admission_module
 from service.services.admission import Admission, redis_client, window_wait_s
 from tests.fakes import FakeBackend
@@ -37,11 +37,19 @@ def _principal(user_id: int, **limits: int | None) -> Principal:
     return Principal(user_id=user_id, name=f"user-{user_id}", role="user", api_key_id=user_id, **limits)
 
 
+def _for(caller: Principal, end_user_id: int, **limits: int | None) -> Principal:
+    """``caller``'s request for its end user ``end_user_id`` (with that end user's own limits)."""
+    end_user = EndUserIdentity(id=end_user_id, identifier=f"platform-user-{end_user_id}", **limits)
+    return caller.model_copy(update={"end_user": end_user})
+
+
 def _limits(settings: Settings, **update: Any) -> Settings:
     values = {
         "user_max_parallel_requests": 0,
         "user_requests_per_minute": 0,
         "user_tokens_per_minute": 0,
+        "end_user_requests_per_minute": 0,
+        "end_user_tokens_per_minute": 0,
         "max_queued_requests": 1000,
     }
     values.update(update)
@@ -200,6 +208,97 @@ async def test_a_refused_request_takes_nothing(make_admission: MakeAdmission) ->
     held.release(1)
     await admission.flush()
     await admission.admit(_principal(1), 1)  # the second request of the minute: refusals were not counted
+
+
+# -- an account's end users ---------------------------------------------------------------------
+
+
+async def test_an_end_user_at_its_request_limit_holds_back_no_other_end_user(make_admission: MakeAdmission) -> None:
+    metrics = Metrics()
+    admission = make_admission(metrics, end_user_requests_per_minute=2, user_requests_per_minute=5)
+    account = _principal(1)
+    alice, bob = _for(account, 11), _for(account, 12)
+    for _ in range(2):
+        (await admission.admit(alice, 1)).release(1)
+    with pytest.raises(RateLimitError) as refused:
+        await admission.admit(alice, 1)
+    error = refused.value
+    assert error.code == "end_user_rate_limit_exceeded" and error.param == "end_user_requests_per_minute"
+    assert "this end user: 2 requests per minute" in error.message
+    assert "platform-user" not in error.message  # never the identifier
+    assert error.headers is not None and 1 <= int(error.headers["Retry-After"]) <= 120
+    # the account's other end users, and the account itself, go on
+    (await admission.admit(bob, 1)).release(1)
+    (await admission.admit(account, 1)).release(1)
+    # the account's own limit still applies on top: 5 requests this minute, the refusal took none
+    (await admission.admit(bob, 1)).release(1)
+    with pytest.raises(RateLimitError) as over_account:
+        await admission.admit(_for(account, 13), 1)
+    assert over_account.value.code == "rate_limit_exceeded" and over_account.value.param == "requests_per_minute"
+    # another account's end user of the same id is another end user
+    (await admission.admit(_for(_principal(2), 11), 1)).release(1)
+    assert _sample(metrics, "xmark_admission_refusals_total", limit="end_user_requests_per_minute") == 1
+
+
+async def test_an_end_user_token_budget_is_reserved_and_corrected_apart(make_admission: MakeAdmission) -> None:
+    admission = make_admission(end_user_tokens_per_minute=1000, user_tokens_per_minute=5000)
+    account = _principal(1)
+    alice, bob = _for(account, 11), _for(account, 12)
+    first = await admission.admit(alice, 600)
+    with pytest.raises(RateLimitError) as refused:  # 600 reserved + 600 > 1000
+        await admission.admit(alice, 600)
+    assert refused.value.code == "end_user_rate_limit_exceeded"
+    assert refused.value.param == "end_user_tokens_per_minute"
+    assert "1000 tokens per minute (about 600 in use, this request reserves 600)" in refused.value.message
+    await admission.admit(bob, 600)  # a sibling's budget is its own
+    first.release(100)  # it used 100 of its 600: the end user's window is corrected too
+    await admission.flush()
+    await admission.admit(alice, 600)
+    with pytest.raises(RateLimitError) as alone:
+        await admission.admit(_for(account, 13), 1001)
+    assert "more than this end user's limit of 1000 tokens per minute" in alone.value.message
+    # the account's own budget counts every end user's tokens: 100 + 600 + 600 of 5000 in use
+    with pytest.raises(RateLimitError) as over_account:
+        await admission.admit(_for(account, 14), 3701)
+    assert over_account.value.code == "rate_limit_exceeded" and over_account.value.param == "tokens_per_minute"
+
+
+async def test_an_end_users_limit_is_its_own_else_the_accounts_else_the_default(
+    make_admission: MakeAdmission,
+) -> None:
+    admission = make_admission(end_user_requests_per_minute=1)
+    account = _principal(1, end_user_requests_per_minute=2)
+    cases = [
+        (_for(_principal(2), 21), 1),  # the setting
+        (_for(account, 11), 2),  # the account's override
+        (_for(account, 12, requests_per_minute=3), 3),  # the end user's own, above the account's
+        (_for(_principal(3, end_user_requests_per_minute=5), 31, requests_per_minute=1), 1),  # and below
+    ]
+    for caller, allowed in cases:
+        for _ in range(allowed):
+            (await admission.admit(caller, 1)).release(1)
+        with pytest.raises(RateLimitError) as refused:
+            await admission.admit(caller, 1)
+        assert f"{allowed} requests per minute" in refused.value.message
+    for _ in range(5):  # 0 is unlimited, at any level
+        await admission.admit(_for(account, 13, requests_per_minute=0), 1)
+        await admission.admit(_for(_principal(4, end_user_requests_per_minute=0), 41), 1)
+
+
+async def test_replicas_share_the_end_user_limits_through_redis(settings: Settings, redis_prefix: str) -> None:
+    configured = _limits(settings, end_user_requests_per_minute=2)
+    replicas = [Admission(configured, Metrics(), redis_client(REDIS_URL, 1.0), key_prefix=redis_prefix) for _ in "ab"]
+    try:
+        alice = _for(_principal(7), 70)
+        await replicas[0].admit(alice, 1)
+        await replicas[1].admit(alice, 1)
+        with pytest.raises(RateLimitError) as refused:
+            await replicas[0].admit(alice, 1)
+        assert refused.value.param == "end_user_requests_per_minute"
+        await replicas[1].admit(_for(_principal(7), 71), 1)
+    finally:
+        for replica in replicas:
+            await replica.close()
 
 
 async def test_replicas_share_the_limits_through_redis(settings: Settings, redis_prefix: str) -> None:

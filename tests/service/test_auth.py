@@ -63,6 +63,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/admin/users/{user_id}/keys"): ADMIN,
     ("POST", "/admin/users/{user_id}/keys/{key_id}/revoke"): ADMIN,
     ("GET", "/admin/users/{user_id}/end-users"): ADMIN,
+    ("PATCH", "/admin/users/{user_id}/end-users/{end_user_id}"): ADMIN,
     ("POST", "/admin/users/{user_id}/end-users/{end_user_id}/disable"): ADMIN,
     ("POST", "/admin/users/{user_id}/end-users/{end_user_id}/enable"): ADMIN,
     ("DELETE", "/admin/users/{user_id}/end-users/{end_user_id}"): ADMIN,

@@ -1,11 +1,13 @@
 """End users of an account: the request fields that name one, first sight and its caps, the cache
 (no database round trip for a known end user), concurrent first sights, disabling, the admin API
-and its audit entries."""
+and its audit entries; each end user's rate and token limits, the account's overrides of the caps
+and of those limits, and the limits and usage the admin API shows."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -17,7 +19,9 @@ import service.resources
 from service.app import create_app
 from service.config import Settings
 from service.db import session_scope, upgrade_database
+from service.metrics import Metrics
 from service.models import EndUser, Generation, MessageId, RegistryAuditEntry
+from service.services.admission import Admission
 from service.services.users import UserService
 from service.vocabulary import Role
 from tests.conftest import make_test_settings
@@ -49,6 +53,22 @@ async def fake(app: Any) -> AsyncIterator[FakeBackend]:
         yield backend
     finally:
         resources.backend = saved
+
+
+@pytest.fixture
+def limits(app: Any) -> Iterator[Callable[..., None]]:
+    """``limits(**settings)``: from now on in this test, requests are admitted by fresh counters
+    and first sights capped under the app's settings with these values (restored afterwards)."""
+    resources = app.state.resources
+    saved = resources.admission, resources.end_users._settings
+
+    def apply(**update: Any) -> None:
+        settings = resources.settings.model_copy(update=update)
+        resources.admission = Admission(settings, Metrics())
+        resources.end_users._settings = settings
+
+    yield apply
+    resources.admission, resources.end_users._settings = saved
 
 
 def _stamped(app: Any) -> str:
@@ -261,6 +281,234 @@ async def test_admin_routes_list_disable_enable_delete_with_audit_entries(
     # the trail still verifies
     verified = await client.get("/admin/audit", params={"limit": 500}, headers=_auth(admin_key))
     assert verified.status_code == 200
+
+
+# -- each end user's rate and token limits; the account's overrides -------------------------------
+
+
+async def _send(client: httpx.AsyncClient, key: str, identifier: str | None = None, **fields: Any) -> httpx.Response:
+    body = _chat(**fields) if identifier is None else _chat(user=identifier, **fields)
+    return await client.post("/v1/chat/completions", json=body, headers=_auth(key))
+
+
+def _statuses(responses: list[httpx.Response]) -> list[int]:
+    return [r.status_code for r in responses]
+
+
+async def _patch(client: httpx.AsyncClient, admin_key: str, path: str, field: str, value: int | None) -> None:
+    response = await client.patch(path, json={field: value}, headers=_auth(admin_key))
+    assert response.status_code == 200 and response.json()[field] == value, response.text
+
+
+async def test_an_end_user_past_its_request_limit_gets_429_naming_it_while_a_sibling_gets_200(
+    client: httpx.AsyncClient, make_user: Any, fake: FakeBackend, limits: Callable[..., None]
+) -> None:
+    limits(end_user_requests_per_minute=2)
+    _, key = await make_user("user")
+    assert _statuses([await _send(client, key, "alice-hmac") for _ in range(2)]) == [200, 200]
+    asked = len(fake.requests)
+    refused = await _send(client, key, "alice-hmac")
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error == {
+        "message": error["message"],
+        "type": "rate_limit_error",
+        "param": "end_user_requests_per_minute",
+        "code": "end_user_rate_limit_exceeded",
+    }
+    assert "this end user: 2 requests per minute" in error["message"]
+    assert "alice" not in refused.text  # the identifier is never echoed
+    assert 1 <= int(refused.headers["retry-after"]) <= 120
+    assert len(fake.requests) == asked  # the refused request never reached the backend
+    # the account's other end users and the account itself are not held back
+    assert (await _send(client, key, "bob-hmac")).status_code == 200
+    assert (await _send(client, key)).status_code == 200
+
+
+async def test_an_end_user_past_its_token_limit_gets_429_naming_it_while_a_sibling_gets_200(
+    client: httpx.AsyncClient, make_user: Any, fake: FakeBackend, limits: Callable[..., None]
+) -> None:
+    _, key = await make_user("user")
+    probe = await _send(client, key, "probe")
+    prompt = probe.json()["usage"]["prompt_tokens"]
+    reserved = prompt + _chat()["max_tokens"]  # what a request reserves: prompt + n x max_tokens
+    # one request fits; a second does not while the first's use (at least its prompt) counts
+    limits(end_user_tokens_per_minute=reserved + prompt - 1)
+    assert (await _send(client, key, "alice-hmac")).status_code == 200
+    refused = await _send(client, key, "alice-hmac")
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "end_user_rate_limit_exceeded" and error["param"] == "end_user_tokens_per_minute"
+    assert f"this end user: {reserved + prompt - 1} tokens per minute" in error["message"]
+    assert "alice" not in refused.text and int(refused.headers["retry-after"]) >= 1
+    assert (await _send(client, key, "bob-hmac")).status_code == 200
+    assert (await _send(client, key)).status_code == 200
+
+
+async def test_an_accounts_overrides_raise_and_lower_each_end_user_cap(
+    client: httpx.AsyncClient, make_user: Any, admin_key: str, fake: FakeBackend, limits: Callable[..., None]
+) -> None:
+    limits(end_users_max_per_account=2, end_users_new_per_minute=2)
+    for field, setting in (
+        ("end_users_max", "end_users_max_per_account"),
+        ("end_users_new_per_minute", "end_users_new_per_minute"),
+    ):
+        account, key = await make_user("user")
+        other = "end_users_new_per_minute" if field == "end_users_max" else "end_users_max"
+        path = f"/admin/users/{account['id']}"
+        assert (await client.patch(path, json={other: 0}, headers=_auth(admin_key))).status_code == 200  # unlimited
+        patch = functools.partial(_patch, client, admin_key, path, field)
+        await patch(1)  # lowered below the setting (2)
+        assert (await _send(client, key, "a")).status_code == 200
+        refused = await _send(client, key, "b")
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "end_user_limit_exceeded" and f"this account's {field}" in error["message"]
+        await patch(3)  # raised above it
+        assert _statuses([await _send(client, key, name) for name in "bcd"]) == [200, 200, 429]
+        await patch(None)  # back to the setting: 2, already reached
+        back = await _send(client, key, "d")
+        assert back.status_code == 429 and f"({setting})" in back.json()["error"]["message"]
+        assert (await _send(client, key, "a")).status_code == 200  # known end users are never capped
+
+
+async def test_an_accounts_overrides_raise_and_lower_each_end_user_rate_limit(
+    client: httpx.AsyncClient, make_user: Any, admin_key: str, fake: FakeBackend, limits: Callable[..., None]
+) -> None:
+    account, key = await make_user("user")
+    path = f"/admin/users/{account['id']}"
+    limits(end_user_requests_per_minute=2)
+    patched = await client.patch(path, json={"end_user_requests_per_minute": 1}, headers=_auth(admin_key))
+    assert patched.status_code == 200 and patched.json()["end_user_requests_per_minute"] == 1
+    assert _statuses([await _send(client, key, "alice-hmac") for _ in range(2)]) == [200, 429]
+    await client.patch(path, json={"end_user_requests_per_minute": 3}, headers=_auth(admin_key))
+    # 1 of 3 taken this minute
+    assert _statuses([await _send(client, key, "alice-hmac") for _ in range(3)]) == [200, 200, 429]
+    # the end user's own limit comes before the account's: 0 is unlimited, null is the account's
+    alice = (await client.get(f"{path}/end-users", headers=_auth(admin_key))).json()["data"][0]
+    own = f"{path}/end-users/{alice['id']}"
+    unlimited = await client.patch(own, json={"requests_per_minute": 0}, headers=_auth(admin_key))
+    assert unlimited.status_code == 200, unlimited.text
+    assert unlimited.json()["requests_per_minute"] == 0 and unlimited.json()["limits"]["requests_per_minute"] == 0
+    assert (await _send(client, key, "alice-hmac")).status_code == 200
+    await client.patch(own, json={"requests_per_minute": None}, headers=_auth(admin_key))
+    assert (await _send(client, key, "alice-hmac")).status_code == 429
+
+    limits(end_user_tokens_per_minute=100_000)
+    await client.patch(path, json={"end_user_tokens_per_minute": 1}, headers=_auth(admin_key))  # lowered
+    lowered = await _send(client, key, "alice-hmac")
+    assert lowered.status_code == 429, lowered.text
+    assert "more than this end user's limit of 1 tokens per minute" in lowered.json()["error"]["message"]
+    limits(end_user_tokens_per_minute=1)
+    await client.patch(path, json={"end_user_tokens_per_minute": 100_000}, headers=_auth(admin_key))  # raised
+    assert (await _send(client, key, "alice-hmac")).status_code == 200
+    assert (await _send(client, key, "bob-hmac")).status_code == 200  # under the account's, not the setting
+
+
+async def test_bad_limits_are_422_in_the_envelope_and_change_nothing(
+    client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, admin_key: str, fake: FakeBackend
+) -> None:
+    account, key = await make_user("user")
+    assert (await _send(client, key, "alice-hmac")).status_code == 200
+    path = f"/admin/users/{account['id']}"
+    alice = (await client.get(f"{path}/end-users", headers=_auth(admin_key))).json()["data"][0]
+    entries = await db_session.scalar(select(func.count()).select_from(RegistryAuditEntry))
+    cases = [
+        *((path, {field: -1}, field) for field in ("end_users_max", "end_users_new_per_minute")),
+        *((path, {field: -1}, field) for field in ("end_user_requests_per_minute", "end_user_tokens_per_minute")),
+        (path, {"end_user_tokens_per_minute": 2**31}, "end_user_tokens_per_minute"),
+        (path, {"end_users_max": "many"}, "end_users_max"),
+        *(
+            (f"{path}/end-users/{alice['id']}", {field: -1}, field)
+            for field in ("requests_per_minute", "tokens_per_minute")
+        ),
+        (f"{path}/end-users/{alice['id']}", {"parallel": 1}, "parallel"),
+    ]
+    for url, body, param in cases:
+        response = await client.patch(url, json=body, headers=_auth(admin_key))
+        assert response.status_code == 422, (body, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    missing = await client.patch(f"{path}/end-users/999999", json={"requests_per_minute": 1}, headers=_auth(admin_key))
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "end_user_id"
+    assert await db_session.scalar(select(func.count()).select_from(RegistryAuditEntry)) == entries
+
+
+async def test_limit_changes_are_recorded_in_the_audit_trail(
+    client: httpx.AsyncClient, db_session: AsyncSession, make_user: Any, admin_key: str, fake: FakeBackend
+) -> None:
+    account, key = await make_user("user")
+    assert (await _send(client, key, "alice-hmac")).status_code == 200
+    path = f"/admin/users/{account['id']}"
+    alice = (await client.get(f"{path}/end-users", headers=_auth(admin_key))).json()["data"][0]
+    changes = {"end_users_max": 10, "end_users_new_per_minute": 0, "end_user_requests_per_minute": 5}
+    for _ in range(2):  # the second changes nothing and records nothing
+        assert (await client.patch(path, json=changes, headers=_auth(admin_key))).status_code == 200
+    back = {"end_users_max": None, "end_user_tokens_per_minute": 900}
+    assert (await client.patch(path, json=back, headers=_auth(admin_key))).status_code == 200
+    own = f"{path}/end-users/{alice['id']}"
+    for _ in range(2):
+        patched = await client.patch(own, json={"tokens_per_minute": 300}, headers=_auth(admin_key))
+        assert patched.status_code == 200, patched.text
+    entries = (
+        await db_session.scalars(
+            select(RegistryAuditEntry)
+            .where(RegistryAuditEntry.action.in_(["user.update", "end_user.update"]))
+            .order_by(RegistryAuditEntry.seq)
+        )
+    ).all()
+    assert [(e.action, e.target_id, e.actor_name) for e in entries] == [
+        ("user.update", str(account["id"]), "test-admin"),
+        ("user.update", str(account["id"]), "test-admin"),
+        ("end_user.update", str(alice["id"]), "test-admin"),
+    ]
+    assert entries[0].changes == {
+        "before": {"end_users_max": None, "end_users_new_per_minute": None, "end_user_requests_per_minute": None},
+        "after": changes,
+    }
+    assert entries[1].changes == {
+        "before": {"end_users_max": 10, "end_user_tokens_per_minute": None},
+        "after": back,
+    }
+    assert entries[2].changes == {
+        "before": {"tokens_per_minute": None},
+        "after": {"tokens_per_minute": 300, "user_id": account["id"], "identifier": "alice-hmac"},
+    }
+    listed = await client.get("/admin/audit", params={"action": "end_user.update"}, headers=_auth(admin_key))
+    assert listed.status_code == 200 and [e["target"]["id"] for e in listed.json()["data"]] == [str(alice["id"])]
+    verified = await client.get("/admin/audit", params={"limit": 500}, headers=_auth(admin_key))
+    assert verified.status_code == 200
+
+
+async def test_the_admin_api_shows_each_end_users_limits_and_usage(
+    app: Any, client: httpx.AsyncClient, make_user: Any, admin_key: str, fake: FakeBackend
+) -> None:
+    account, key = await make_user("user")
+    spent: dict[str, list[int]] = {"alice-hmac": [0, 0], "bob-hmac": [0, 0]}
+    for identifier, n in (("alice-hmac", 1), ("alice-hmac", 1), ("bob-hmac", 2)):
+        response = await _send(client, key, identifier, n=n)
+        assert response.status_code == 200, response.text
+        spent[identifier][0] += 1
+        spent[identifier][1] += response.json()["usage"]["total_tokens"]
+    assert (await _send(client, key)).status_code == 200  # the account's own: no end user's usage
+    path = f"/admin/users/{account['id']}"
+    patched = await client.patch(path, json={"end_user_tokens_per_minute": 7000}, headers=_auth(admin_key))
+    assert patched.json()["end_user_tokens_per_minute"] == 7000
+    page = (await client.get(f"{path}/end-users", headers=_auth(admin_key))).json()
+    alice, bob = page["data"]
+    own = await client.patch(
+        f"{path}/end-users/{alice['id']}", json={"requests_per_minute": 9}, headers=_auth(admin_key)
+    )
+    alice = own.json()
+    settings = app.state.resources.settings
+    assert alice["requests_per_minute"] == 9 and alice["tokens_per_minute"] is None
+    assert alice["limits"] == {"requests_per_minute": 9, "tokens_per_minute": 7000}
+    assert bob["requests_per_minute"] is None
+    assert bob["limits"] == {"requests_per_minute": settings.end_user_requests_per_minute, "tokens_per_minute": 7000}
+    for shown in (alice, bob):
+        requests, tokens = spent[shown["identifier"]]
+        assert (shown["usage"]["requests"], shown["usage"]["tokens"]) == (requests, tokens), shown
+        assert shown["usage"]["since"]
 
 
 # -- concurrent first sights: a database of their own, a real pool, requests at once -----------------

@@ -384,3 +384,66 @@ async def _end_users_keep_the_triggers(url: str) -> None:
 
 async def test_sqlite_end_users_keep_the_generation_triggers(tmp_path: Path) -> None:
     await _end_users_keep_the_triggers(f"sqlite+aiosqlite:///{tmp_path / 'e.db'}")
+
+
+async def _end_user_limits(url: str) -> None:
+    """0014 adds the end-user limit columns (NULL: the next level's value) and the usage index;
+    its downgrade drops them and keeps the rows (and, on SQLite, generations' triggers)."""
+    await asyncio.to_thread(upgrade_database, url, "0013")
+    now = datetime.now(UTC).replace(tzinfo=None)
+    await _execute(
+        url,
+        "INSERT INTO users (name, role, status, message_id, created_at, updated_at) "
+        "VALUES ('platform', 'user', 'active', '01', :now, :now)",
+        [{"now": now}],
+    )
+    await _execute(
+        url,
+        "INSERT INTO end_users (user_id, identifier, status, created_at, last_seen_at) "
+        "VALUES (1, 'eu', 'active', :now, :now)",
+        [{"now": now}],
+    )
+    sqlite = url.startswith("sqlite")
+    triggers = "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'generations'"
+    before = (await _execute(url, triggers))[0][0] if sqlite else None
+    await asyncio.to_thread(upgrade_database, url, "0014")
+    rows = await _execute(
+        url,
+        "SELECT end_users_max, end_users_new_per_minute, end_user_requests_per_minute, end_user_tokens_per_minute "
+        "FROM users",
+    )
+    assert [tuple(r) for r in rows] == [(None, None, None, None)]
+    rows = await _execute(url, "SELECT identifier, requests_per_minute, tokens_per_minute FROM end_users")
+    assert [tuple(r) for r in rows] == [("eu", None, None)]
+
+    def indexes(connection: Connection) -> set[str]:
+        return {index["name"] for index in inspect(connection).get_indexes("generations") if index["name"]}
+
+    engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        async with engine.connect() as connection:
+            assert "ix_generations_end_user_id_created_at" in await connection.run_sync(indexes)
+        if sqlite:
+            assert (await _execute(url, triggers))[0][0] == before
+        await asyncio.to_thread(downgrade_database, url, "0013")
+        async with engine.connect() as connection:
+            assert "ix_generations_end_user_id_created_at" not in await connection.run_sync(indexes)
+            columns = await connection.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns("users")})
+            assert not columns & {"end_users_max", "end_user_requests_per_minute"}
+            columns = await connection.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns("end_users")})
+            assert "requests_per_minute" not in columns
+    finally:
+        await engine.dispose()
+    assert [tuple(r) for r in await _execute(url, "SELECT identifier FROM end_users")] == [("eu",)]
+    if sqlite:
+        assert (await _execute(url, triggers))[0][0] == before
+    await asyncio.to_thread(upgrade_database, url)
+
+
+async def test_sqlite_end_user_limits(tmp_path: Path) -> None:
+    await _end_user_limits(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_end_user_limits(scratch_postgres: str) -> None:
+    await _end_user_limits(scratch_postgres)
