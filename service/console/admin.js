@@ -1,35 +1,12 @@
-// The administration views: users, API keys, key versions, the trace audit log, the registry's
-// audit trail and usage.
+// The administration views: users (with each account's end users, end_users.js), API keys, key
+// versions, the trace audit log, the registry's audit trail and usage.
 // Each view loads its page from the API and shows the API's own error message when it fails.
 
-import { ApiError, call, query } from "./api.js";
-import { append, clear, el, field, formatDate, formatP, message, pager, select, table } from "./dom.js";
+import { call, query } from "./api.js";
+import { PAGE, actionButton, append, clear, el, field, formatDate, formatP, message, pager, problem, select, table } from "./dom.js";
+import { endUsersPanel } from "./end_users.js";
 
-const PAGE = 20;
 const ROLES = [["user", "user"], ["auditor", "auditor"], ["admin", "admin"]];
-
-function problem(error, what) {
-  return message("error", `${what}: ${error instanceof ApiError ? error.message : String(error)}`);
-}
-
-/** A button that asks before it acts, then runs ``act`` and reports its error in ``status``. */
-function actionButton(label, question, act, status, name) {
-  return el("button", {
-    text: label,
-    attrs: { type: "button", "data-action": name },
-    on: {
-      click: async () => {
-        if (question && !window.confirm(question)) return;
-        clear(status);
-        try {
-          await act();
-        } catch (error) {
-          status.append(problem(error, label));
-        }
-      },
-    },
-  });
-}
 
 /** The one-time display of a new API key, with a copy button. */
 function secretBox(title, key) {
@@ -69,6 +46,7 @@ export function renderUsers(root) {
   const status = el("div", { class: "status-line" });
   const created = el("div");
   const list = el("div");
+  const endUsers = el("div");
 
   const q = el("input", { attrs: { type: "search", name: "q", placeholder: "name contains…" } });
   const role = select("role", [["", "any role"], ...ROLES]);
@@ -107,6 +85,16 @@ export function renderUsers(root) {
       const page = await call("GET", `/admin/users${query({ q: state.q, role: state.role, status: state.status, limit: PAGE, offset: state.offset })}`);
       const rows = page.data.map((user) => {
         const actions = el("div", { class: "row-actions" });
+        actions.append(el("button", {
+          text: "End users",
+          attrs: { type: "button", "data-action": "end-users" },
+          on: {
+            click: () => {
+              clear(endUsers).append(endUsersPanel(user, () => clear(endUsers)));
+              endUsers.scrollIntoView({ block: "start" });
+            },
+          },
+        }));
         if (user.status === "active") {
           actions.append(actionButton("Disable", `Disable ${user.name}? Their keys stop working.`, async () => { await call("POST", `/admin/users/${user.id}/disable`); await load(); }, status, "disable"));
         } else if (user.status === "disabled") {
@@ -123,7 +111,7 @@ export function renderUsers(root) {
     }
   }
 
-  append(clear(root), el("h2", { text: "Users" }), create, created, filters, status, list);
+  append(clear(root), el("h2", { text: "Users" }), create, created, filters, status, list, endUsers);
   load();
 }
 
@@ -273,12 +261,37 @@ export function renderAudit(root) {
 
 // --- registry audit trail ------------------------------------------------------------------
 
-const REGISTRY_ACTIONS = [
-  "user.create", "user.update", "user.disable", "user.enable", "user.delete",
-  "api_key.issue", "api_key.revoke",
-  "key_version.register", "key_version.activate", "key_version.retire",
-  "message_ids.allocate",
+// the actions of each kind of target (an action is ``<target>.<verb>``, and every entry about a
+// target of that kind has one of them): "<prefix>.*" in the action filter asks for the whole group,
+// through the API's target_type filter
+const REGISTRY_GROUPS = [
+  { label: "Users", item: "user", target: "user", actions: ["user.create", "user.update", "user.disable", "user.enable", "user.delete"] },
+  { label: "API keys", item: "API-key", target: "api_key", actions: ["api_key.issue", "api_key.revoke"] },
+  { label: "Key versions", item: "key-version", target: "key_version", actions: ["key_version.register", "key_version.activate", "key_version.retire"] },
+  { label: "Message IDs", item: "message-ID", target: "message_length", actions: ["message_ids.allocate"] },
+  { label: "End users", item: "end-user", target: "end_user", actions: ["end_user.create", "end_user.update", "end_user.disable", "end_user.enable", "end_user.delete"] },
 ];
+
+function groupValue(group) {
+  return `${group.actions[0].split(".")[0]}.*`;
+}
+
+/** The action filter's options: per group, the whole group (when it has several actions), then each action. */
+function actionOptions() {
+  return REGISTRY_GROUPS.map((group) => ({
+    label: group.label,
+    options: [
+      ...(group.actions.length > 1 ? [[groupValue(group), `${groupValue(group)} (every ${group.item} change)`]] : []),
+      ...group.actions.map((a) => [a, a]),
+    ],
+  }));
+}
+
+/** The API's filters for an option of the action filter: a group by its target type, an action by name. */
+function actionFilter(value) {
+  const group = REGISTRY_GROUPS.find((g) => groupValue(g) === value);
+  return group ? { target_type: group.target } : { action: value };
+}
 
 function actorLabel(actor) {
   if (actor.kind === "api") return `${actor.name || ""} (#${actor.user_id})`;
@@ -310,7 +323,7 @@ export function renderRegistryAudit(root) {
   const state = { action: "", after: null, cursors: [], loads: 0 };
   const list = el("div");
   const head = el("p", { class: "audit-head" });
-  const action = select("action", [["", "any action"], ...REGISTRY_ACTIONS.map((a) => [a, a])]);
+  const action = select("action", [["", "any action"], ...actionOptions()]);
   const filters = searchForm([field("Action", action)], () => {
     Object.assign(state, { action: action.value, after: null, cursors: [] });
     load();
@@ -324,7 +337,7 @@ export function renderRegistryAudit(root) {
   async function load() {
     const current = ++state.loads;
     try {
-      const page = await call("GET", `/admin/audit${query({ order: "desc", action: state.action, after_seq: state.after, limit: PAGE })}`);
+      const page = await call("GET", `/admin/audit${query({ order: "desc", ...actionFilter(state.action), after_seq: state.after, limit: PAGE })}`);
       if (current !== state.loads) return;
       clear(head);
       if (page.head) {
@@ -367,7 +380,7 @@ export function renderRegistryAudit(root) {
   append(
     clear(root),
     el("h2", { text: "Registry audit trail" }),
-    el("p", { text: "Every change to users, API keys, key versions and message IDs, newest first: hash-chained and signed by the gateway." }),
+    el("p", { text: "Every change to users, API keys, key versions, message IDs and end users, newest first: hash-chained and signed by the gateway." }),
     filters,
     head,
     list,

@@ -1,5 +1,10 @@
 // DOM helpers: every piece of text goes into the page as a text node, never as markup.
 
+import { ApiError } from "./api.js";
+
+/** Rows per page in every list of the console. */
+export const PAGE = 20;
+
 /** An element with class names, attributes and children (strings become text nodes). */
 export function el(tag, options = {}, ...children) {
   const node = document.createElement(tag);
@@ -44,6 +49,30 @@ export function message(kind, text) {
   return el("p", { class: `message message-${kind}`, text, attrs: { role: kind === "error" ? "alert" : "status" } });
 }
 
+/** An error message for ``what``: the API's own message for an ApiError. */
+export function problem(error, what) {
+  return message("error", `${what}: ${error instanceof ApiError ? error.message : String(error)}`);
+}
+
+/** A button that asks before it acts, then runs ``act`` and reports its error in ``status``. */
+export function actionButton(label, question, act, status, name) {
+  return el("button", {
+    text: label,
+    attrs: { type: "button", "data-action": name },
+    on: {
+      click: async () => {
+        if (question && !window.confirm(question)) return;
+        clear(status);
+        try {
+          await act();
+        } catch (error) {
+          status.append(problem(error, label));
+        }
+      },
+    },
+  });
+}
+
 export function formatP(p) {
   if (p === null || p === undefined) return "–";
   if (p === 0) return "0";
@@ -66,13 +95,22 @@ export function field(label, control) {
   return el("label", { class: "field" }, el("span", { class: "field-label", text: label }), control);
 }
 
-/** A <select> with [value, label] options. */
+/** A <select> with [value, label] options; an entry {label, options} is a group of them. */
 export function select(name, options, selected = "") {
   const node = el("select", { attrs: { name } });
-  for (const [value, label] of options) {
+  function add(parent, [value, label]) {
     const option = el("option", { text: label, attrs: { value } });
     if (value === selected) option.selected = true;
-    node.append(option);
+    parent.append(option);
+  }
+  for (const entry of options) {
+    if (Array.isArray(entry)) {
+      add(node, entry);
+      continue;
+    }
+    const group = el("optgroup", { attrs: { label: entry.label } });
+    for (const option of entry.options) add(group, option);
+    node.append(group);
   }
   return node;
 }

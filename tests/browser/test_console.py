@@ -21,48 +21,15 @@ from playwright.sync_api import Browser, Page, expect
 
 from service.routers.console import CONSOLE_CSP
 from service.services.reports import decode_public_key, text_sha256, verify_report
+from tests.browser.conftest import MODEL, TIMEOUT_MS, admin_headers, create_user, new_page, sign_in
 
 pytestmark = [pytest.mark.model, pytest.mark.browser]
 
-MODEL = "smollm2-135m-instruct"
 PROMPTS = (
     "Write a detailed, multi-paragraph essay about the history of lighthouses and their keepers.",
     "Explain in depth how bees build honeycombs and organise their hive through the seasons.",
 )
 HOSTILE = 'Before <script>window.__pwned=1</script> and <img src=x onerror="window.__pwned=1"> after.'
-# each page action's and expectation's bound (the pages' default and, set below, the assertions':
-# their own default, 5 s, failed here on two busy cores when the 7,000-token trace of
-# test_a_long_text_stays_usable took longer); 5x margin and more: a page, a form or a trace of a
-# few hundred tokens (2.5 s at most here, tests/e2e) is ready within seconds, and that long trace,
-# the slowest, took 4.4 s with its sign-in, a little over 5 s when it failed
-TIMEOUT_MS = 120_000
-expect.set_options(timeout=TIMEOUT_MS)
-
-
-def _admin_headers(server: Any) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.admin_key}"}
-
-
-def _new_page(browser: Browser, server: Any) -> Page:
-    page = browser.new_page(base_url=server.base_url, viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(TIMEOUT_MS)
-    page.on("dialog", lambda dialog: dialog.accept())  # the console's confirmations
-    return page
-
-
-def _sign_in(page: Page, key: str) -> None:
-    page.goto("/console")
-    page.get_by_label("API key").fill(key)
-    page.get_by_role("button", name="Sign in").click()
-    expect(page.get_by_role("button", name="Sign out")).to_be_visible()
-
-
-def _create_user(server: Any, name: str, role: str) -> str:
-    response = httpx.post(
-        f"{server.base_url}/admin/users", json={"name": name, "role": role}, headers=_admin_headers(server)
-    )
-    assert response.status_code == 201, response.text
-    return str(response.json()["api_key"])
 
 
 def _chat(server: Any, key: str) -> str:
@@ -102,8 +69,8 @@ def _trace_in_console(page: Page, text: str) -> None:
 def test_admin_creates_a_user_and_traces_their_text_to_them(
     live_server: Any, chromium: Browser, artifacts: Path
 ) -> None:
-    page = _new_page(chromium, live_server)
-    _sign_in(page, live_server.admin_key)
+    page = new_page(chromium, live_server)
+    sign_in(page, live_server.admin_key)
     for view in ("Trace", "Audit log", "Registry log", "Users", "API keys", "Key versions", "Usage"):
         expect(page.locator("#nav").get_by_role("link", name=view, exact=True)).to_be_visible()
 
@@ -127,7 +94,7 @@ def test_admin_creates_a_user_and_traces_their_text_to_them(
     # the second witness: the answer was served, so the user's generation log holds it
     expect(page.locator(".witness")).to_have_attribute("data-corroboration", "corroborated")
     expect(page.locator("table.matches tbody tr").first).to_contain_text("1.0")
-    versions = httpx.get(f"{live_server.base_url}/admin/key-versions", headers=_admin_headers(live_server)).json()
+    versions = httpx.get(f"{live_server.base_url}/admin/key-versions", headers=admin_headers(live_server)).json()
     active = next(v for v in versions["data"] if v["status"] == "active")
     expect(page.locator("table.blocks tbody tr")).to_have_count(active["bits"] // active["block_bits"])
 
@@ -202,10 +169,10 @@ def _status_of(server: Any, key: str) -> int:
 
 
 def test_admin_issues_and_revokes_keys_and_disables_users(live_server: Any, chromium: Browser) -> None:
-    user_key = _create_user(live_server, "console-bob", "user")
+    user_key = create_user(live_server, "console-bob", "user")
     user_id = httpx.get(f"{live_server.base_url}/me", headers={"Authorization": f"Bearer {user_key}"}).json()["user_id"]
-    page = _new_page(chromium, live_server)
-    _sign_in(page, live_server.admin_key)
+    page = new_page(chromium, live_server)
+    sign_in(page, live_server.admin_key)
 
     # a second key, issued in the console and shown once, then revoked there
     page.goto("/console#/keys")
@@ -238,9 +205,9 @@ def test_admin_issues_and_revokes_keys_and_disables_users(live_server: Any, chro
 
 
 def test_an_auditor_sees_no_admin_view_and_the_api_refuses_them(live_server: Any, chromium: Browser) -> None:
-    key = _create_user(live_server, "console-auditor", "auditor")
-    page = _new_page(chromium, live_server)
-    _sign_in(page, key)
+    key = create_user(live_server, "console-auditor", "auditor")
+    page = new_page(chromium, live_server)
+    sign_in(page, key)
     nav = page.locator("#nav")
     expect(nav.get_by_role("link", name="Trace", exact=True)).to_be_visible()
     expect(nav.get_by_role("link", name="Audit log", exact=True)).to_be_visible()
@@ -260,7 +227,7 @@ def test_an_auditor_sees_no_admin_view_and_the_api_refuses_them(live_server: Any
 def test_the_registry_log_lists_changes_newest_first_by_page_and_action(
     live_server: Any, chromium: Browser, artifacts: Path
 ) -> None:
-    headers = _admin_headers(live_server)
+    headers = admin_headers(live_server)
     created = []
     for i in range(22):  # more changes than a page holds (20)
         response = httpx.post(f"{live_server.base_url}/admin/users", json={"name": f"registry-{i}"}, headers=headers)
@@ -273,8 +240,8 @@ def test_the_registry_log_lists_changes_newest_first_by_page_and_action(
     assert newest["action"] == "user.disable"
     disables = httpx.get(audit, params={"action": "user.disable", "limit": 500}, headers=headers).json()["data"]
 
-    page = _new_page(chromium, live_server)
-    _sign_in(page, live_server.admin_key)
+    page = new_page(chromium, live_server)
+    sign_in(page, live_server.admin_key)
     page.locator("#nav").get_by_role("link", name="Registry log", exact=True).click()
     rows = page.locator("table.registry tbody tr")
     expect(rows).to_have_count(20)
@@ -315,16 +282,16 @@ def test_the_registry_log_lists_changes_newest_first_by_page_and_action(
 
 
 def test_a_plain_user_is_told_the_console_is_for_auditors(live_server: Any, chromium: Browser) -> None:
-    key = _create_user(live_server, "console-plain", "user")
-    page = _new_page(chromium, live_server)
-    _sign_in(page, key)
+    key = create_user(live_server, "console-plain", "user")
+    page = new_page(chromium, live_server)
+    sign_in(page, key)
     expect(page.locator("main")).to_contain_text("The console is for auditors and admins")
     assert page.locator("#nav a").count() == 0
     page.close()
 
 
 def test_hostile_text_renders_as_text_under_the_csp(live_server: Any, chromium: Browser) -> None:
-    page = _new_page(chromium, live_server)
+    page = new_page(chromium, live_server)
     response = page.goto("/console")
     assert response is not None and response.ok
     headers = response.headers
@@ -336,7 +303,7 @@ def test_hostile_text_renders_as_text_under_the_csp(live_server: Any, chromium: 
     assert asset.headers["content-security-policy"] == CONSOLE_CSP
     assert httpx.get(f"{live_server.base_url}/console/static/..%2Fapp.py").status_code == 404
 
-    _sign_in(page, live_server.admin_key)
+    sign_in(page, live_server.admin_key)
     _trace_in_console(page, HOSTILE)
     expect(page.locator(".verdict-head")).to_have_text("Not watermarked")
     rendered = page.locator(".token-text")
@@ -352,7 +319,7 @@ def test_sign_out_leaves_the_key_nowhere(live_server: Any, chromium: Browser) ->
     context = chromium.new_context(base_url=live_server.base_url)
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
-    _sign_in(page, live_server.admin_key)
+    sign_in(page, live_server.admin_key)
     key = live_server.admin_key
     assert key in page.evaluate("JSON.stringify(Object.values(sessionStorage))")
     assert page.evaluate("localStorage.length") == 0
@@ -371,8 +338,8 @@ def test_sign_out_leaves_the_key_nowhere(live_server: Any, chromium: Browser) ->
 
 def test_a_long_text_stays_usable(live_server: Any, chromium: Browser) -> None:
     """Thousands of tokens: one span each, rendered in one pass, the page still answers."""
-    page = _new_page(chromium, live_server)
-    _sign_in(page, live_server.admin_key)
+    page = new_page(chromium, live_server)
+    sign_in(page, live_server.admin_key)
     sentences = [f"Sentence {i} of a long report on tides, harbours and the ships that use them." for i in range(400)]
     text = " ".join(sentences)  # about 7,000 tokens
     _trace_in_console(page, text)
