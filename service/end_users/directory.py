@@ -16,6 +16,9 @@
   identifier) with one new message ID per length in use, drawn by the registry's allocation rule
   (``services/users.choose_message_ids``). The creation is recorded in the audit trail as made by the
   account (actor ``api``). Two first sights racing for one identifier end with one end user.
+* **Bursts**: the requests of one end user that miss the cache together share one look-up in
+  this process (the first does it; the others await its answer or its error), so a burst of a new
+  identifier's requests takes the account's lock once per replica, not once per request.
 * A disabled or deleted end user is refused with 403, like a disabled account; the account's other
   end users are unaffected. Admin changes through this process drop the entry at once and again
   when they commit; other replicas see them within ``ttl``.
@@ -23,6 +26,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -77,6 +81,16 @@ class _Entry:
     expires_at: float
 
 
+class _LeaderGone(Exception):
+    """The request doing a shared look-up was cancelled: the requests awaiting it look again."""
+
+
+def _retrieved(future: asyncio.Future[tuple[EndUserIdentity, str]]) -> None:
+    """Mark a shared look-up's error as seen when no request awaited it (no warning at exit)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def identity_of(row: EndUser, message_ids: Sequence[MessageId]) -> EndUserIdentity:
     ids = message_ids_out(message_ids)
     return EndUserIdentity(
@@ -93,6 +107,20 @@ def refusal(status: str) -> PermissionDeniedError:
     if status == EndUserStatus.DELETED:
         return PermissionDeniedError("This end user has been deleted", code="end_user_deleted")
     return PermissionDeniedError("This end user is disabled", code="end_user_disabled")
+
+
+def _created(end_user_id: int, user_id: int, identifier: str, now: datetime) -> EndUser:
+    """The end user a first sight inserted, as ``EndUserRepository.insert`` wrote it."""
+    return EndUser(
+        id=end_user_id,
+        user_id=user_id,
+        identifier=identifier,
+        status=EndUserStatus.ACTIVE.value,
+        created_at=now,
+        last_seen_at=now,
+        requests_per_minute=None,
+        tokens_per_minute=None,
+    )
 
 
 def end_user_created(row: EndUser, message_ids: Sequence[MessageId]) -> Change:
@@ -173,18 +201,66 @@ class EndUserDirectory:
         self.cache = cache
         self._on_change = on_change
         self._allocator = allocator
+        # (account, identifier) -> the look-up in progress in this process (see ``resolve``)
+        self._pending: dict[tuple[int, str], asyncio.Future[tuple[EndUserIdentity, str]]] = {}
 
     async def resolve(
         self, principal: Principal, identifier: str, length: MessageLength, *, request_id: str | None = None
     ) -> EndUserIdentity:
         """The account's end user named ``identifier``, holding an ID of ``length`` (created on first
-        sight); 403 for a disabled or deleted one, 429 past the account's caps."""
+        sight); 403 for a disabled or deleted one, 429 past the account's caps.
+
+        Requests of one end user that miss the cache together share one database look-up in this
+        process (the first does it, the others await its result, or its error): a burst of a new
+        identifier's requests takes the account's end-user lock once, not once per request."""
         key = (principal.user_id, identifier)
-        entry = self.cache.get(key)
-        if entry is not None and entry.identity.message_id_for(*length) is not None:
-            if entry.status != EndUserStatus.ACTIVE:
-                raise refusal(entry.status)
-            return entry.identity
+        while True:
+            entry = self.cache.get(key)
+            if entry is not None and entry.identity.message_id_for(*length) is not None:
+                if entry.status != EndUserStatus.ACTIVE:
+                    raise refusal(entry.status)
+                return entry.identity
+            pending = self._pending.get(key)
+            if pending is None:
+                break
+            try:
+                identity, status = await asyncio.shield(pending)
+            except _LeaderGone:
+                continue  # the request that looked it up went away: look again
+            if identity.message_id_for(*length) is None:
+                break  # it looked up another length (a key version of a new length): this one fills it
+            if status != EndUserStatus.ACTIVE:
+                raise refusal(status)
+            return identity
+        looked_up: asyncio.Future[tuple[EndUserIdentity, str]] = asyncio.get_running_loop().create_future()
+        looked_up.add_done_callback(_retrieved)
+        self._pending[key] = looked_up
+        try:
+            identity, status = await self._look_up(principal, identifier, length, key, request_id)
+        except asyncio.CancelledError:
+            looked_up.set_exception(_LeaderGone())
+            raise
+        except Exception as exc:
+            looked_up.set_exception(exc)
+            raise
+        else:
+            looked_up.set_result((identity, status))
+        finally:
+            if self._pending.get(key) is looked_up:
+                del self._pending[key]
+        if status != EndUserStatus.ACTIVE:
+            raise refusal(status)
+        return identity
+
+    async def _look_up(
+        self,
+        principal: Principal,
+        identifier: str,
+        length: MessageLength,
+        key: tuple[int, str],
+        request_id: str | None,
+    ) -> tuple[EndUserIdentity, str]:
+        """The database's end user (created on first sight), put in the cache; its identity and status."""
         epoch = self.cache.epoch
         async with session_scope(self._sessionmaker) as session:
             repo = EndUserRepository(session)
@@ -200,9 +276,7 @@ class EndUserDirectory:
                     await repo.seen(found.row.id, now)
             identity, status = identity_of(found.row, found.message_ids), found.row.status
         self.cache.put(key, identity, status, epoch=epoch)
-        if status != EndUserStatus.ACTIVE:
-            raise refusal(status)
-        return identity
+        return identity, status
 
     async def _first_sight(
         self, session: AsyncSession, repo: EndUserRepository, principal: Principal, identifier: str, audit: AuditTrail
@@ -214,11 +288,9 @@ class EndUserDirectory:
             return found
         now = datetime.now(UTC)
         caps = self.caps(principal)
-        self._check_caps(
-            caps,
-            total=await repo.count(user_id) if caps[0].value else 0,
-            recent=await repo.count(user_id, since=now - timedelta(minutes=1)) if caps[1].value else 0,
-        )
+        if caps[0].value or caps[1].value:
+            total, recent = await repo.counts(user_id, since=now - timedelta(minutes=1))
+            self._check_caps(caps, total=total, recent=recent)
         lengths = (await lengths_in_use(session, self._configured)).params
         ids = MessageIdRepository(session)
         for _ in range(MAX_ALLOCATION_ATTEMPTS):
@@ -242,8 +314,8 @@ class EndUserDirectory:
             except IntegrityError:
                 logger.info("message ID taken concurrently; allocating again")
                 continue
-            found = await repo.find(user_id, identifier)
-            assert found is not None
+            # the rows as inserted (read back they are the same): no statement more
+            found = FoundEndUser(_created(end_user_id, user_id, identifier, now), tuple(rows))
             await audit.record(session, end_user_created(found.row, found.message_ids))
             if self._on_change is not None:
                 self._on_change()

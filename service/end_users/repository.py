@@ -70,6 +70,13 @@ class EndUserRepository:
             filters.append(EndUser.created_at >= since)
         return int(await self._session.scalar(select(func.count()).select_from(EndUser).where(*filters)) or 0)
 
+    async def counts(self, user_id: int, *, since: datetime) -> tuple[int, int]:
+        """The account's end users (deleted ones included) and those created at or after ``since``,
+        in one statement."""
+        stmt = select(func.count(), func.count().filter(EndUser.created_at >= since)).where(EndUser.user_id == user_id)
+        total, recent = (await self._session.execute(stmt)).one()
+        return int(total), int(recent)
+
     async def insert(self, user_id: int, identifier: str, now: datetime) -> int | None:
         """Insert the end user unless the account already has one with ``identifier`` (the unique
         constraint: a concurrent first sight won); its id, or None when it was there."""

@@ -59,6 +59,13 @@ class MessageIdRepository:
         read from the primary key's index."""
         return int(await self._session.scalar(select(func.max(MessageId.id))) or 0)
 
+    async def existing(self, bits: int, block_bits: int) -> list[str]:
+        """``held`` and ``created_with`` of one length in one statement: what a new ID of it is
+        allocated against."""
+        held = select(MessageId.message_id).where(MessageId.bits == bits, MessageId.block_bits == block_bits)
+        created = select(User.message_id).where(func.length(User.message_id) == bits)
+        return list((await self._session.scalars(held.union_all(created))).all())
+
     async def created_with(self, bits: int) -> list[str]:
         """Every ``users.message_id`` (the ID a user was created with) of ``bits`` bits."""
         stmt = select(User.message_id).where(func.length(User.message_id) == bits)

@@ -101,10 +101,7 @@ async def choose_message_ids(
         if large and params.bits >= SPREAD_MIN_BITS:
             existing: list[str] = []  # drawn at random: the unique constraints check it
         else:
-            existing = [
-                *await ids.held(params.bits, params.block_bits),
-                *await ids.created_with(params.bits),
-            ]
+            existing = await ids.existing(params.bits, params.block_bits)
         try:
             messages.append(allocator(existing, params))
         except MessageSpaceExhausted:

@@ -12,7 +12,10 @@ from sqlalchemy import func, select
 
 from service.config import Settings
 from service.db import session_scope
+from service.end_users.directory import EndUserCache, EndUserDirectory
+from service.end_users.repository import EndUserRepository
 from service.models import EndUser, MessageId, RegistryAuditEntry
+from service.schemas.common import Principal
 from service.services.users import UserService
 from service.vocabulary import Role
 from tests.service.conftest import own_database
@@ -76,3 +79,82 @@ async def test_many_concurrent_first_sights_of_few_identifiers_create_exactly_th
             assert created == IDENTIFIERS
             # every request was generated for its end user: one ID of the encoding length each
             assert len(stamps) == IDENTIFIERS and stamps <= {m.message_id for m in ids}
+
+
+@pytest.mark.postgres
+async def test_two_replicas_racing_for_new_identifiers_create_one_end_user_each(settings: Settings) -> None:
+    """Two directories with caches of their own (two replicas of the gateway) resolve the same
+    new identifiers at once: the database's lock and unique constraint leave one end user, with
+    one message ID per length, for each; both replicas are given that one."""
+    async with own_database(settings, "xmark_end_users_replicas") as url:
+        async for app, _client in _started(settings.model_copy(update={"database_url": url})):
+            resources = app.state.resources
+            async with session_scope(resources.sessionmaker) as session:
+                account = await UserService(session, resources.keyring.spec, resources.api_key_hasher).create_user(
+                    "platform", Role.USER
+                )
+            principal = Principal(user_id=account.id, name="platform", role=Role.USER, api_key_id=1)
+            replicas = [
+                EndUserDirectory(
+                    sessionmaker=resources.sessionmaker,
+                    settings=resources.settings,
+                    configured=resources.keyring.spec,
+                    signer=resources.report_signer,
+                    cache=EndUserCache(60.0),
+                )
+                for _ in range(2)
+            ]
+            length = (account.message_ids[0].bits, account.message_ids[0].block_bits)
+            names = [f"replica-race-{i}" for i in range(10)]
+            resolved = await asyncio.gather(
+                *(replica.resolve(principal, name, length) for name in names for replica in replicas for _ in range(3))
+            )
+            async with session_scope(resources.sessionmaker) as session:
+                rows = (await session.scalars(select(EndUser).where(EndUser.user_id == account.id))).all()
+            assert sorted(r.identifier for r in rows) == sorted(names)
+            by_name = {r.identifier: r.id for r in rows}
+            for i, identity in enumerate(resolved):
+                assert identity.id == by_name[names[i // 6]]
+
+
+@pytest.mark.postgres
+async def test_a_burst_of_one_new_identifier_takes_the_account_lock_once(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """50 requests naming one new identifier at once in one process: one of them looks it up (one
+    first sight, one lock of the account), the others await its answer; all are generated for it."""
+    locks = 0
+    lock_account = EndUserRepository.lock_account
+
+    async def counted(self: EndUserRepository, user_id: int) -> None:
+        nonlocal locks
+        locks += 1
+        await lock_account(self, user_id)
+
+    monkeypatch.setattr(EndUserRepository, "lock_account", counted)
+    async with own_database(settings, "xmark_end_users_burst") as url:
+        unlimited = {
+            "database_url": url,
+            "user_max_parallel_requests": 0,
+            "user_requests_per_minute": 0,
+            "user_tokens_per_minute": 0,
+            "end_user_requests_per_minute": 0,
+            "end_user_tokens_per_minute": 0,
+            "max_queued_requests": 100,
+        }
+        async for app, client in _started(settings.model_copy(update=unlimited)):
+            resources = app.state.resources
+            async with session_scope(resources.sessionmaker) as session:
+                account = await UserService(session, resources.keyring.spec, resources.api_key_hasher).create_user(
+                    "platform", Role.USER
+                )
+            responses = await asyncio.gather(
+                *(
+                    client.post("/v1/chat/completions", json=_chat(user="one-burst"), headers=_auth(account.api_key))
+                    for _ in range(50)
+                )
+            )
+            assert Counter(r.status_code for r in responses) == {200: 50}
+            assert locks == 1
+            stamps = {str(stamp.message.bits) for _, stamp in resources.backend.requests[-50:]}
+            assert len(stamps) == 1
