@@ -18,7 +18,9 @@
   account (actor ``api``). Two first sights racing for one identifier end with one end user.
 * **Bursts**: the requests of one end user that miss the cache together share one look-up in
   this process (the first does it; the others await its answer or its error), so a burst of a new
-  identifier's requests takes the account's lock once per replica, not once per request.
+  identifier's requests takes the account's lock once per replica, not once per request; and at
+  most half the database pool's connections look end users up at once (the others wait their turn,
+  up to ``LOOKUP_QUEUE_TIMEOUT_S``), so a burst of new identifiers leaves the pool to the rest.
 * A disabled or deleted end user is refused with 403, like a disabled account; the account's other
   end users are unaffected. Admin changes through this process drop the entry at once and again
   when they commit; other replicas see them within ``ttl``.
@@ -41,7 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from service.config import Settings
 from service.db import session_scope
 from service.end_users.repository import EndUserRepository, FoundEndUser
-from service.errors import ConflictError, PermissionDeniedError, RateLimitError
+from service.errors import ConflictError, DatabaseUnavailableError, PermissionDeniedError, RateLimitError
 from service.models import EndUser, MessageId
 from service.repositories.message_ids import MessageIdRepository
 from service.schemas.common import EndUserIdentity, Principal
@@ -56,6 +58,8 @@ from xmark_core.encoders import KeyVersionSpec
 logger = logging.getLogger("xmark.end_users")
 
 SEEN_RESOLUTION = timedelta(minutes=1)
+# how long a look-up waits for its turn among this process's look-ups in progress (see ``resolve``)
+LOOKUP_QUEUE_TIMEOUT_S = 30.0
 LIMIT_CODE = "end_user_limit_exceeded"
 
 
@@ -203,6 +207,8 @@ class EndUserDirectory:
         self._allocator = allocator
         # (account, identifier) -> the look-up in progress in this process (see ``resolve``)
         self._pending: dict[tuple[int, str], asyncio.Future[tuple[EndUserIdentity, str]]] = {}
+        # at most half the database pool's connections look end users up at once
+        self._turns = asyncio.Semaphore(max(1, settings.database_pool_size // 2))
 
     async def resolve(
         self, principal: Principal, identifier: str, length: MessageLength, *, request_id: str | None = None
@@ -260,7 +266,31 @@ class EndUserDirectory:
         key: tuple[int, str],
         request_id: str | None,
     ) -> tuple[EndUserIdentity, str]:
-        """The database's end user (created on first sight), put in the cache; its identity and status."""
+        """The database's end user (created on first sight), put in the cache; its identity and status.
+
+        A look-up waits for its turn (half the pool's connections look up at once, so a burst of
+        new identifiers neither empties the pool for the rest of the gateway nor fails at the pool's
+        checkout bound); past ``LOOKUP_QUEUE_TIMEOUT_S`` it is refused with 503 and Retry-After."""
+        try:
+            async with asyncio.timeout(LOOKUP_QUEUE_TIMEOUT_S):
+                await self._turns.acquire()
+        except TimeoutError:
+            raise DatabaseUnavailableError(
+                "Too many new end users are being looked up at once; retry shortly", retry_after_s=1.0
+            ) from None
+        try:
+            return await self._look_up_now(principal, identifier, length, key, request_id)
+        finally:
+            self._turns.release()
+
+    async def _look_up_now(
+        self,
+        principal: Principal,
+        identifier: str,
+        length: MessageLength,
+        key: tuple[int, str],
+        request_id: str | None,
+    ) -> tuple[EndUserIdentity, str]:
         epoch = self.cache.epoch
         async with session_scope(self._sessionmaker) as session:
             repo = EndUserRepository(session)
