@@ -70,7 +70,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 # docs/configuration.md, generated from the fields of Settings (service/config.py);
-# tests/service/test_configuration_docs.py fails when the committed file is out of date.
+# tests/service/cli/test_configuration_docs.py fails when the committed file is out of date.
 config-docs: venv
 	$(BIN)/xmark config-docs --output docs/configuration.md
 

@@ -93,7 +93,7 @@ LONGEST_FIRST = (
     "tests/clients",
     "tests/e2e",
     "tests/core/test_gumbel_salts.py",
-    "tests/service/test_message_lengths.py",
+    "tests/service/services/test_message_lengths.py",
     "tests/browser",
 )
 
@@ -192,7 +192,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # The shared app's in-process clients all come from loopback, and the suite sends it many unknown
     # keys on purpose: it opts loopback out of the failed-authentication budget (the product's default
     # exempts nothing), or a module's refusals would back its later tests off. The budget's own tests
-    # (tests/service/test_auth_edge.py) run gateways of their own on the default.
+    # (tests/service/services/test_auth_edge.py) run gateways of their own on the default.
     return make_test_settings(
         tmp_path_factory.mktemp("var"),
         database_timeout_s=SHARED_DATABASE_TIMEOUT_S,

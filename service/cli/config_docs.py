@@ -4,7 +4,7 @@ Every row comes from a field of :class:`service.config.Settings`: its environmen
 ``XMARK_`` prefix, or the names a ``validation_alias`` reads), its type and constraints, its
 default and its ``description``. ``GROUPS`` sorts the fields into topics; a field in no group, or
 in two, stops the generator. The output depends on the code only (never on the environment), so
-tests/service/test_configuration_docs.py can compare it with the committed file.
+tests/service/cli/test_configuration_docs.py can compare it with the committed file.
 """
 
 from __future__ import annotations

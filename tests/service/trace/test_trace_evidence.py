@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.test_trace import _auth, _watermarked_text
+from tests.service.trace.test_trace import _auth, _watermarked_text
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("fresh_registry")]
 

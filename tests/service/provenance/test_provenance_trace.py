@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.models import Generation, utcnow
 from service.provenance.search import NOT_FOUND_NOTE, RIVAL_NOTE
 from service.repositories.provenance import ProvenanceRepository
-from tests.service.test_trace import ESSAY, _auth, _watermarked_text
+from tests.service.trace.test_trace import ESSAY, _auth, _watermarked_text
 
 # the answers and their verdicts depend on the users' message IDs: drawn from a seeded generator
 # (tests/service/conftest.py), with seeded sampling, they give one outcome on every run

@@ -19,7 +19,7 @@ from service.cli.config_docs import (
 )
 from service.config import Settings
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = REPO_ROOT / REFERENCE_PATH
 _FENCE = re.compile(r"^(```|~~~)")
 _HEADING = re.compile(r"^#{1,6} (.+?)\s*#*$")

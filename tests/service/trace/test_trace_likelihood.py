@@ -16,7 +16,7 @@ from service.errors import InvalidRequestError, ServiceUnavailableError
 from service.models import Trace
 from service.services.reports import decode_public_key, verify_report
 from service.trace.analysis import tokenize
-from tests.service.test_trace import _auth, _watermarked_text
+from tests.service.trace.test_trace import _auth, _watermarked_text
 
 # the verdicts depend on the users' message IDs (what is written, what it is told apart from):
 # drawn from a seeded generator (tests/service/conftest.py), with the answers' sampling seeded
@@ -234,7 +234,7 @@ async def test_the_local_backend_encodes_with_the_entropy_rule_and_the_decoder_r
     probability above 1/2): on the served model's answer, the positions the rule skipped carry the
     hash's own boosted share, the others far more, and the likelihood decoder names the message."""
     from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
-    from tests.service.test_trace import ESSAY
+    from tests.service.trace.test_trace import ESSAY
     from xmark_core import Message, WatermarkParams, score_text
     from xmark_core.likelihood import boosted_share, naming_test
 

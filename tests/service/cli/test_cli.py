@@ -198,8 +198,8 @@ def test_purge_sketches_drops_old_sketches_and_keeps_records(
     from sqlalchemy import func, select
 
     from service.models import Generation
-    from tests.service.test_provenance_sketch import ORIGINAL
-    from tests.service.test_provenance_store import _seed
+    from tests.service.provenance.test_provenance_sketch import ORIGINAL
+    from tests.service.provenance.test_provenance_store import _seed
 
     assert _run(capsys, "migrate")[0] == 0
 

@@ -19,7 +19,7 @@ from xmark_core import CandidateSet, NamingRule, WatermarkKey, WatermarkParams, 
 from xmark_core.likelihood import attribute_likelihood
 from xmark_core.naming import rule_of
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "service.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "service.md"
 
 
 def test_docs_service_md_lists_the_policy_the_code_applies() -> None:

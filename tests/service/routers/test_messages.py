@@ -22,8 +22,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import Generation, User
-from tests.service.test_responses import _FailingStream
-from tests.service.test_trace import ESSAY
+from tests.service.routers.test_responses import _FailingStream
+from tests.service.trace.test_trace import ESSAY
 
 # the traced answer and its verdict depend on the users' message IDs: drawn from a seeded generator
 # (tests/service/conftest.py), with the sampling seeded (below), they give one outcome on every run

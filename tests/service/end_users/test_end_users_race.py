@@ -19,7 +19,7 @@ from service.schemas.common import Principal
 from service.services.users import UserService
 from service.vocabulary import Role
 from tests.service.conftest import own_database
-from tests.service.test_end_users import _auth, _chat, _started
+from tests.service.end_users.test_end_users import _auth, _chat, _started
 
 REQUESTS = 200
 IDENTIFIERS = 20

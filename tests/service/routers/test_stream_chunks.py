@@ -1,6 +1,6 @@
 """Streamed completions: chunks shaped as OpenAI's (one entry per choice index, the finish reason
 on the entry the ``openai`` SDK reads), ``[DONE]`` only after a durable record when
-``record_before_response`` is set (streams the client leaves: tests/service/test_record_faults.py).
+``record_before_response`` is set (streams the client leaves: tests/service/db/test_record_faults.py).
 
 The app serves the fake backend unless a selected test needs the model; the records are
 written in the test's rolled-back transaction.

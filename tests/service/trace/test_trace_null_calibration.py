@@ -25,7 +25,7 @@ from service.trace.service import run_trace
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from tests.core.synthetic import LM_SCALE, LM_VOCAB, generate, random_messages
 from tests.core.test_likelihood import scores_of
-from tests.service.test_trace_fanout import _registry, _Tokenizer
+from tests.service.trace.test_trace_fanout import _registry, _Tokenizer
 from xmark_core import ModelScores
 from xmark_core.encoders import encoder_keys, spec_for
 

@@ -34,7 +34,7 @@ from service.provenance.sketch import (
 )
 from service.repositories.provenance import ProvenanceRepository
 from service.trace.policy import TracePolicy
-from tests.service.test_provenance_sketch import ORIGINAL, PARAPHRASE, UNRELATED
+from tests.service.provenance.test_provenance_sketch import ORIGINAL, PARAPHRASE, UNRELATED
 
 SKETCHER = Sketcher(derive_sketch_key(b"provenance-store-secret-0123456789"))
 

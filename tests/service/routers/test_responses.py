@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import UpstreamUnavailableError
 from service.models import Generation
-from tests.service.test_trace import ESSAY
+from tests.service.trace.test_trace import ESSAY
 
 # the traced answer and its verdict depend on the users' message IDs: drawn from a seeded generator
 # (tests/service/conftest.py), with the sampling seeded (below), they give one outcome on every run

@@ -25,7 +25,7 @@ from service.db import session_scope
 from service.models import ApiKey, MessageId, User
 from service.services.reports import ReportSigner
 from service.services.users import UserService
-from tests.service.test_trace import _watermarked_text as watermarked_text
+from tests.service.trace.test_trace import _watermarked_text as watermarked_text
 
 
 @pytest.fixture
