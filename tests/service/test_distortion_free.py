@@ -128,9 +128,9 @@ async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
     app: Any, client: httpx.AsyncClient, gumbel_users: tuple[CreatedUser, CreatedUser, CreatedUser]
 ) -> None:
     """The same user and prompt twice without a seed, then n = 2 in one request: consecutive salts, so
-    four different answers (without salts the key fixes the answer); each is traced to the user, and
-    the signed report names the salts its p-values counted. With the same ``seed`` twice, the same
-    answer (the seed fixes the salt and the sampling)."""
+    four different answers (without salts the key fixes the answer). With the same ``seed`` twice,
+    the same answer (the seed fixes the salt and the sampling); answers of four seeds are each
+    traced to the user, and the signed report names the salts its p-values counted."""
     author, _, auditor = gumbel_users
     assert await app.state.resources.backend.wait_ready(180)
     body = {
@@ -153,11 +153,23 @@ async def test_one_users_answers_to_one_prompt_differ_and_each_names_them(
         assert response.status_code == 200, response.text
         seeded.append(response.json()["choices"][0]["message"]["content"])
     assert seeded[0] == seeded[1]
-    for text in texts:
+    # the naming is checked on answers of fixed seeds (each seed its own salt and sampling), so the
+    # outcome is the same every run: the unseeded answers above draw their sampling afresh, and a
+    # 120-token answer's rare miss would make this test fail at random
+    named = []
+    for seed in (1, 2, 3, 4):
+        response = await client.post("/v1/chat/completions", json={**body, "seed": seed}, headers=_auth(author.api_key))
+        assert response.status_code == 200, response.text
+        named.append(response.json()["choices"][0]["message"]["content"])
+    assert len(set(named)) == 4
+    for text in named:
         traced = await client.post("/trace", json={"text": text, "model": MODEL}, headers=_auth(auditor.api_key))
         assert traced.status_code == 200, traced.text
         report = traced.json()
-        assert report["attribution"] is not None and report["attribution"]["user_id"] == author.id
+        assert report["attribution"] is not None and report["attribution"]["user_id"] == author.id, (
+            report["decoder"],
+            report["p_value"],
+        )
     document = (await client.get(f"/trace/{report['report_id']}", headers=_auth(auditor.api_key))).json()
     assert document["report"]["params"]["salts"] == 16
 
