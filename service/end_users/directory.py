@@ -279,34 +279,24 @@ class EndUserDirectory:
                 "Too many new end users are being looked up at once; retry shortly", retry_after_s=1.0
             ) from None
         try:
-            return await self._look_up_now(principal, identifier, length, key, request_id)
+            epoch = self.cache.epoch
+            async with session_scope(self._sessionmaker) as session:
+                repo = EndUserRepository(session)
+                found = await repo.find(principal.user_id, identifier)
+                if found is None:
+                    audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
+                    found = await self._first_sight(session, repo, principal, identifier, audit)
+                elif not any((m.bits, m.block_bits) == length for m in found.message_ids):
+                    found = await self._fill(session, repo, found)
+                else:
+                    now = datetime.now(UTC)
+                    if now - found.row.last_seen_at >= SEEN_RESOLUTION:
+                        await repo.seen(found.row.id, now)
+                identity, status = identity_of(found.row, found.message_ids), found.row.status
+            self.cache.put(key, identity, status, epoch=epoch)
+            return identity, status
         finally:
             self._turns.release()
-
-    async def _look_up_now(
-        self,
-        principal: Principal,
-        identifier: str,
-        length: MessageLength,
-        key: tuple[int, str],
-        request_id: str | None,
-    ) -> tuple[EndUserIdentity, str]:
-        epoch = self.cache.epoch
-        async with session_scope(self._sessionmaker) as session:
-            repo = EndUserRepository(session)
-            found = await repo.find(principal.user_id, identifier)
-            if found is None:
-                audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
-                found = await self._first_sight(session, repo, principal, identifier, audit)
-            elif not any((m.bits, m.block_bits) == length for m in found.message_ids):
-                found = await self._fill(session, repo, found)
-            else:
-                now = datetime.now(UTC)
-                if now - found.row.last_seen_at >= SEEN_RESOLUTION:
-                    await repo.seen(found.row.id, now)
-            identity, status = identity_of(found.row, found.message_ids), found.row.status
-        self.cache.put(key, identity, status, epoch=epoch)
-        return identity, status
 
     async def _first_sight(
         self, session: AsyncSession, repo: EndUserRepository, principal: Principal, identifier: str, audit: AuditTrail
