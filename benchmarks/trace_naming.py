@@ -71,7 +71,10 @@ from service.services.registry_cache import RegisteredUser, RegistrySnapshot
 from service.trace.analysis import analyze_counting, analyze_likelihood, tokenize
 from service.trace.policy import TracePolicy
 from service.vocabulary import KeyVersionStatus
-from xmark_core import CandidateSet, Message, MessageAllocator, WatermarkKey, WatermarkParams
+from xmark_core import CandidateSet, Message, MessageAllocator, Multiplicity, WatermarkKey, WatermarkParams
+
+# each decoder's test read alone: no other test of the text to correct for
+ONE_TEST = Multiplicity()
 
 SECRET = "trace-naming-benchmark-secret-5a1f"
 # the product's policy (its level alpha); each reading below is one test, as a trace of one version
@@ -140,10 +143,14 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
         for text, owner in zip(texts, owners, strict=True):
             ids = tokenize(tokenizer, text)
             lengths.append(len(ids))
-            counted = analyze_counting(ids, tokenizer, versions, snapshot, policy=policy, tries=1)  # one test each
+            counted = analyze_counting(
+                ids, tokenizer, versions, snapshot, policy=policy, multiplicity=ONE_TEST
+            )  # one test each
             begun = time.perf_counter()
             scores = await backend.score(ids, args.top_k)
-            likely = analyze_likelihood(ids, scores, tokenizer, versions, snapshot, policy=policy, tries=1)
+            likely = analyze_likelihood(
+                ids, scores, tokenizer, versions, snapshot, policy=policy, multiplicity=ONE_TEST
+            )
             seconds.append(time.perf_counter() - begun)
             readings = [("counting", counted), ("likelihood", likely)]
             if args.identity_level is not None:  # the same scores, named only after the identity test
@@ -154,7 +161,7 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
                     versions,
                     snapshot,
                     policy=policy.with_identity_level(args.identity_level),
-                    tries=1,
+                    multiplicity=ONE_TEST,
                 )
                 readings.append(("likelihood_identity", guarded))
             for name, result in readings:

@@ -14,6 +14,8 @@ from .attribution import Attribution, CandidateScore, CandidateSet, attribute
 from .decoder import DecodeResult, decode, null_inclusion_probability
 from .detect import DEFAULT_ALPHA, Detection, detect, warm_null_cache
 from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
     DecodeInputError,
     MessageError,
     MessageSpaceExhausted,
@@ -36,7 +38,7 @@ from .likelihood import (
     score_text,
 )
 from .message import Message, MessageAllocator, allocate_message, bits_to_blocks
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule
+from .naming import DEFAULT_MIN_CONFIDENCE, Multiplicity, NamingRule
 from .params import SCHEMES, WatermarkParams
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ __all__ = [
     "DEFAULT_EDIT_RATE",
     "DEFAULT_MIN_CONFIDENCE",
     "SCHEMES",
+    "ArgumentError",
+    "ArgumentTypeError",
     "Attribution",
     "CandidateScore",
     "CandidateSet",
@@ -61,6 +65,7 @@ __all__ = [
     "MessageError",
     "MessageSpaceExhausted",
     "ModelScores",
+    "Multiplicity",
     "NamingRule",
     "ParamsError",
     "RequestArgumentError",

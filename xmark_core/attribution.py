@@ -31,10 +31,9 @@ import numpy as np
 
 from . import gumbel
 from .decoder import DecodeResult, null_inclusion_probability
-from .detect import DEFAULT_ALPHA
-from .errors import ParamsError
+from .errors import ArgumentError, ParamsError
 from .message import bits_to_blocks
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking, rule_of
+from .naming import DEFAULT_ALPHA, DEFAULT_MIN_CONFIDENCE, Multiplicity, NamingRule, check_ranking, corrected, rule_of
 from .null import binomial_log_cdf, binomial_log_pmf
 from .params import WatermarkParams
 
@@ -45,7 +44,7 @@ class CandidateSet:
 
     def __init__(self, bits: Sequence[str], ids: Sequence[object], params: WatermarkParams) -> None:
         if len(bits) != len(ids):
-            raise ValueError(f"got {len(bits)} messages but {len(ids)} ids")
+            raise ArgumentError(f"got {len(bits)} messages but {len(ids)} ids")
         self._pack(bits_to_blocks(list(bits), params).astype(np.uint8), list(ids), params)  # blocks [C, r]
 
     def _pack(self, blocks: np.ndarray, ids: list[object], params: WatermarkParams) -> None:
@@ -77,7 +76,7 @@ class CandidateSet:
     def extended(self, bits: Sequence[str], ids: Sequence[object]) -> CandidateSet:
         """These candidates followed by ``ids`` (with messages ``bits``): a registry that grew."""
         if len(bits) != len(ids):
-            raise ValueError(f"got {len(bits)} messages but {len(ids)} ids")
+            raise ArgumentError(f"got {len(bits)} messages but {len(ids)} ids")
         if not ids:
             return self
         added = bits_to_blocks(list(bits), self.params).astype(np.uint8)
@@ -91,15 +90,15 @@ class CandidateSet:
 
     def with_shares(self, shares: Sequence[float]) -> CandidateSet:
         """These candidates, each given its share of the level (weighted Bonferroni): candidate c's
-        p-value is its tail over ``shares[c]`` (times ``tries``) rather than times ``len(self)``.
+        p-value is its tail over ``shares[c]`` (times the other tests) rather than times ``len(self)``.
         Naming any wrong candidate then has probability at most ``alpha * sum(shares)``, so the
         shares must be positive, sum to at most 1, and be fixed before the text's watermark is
         read (e.g. by a content search's ranking). ``subset`` and ``extended`` drop them."""
         weights = np.asarray(shares, dtype=np.float64)
         if weights.shape != (len(self),):
-            raise ValueError(f"got {weights.size} shares for {len(self)} candidates")
+            raise ArgumentError(f"got {weights.size} shares for {len(self)} candidates")
         if len(self) and (not np.all(weights > 0) or weights.sum() > 1.0 + 1e-9):
-            raise ValueError("shares must be positive and sum to at most 1")
+            raise ArgumentError("shares must be positive and sum to at most 1")
         shared = CandidateSet.__new__(CandidateSet)
         shared._pack(self.blocks, self.ids, self.params)
         shared.shares = weights
@@ -160,14 +159,16 @@ def attribute(
     top: int = 5,
     alpha: float = DEFAULT_ALPHA,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
-    tries: int = 1,
+    multiplicity: Multiplicity | None = None,
     identity_level: float | None = None,
     rule: NamingRule | None = None,
 ) -> Attribution:
     """Score every candidate against the decoded matrix.
 
-    ``tries``: the other tests run on the same text (key versions, decoders, candidate sets): each
-    candidate's p-value is corrected for them and for the ``len(candidates)`` candidates.
+    ``multiplicity``: the other tests run on the same text (key versions, encoders, decoders,
+    candidate sets; None: this test alone): each candidate's p-value is corrected for them, for
+    the ``len(candidates)`` candidates (or the candidate's share) and for the salts
+    (``Multiplicity.naming_factors``).
 
     The best candidate is named (``best``) only if the text is unlikely to be unwatermarked
     (``p_value < alpha``) AND the best is much likelier than every other registered ID
@@ -182,17 +183,17 @@ def attribute(
     rule = rule_of(rule, alpha, min_confidence, identity_level)
     distortion_free = result.params.distortion_free
     if identity_level is not None and not distortion_free and not result.constrained and result.params.num_keys > 1:
-        raise ValueError("identity_level needs a cTMM reading (decode(..., constrained=True)) or k = 1")
+        raise ArgumentError("identity_level needs a cTMM reading (decode(..., constrained=True)) or k = 1")
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
-    check_ranking(top, tries)
+    multiplicity = check_ranking(top, multiplicity)
     count = len(candidates)
     trials = result.trials
     if count == 0 or trials == 0:
         return Attribution([], None, 1.0, 0.0, 0.0)
     if distortion_free:
-        return _attribute_gumbel(result, candidates, top=top, rule=rule, tries=tries)
+        return _attribute_gumbel(result, candidates, top=top, rule=rule, multiplicity=multiplicity)
     upper = params.scheme == "mpac"
     q0 = null_inclusion_probability(params, result.constrained)
     hits = candidates.hits(result.matrix)  # [C]
@@ -211,7 +212,7 @@ def attribute(
     shifted = scores_all - scores_all.max()
     posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = binomial_log_cdf(hits[order], trials, q0, upper=upper)
-    p_values = np.minimum(1.0, candidates.multiplicity(order) * tries * np.exp(log_tail))
+    p_values = corrected(np.exp(log_tail), multiplicity.naming_factors(candidates, order, params))
     decoded = result.blocks
     out = []
     for rank, idx in enumerate(order):
@@ -242,11 +243,11 @@ def _attribute_gumbel(
     *,
     top: int,
     rule: NamingRule,
-    tries: int,
+    multiplicity: Multiplicity,
 ) -> Attribution:
     """:func:`attribute` for the ``gumbel`` scheme: a candidate's score S_m = sum_i M[i, m_i] is
     Gamma(n, 1) on unwatermarked text (n scored tokens), its p-value the exact Gamma tail (Bonferroni
-    over candidates and tries); the reported score is the LLR of an Exp(rate) model of the message
+    over candidates and the multiplicity); the reported score is the LLR of an Exp(rate) model of the message
     cells against Exp(1), the rate fitted to the best candidate (rate = n / S_best). The best is
     named when, besides the rule of :func:`attribute`, its identity test against every other
     candidate (:func:`gumbel_identity_p`) is at most ``rule.identity_bound(always=True)`` (``alpha``,
@@ -264,8 +265,7 @@ def _attribute_gumbel(
     shifted = scores_all - scores_all.max()
     posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = gumbel.gamma_log_sf(totals[order], tokens)
-    factors = candidates.multiplicity(order) * tries * result.params.salts
-    p_values = np.minimum(1.0, factors * np.exp(log_tail))
+    p_values = corrected(np.exp(log_tail), multiplicity.naming_factors(candidates, order, result.params))
     out = []
     for rank, idx in enumerate(order):
         cand_blocks = candidates.blocks[idx].astype(np.int64)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import gumbel
-from .errors import DecodeInputError
+from .errors import ArgumentError, ArgumentTypeError, DecodeInputError
 from .hashing import block_index, shard
 from .keys import WatermarkKey
 from .message import Message
@@ -88,16 +88,16 @@ def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
     if isinstance(token_ids, np.ndarray):
         texts = [token_ids] if token_ids.ndim == 1 else list(token_ids)
     elif isinstance(token_ids, (str, bytes)):
-        raise TypeError("token_ids must be integer token ids, not text")
+        raise ArgumentTypeError("token_ids must be integer token ids, not text")
     else:
         items = list(token_ids)
         nested = [isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes)) for x in items]
         if any(nested) and not all(nested):
-            raise TypeError("token ids must be a list of ints or a list of lists of ints, not a mix of both")
+            raise ArgumentTypeError("token ids must be a list of ints or a list of lists of ints, not a mix of both")
         try:
             texts = [np.asarray(x) for x in items] if items and all(nested) else [np.asarray(items)]
         except ValueError as exc:
-            raise TypeError("token ids must be a list of ints or a list of lists of ints") from exc
+            raise ArgumentTypeError("token ids must be a list of ints or a list of lists of ints") from exc
     out = []
     for text in texts:
         if text.size == 0:
@@ -106,7 +106,7 @@ def _as_texts(token_ids: TokenIds | Sequence[TokenIds]) -> list[np.ndarray]:
         if text.ndim != 1:
             raise DecodeInputError(f"each text must be a 1-D sequence of token ids (got shape {text.shape})")
         if text.dtype == bool or not np.issubdtype(text.dtype, np.integer):
-            raise TypeError(f"token ids must be integers (got dtype {text.dtype})")
+            raise ArgumentTypeError(f"token ids must be integers (got dtype {text.dtype})")
         if text.min() < 0 or text.max() > MAX_TOKEN_ID:
             raise DecodeInputError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
         out.append(text.astype(np.int64, copy=False))
@@ -129,7 +129,7 @@ def decode(
     if not texts or all(t.size < 3 for t in texts):
         raise DecodeInputError("need at least one text of 3 or more tokens to decode (the first two are context)")
     if min_observations < 1:
-        raise ValueError("min_observations must be >= 1")
+        raise ArgumentError("min_observations must be >= 1")
     r, shards_n, k = params.num_blocks, params.num_shards, params.num_keys
     scored_texts = [t for t in texts if t.size >= 3]
     if len(scored_texts) == 1:  # the common case: views, no copies

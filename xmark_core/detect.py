@@ -23,10 +23,12 @@ import numpy as np
 
 from . import gumbel
 from .decoder import DecodeResult
+from .errors import ArgumentError
+from .naming import DEFAULT_ALPHA, Multiplicity
 from .null import ROW_SAMPLES, RowNull, _seed, row_null, sigma_tail, sum_pmf
 from .params import WatermarkParams
 
-DEFAULT_ALPHA = 1e-3
+__all__ = ["DEFAULT_ALPHA", "Detection", "detect", "sigma_statistic", "warm_null_cache"]
 SIGMA_RESAMPLES = 4_000
 P_VALUE_FLOOR = 1.0 / ROW_SAMPLES
 
@@ -49,17 +51,28 @@ def sigma_statistic(result: DecodeResult) -> float:
     return float(result.matrix.std(axis=1).mean())
 
 
-def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bool = True) -> Detection:
+def detect(
+    result: DecodeResult,
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    sigma_test: bool = True,
+    multiplicity: Multiplicity | None = None,
+) -> Detection:
     """Test the decoded cTMM against unwatermarked text at level alpha.
 
+    ``multiplicity``: the other tests run on the same text; the p-value is corrected for them
+    (``Multiplicity.detection_factor``: the tries, and the salts a ``gumbel`` reading chose among)
+    and the verdict is that p-value below ``alpha``. None: this test alone (its salts still count).
     ``sigma_test=False`` skips the p-value of the paper's sigma statistic (``sigma_p_value`` is
-    then None); the verdict, its p-value and ``sigma`` itself are the same either way.
+    then None, and it is never corrected); the verdict, its p-value and ``sigma`` itself are the
+    same either way.
     """
     if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1) (got {alpha})")
+        raise ArgumentError(f"alpha must be in (0, 1) (got {alpha})")
+    multiplicity = Multiplicity() if multiplicity is None else multiplicity
     params = result.params
     if params.distortion_free:
-        return _detect_gumbel(result, alpha)
+        return _detect_gumbel(result, alpha, multiplicity)
     upper = params.scheme == "mpac"
     matrix = result.matrix
     sigma = sigma_statistic(result)
@@ -76,7 +89,7 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
         tail = float(pmf[max(j, 0) :].sum()) if j < pmf.size else 0.0
     else:
         tail = float(pmf[: j + 1].sum()) if j >= 0 else 0.0
-    p_value = min(1.0, max(tail, P_VALUE_FLOOR))
+    p_value = min(1.0, max(tail, P_VALUE_FLOOR) * multiplicity.detection_factor(params))
     sigma_p: float | None = None
     if sigma_test:
         seed = _seed("sigma", tuple(result.row_counts.tolist()))
@@ -95,12 +108,13 @@ def detect(result: DecodeResult, *, alpha: float = DEFAULT_ALPHA, sigma_test: bo
     )
 
 
-def _detect_gumbel(result: DecodeResult, alpha: float) -> Detection:
+def _detect_gumbel(result: DecodeResult, alpha: float, multiplicity: Multiplicity) -> Detection:
     """The ``gumbel`` scheme's test: the best message's score, sum over rows of the row's largest
     cell, against its null (sum of maxima of independent Gamma(n_i, 1), ``gumbel.detection_log_sf``).
     The statistic reported is that score minus the n scored tokens (its excess over one message's
     null mean); ``sigma`` is the mean row standard deviation, as for the counting schemes, without
-    a p-value. With salts, the p-value is S times the read salt's (union bound over salts)."""
+    a p-value. With salts, the p-value is S times the read salt's (union bound over salts, counted
+    by ``multiplicity`` with the tries)."""
     matrix = result.matrix
     sigma = float(matrix.std(axis=1).mean())
     occupied = result.row_counts > 0
@@ -108,7 +122,7 @@ def _detect_gumbel(result: DecodeResult, alpha: float) -> Detection:
         return Detection(False, 1.0, 0.0, "best_message_score", sigma, None, alpha)
     observed = float(matrix.max(axis=1)[occupied].sum())
     log_tail = gumbel.detection_log_sf(result.row_counts, observed, result.params.num_shards)
-    p_value = min(1.0, result.params.salts * float(np.exp(log_tail)))
+    p_value = min(1.0, multiplicity.detection_factor(result.params) * float(np.exp(log_tail)))
     statistic = observed - float(result.row_counts.sum())
     return Detection(p_value < alpha, p_value, statistic, "best_message_score", sigma, None, alpha)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import cpu_op, gumbel
-from .errors import ParamsError
+from .errors import ArgumentError, ArgumentTypeError, ParamsError
 from .gating import gate
 from .hashing import MASK32, context_multipliers, token_codes, wrap32
 from .keys import WatermarkKey
@@ -83,18 +83,18 @@ def _check(
     params: WatermarkParams,
 ) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating [B, V] tensor (got {tuple(logits.shape)}, {logits.dtype})")
+        raise ArgumentTypeError(f"logits must be a floating [B, V] tensor (got {tuple(logits.shape)}, {logits.dtype})")
     batch, vocab = logits.shape
     if context.shape != (batch, 2) or context.dtype != torch.int64:
-        raise TypeError(f"context must be int64 [{batch}, 2] (got {tuple(context.shape)}, {context.dtype})")
+        raise ArgumentTypeError(f"context must be int64 [{batch}, 2] (got {tuple(context.shape)}, {context.dtype})")
     if blocks.shape != (batch, params.num_blocks) or blocks.dtype != torch.int64:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"blocks must be int64 [{batch}, {params.num_blocks}] (got {tuple(blocks.shape)}, {blocks.dtype})"
         )
     if active.shape != (batch,) or active.dtype != torch.bool:
-        raise TypeError(f"active must be bool [{batch}] (got {tuple(active.shape)}, {active.dtype})")
+        raise ArgumentTypeError(f"active must be bool [{batch}] (got {tuple(active.shape)}, {active.dtype})")
     if codes.dim() != 2 or codes.shape[0] != params.num_keys or codes.shape[1] < vocab:
-        raise ValueError(f"codes must be int64 [{params.num_keys}, >= {vocab}] (got {tuple(codes.shape)})")
+        raise ArgumentError(f"codes must be int64 [{params.num_keys}, >= {vocab}] (got {tuple(codes.shape)})")
 
 
 def _fused_apply(

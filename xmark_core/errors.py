@@ -13,6 +13,8 @@ conditions to handle.
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "DecodeInputError",
     "MessageError",
     "MessageSpaceExhausted",
@@ -26,6 +28,14 @@ __all__ = [
 
 class XMarkError(Exception):
     """Base class of the library's exceptions."""
+
+
+class ArgumentError(XMarkError, ValueError):
+    """An argument out of its documented range (a level, a count, a shape): a bug in the caller."""
+
+
+class ArgumentTypeError(XMarkError, TypeError):
+    """An argument of the wrong type: a bug in the caller."""
 
 
 class ParamsError(XMarkError, ValueError):

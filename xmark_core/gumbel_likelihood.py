@@ -55,7 +55,6 @@ import numpy as np
 import numpy.typing as npt
 
 from .attribution import CandidateScore, CandidateSet, _hamming_blocks, largest_exact_p
-from .detect import DEFAULT_ALPHA
 from .errors import ParamsError
 from .gumbel import hashed, pick_salt, value_codes
 from .hashing import block_index, context_multipliers, token_codes
@@ -70,7 +69,7 @@ from .likelihood import (
     rank_by_likelihood,
     tempered,
 )
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking, rule_of
+from .naming import DEFAULT_ALPHA, DEFAULT_MIN_CONFIDENCE, Multiplicity, NamingRule, check_ranking, rule_of
 from .params import WatermarkParams
 
 FloatArray = npt.NDArray[np.float64]
@@ -361,17 +360,17 @@ def attribute_gumbel_likelihood(
     top: int = 5,
     alpha: float = DEFAULT_ALPHA,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
-    tries: int = 1,
+    multiplicity: Multiplicity | None = None,
     identity_level: float | None = None,
     rule: NamingRule | None = None,
 ) -> LikelihoodAttribution:
     """Score every registered message; name the best only if its p-value, corrected for the
-    registry size and ``tries``, is below ``alpha``, its posterior (softmax of the LLRs) at least
+    registry size and ``multiplicity``'s other tests, is below ``alpha``, its posterior (softmax of the LLRs) at least
     ``min_confidence``, and its identity test against every other registered message at most
     ``alpha`` (or ``identity_level`` where that is stricter), as the counting ``gumbel`` decoder.
-    With salts, every p-value also counts the S salts the reading chose among."""
+    With salts, every p-value also counts the S salts the reading chose among (``Multiplicity.salt_factor``)."""
     rule = rule_of(rule, alpha, min_confidence, identity_level)
-    check_ranking(top, tries)
+    multiplicity = check_ranking(top, multiplicity)
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
@@ -384,13 +383,13 @@ def attribute_gumbel_likelihood(
     observed_all = result.units[np.arange(picked.shape[1])[None, :], picked].sum(axis=1)  # [k]
     raw = np.maximum(_tails(result.block_laws, observed_all), P_FLOOR)
     decoded = result.blocks
-    factors = candidates.multiplicity(order) * params.salts
+    factors = multiplicity.naming_factors(candidates, order, params)
     out = []
     p_best, statistic = 1.0, 0
     for rank, idx in enumerate(order):
         cand_blocks = picked[rank]
         observed = int(observed_all[rank])
-        p_value = min(1.0, float(raw[rank]) * float(factors[rank]) * tries)
+        p_value = min(1.0, float(raw[rank]) * float(factors[rank]))
         if rank == 0:
             p_best, statistic = p_value, observed
         hamming = _hamming_blocks(cand_blocks, decoded, params)

@@ -10,7 +10,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .encoder import TorchWatermarker
-from .errors import ParamsError
+from .errors import ArgumentError, ParamsError
 from .gumbel import Truncation, repeated_context, salted
 from .keys import WatermarkKey
 from .message import Message
@@ -48,7 +48,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
         salts: Sequence[int] | None = None,
     ) -> None:
         if not messages:
-            raise ValueError("messages must name one message (or None) per batch row")
+            raise ArgumentError("messages must name one message (or None) per batch row")
         params = key.params
         if params.distortion_free and (temperature is None or not temperature >= 0.0):
             raise ParamsError("scheme 'gumbel' samples itself: pass the generation's temperature (>= 0)")
@@ -65,7 +65,7 @@ class XMarkLogitsProcessor(LogitsProcessor):
                 raise ParamsError("message length does not match the key's parameters")
             blocks[row] = message.blocks
         if salts is not None and len(salts) != len(messages):
-            raise ValueError(f"got {len(salts)} salts for {len(messages)} batch rows")
+            raise ArgumentError(f"got {len(salts)} salts for {len(messages)} batch rows")
         first = [0] * len(messages) if salts is None else list(salts)
         for salt in first:
             salted(np.zeros(0, dtype=np.int64), salt, params)  # validates it
@@ -74,14 +74,14 @@ class XMarkLogitsProcessor(LogitsProcessor):
         self._blocks = torch.from_numpy(blocks)  # [rows, r]
         self._active = torch.tensor([m is not None for m in messages], dtype=torch.bool)  # [rows]
         if watermarker is not None and watermarker.key.fingerprint != key.fingerprint:
-            raise ValueError("the watermarker was built for another key")
+            raise ArgumentError("the watermarker was built for another key")
         self._watermarker = watermarker if watermarker is not None else TorchWatermarker(key)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         batch = scores.shape[0]
         rows = self._blocks.shape[0]
         if batch % rows:
-            raise ValueError(f"batch of {batch} rows does not expand {rows} messages")
+            raise ArgumentError(f"batch of {batch} rows does not expand {rows} messages")
         if self._blocks.device != scores.device:
             self._blocks = self._blocks.to(scores.device)
             self._active = self._active.to(scores.device)

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from .errors import SecretConfigError
+from .errors import ArgumentError, ArgumentTypeError, SecretConfigError
 from .params import WatermarkParams
 
 MIN_SECRET_BYTES = 16
@@ -30,7 +30,7 @@ class WatermarkKey:
 
     def __init__(self, params: WatermarkParams, words: np.ndarray, fingerprint: str) -> None:
         if words.shape != (params.num_keys, WORDS_PER_KEY) or words.dtype != np.int64:
-            raise ValueError(f"key words must be int64 [{params.num_keys}, {WORDS_PER_KEY}]")
+            raise ArgumentError(f"key words must be int64 [{params.num_keys}, {WORDS_PER_KEY}]")
         words = words.copy()
         words.setflags(write=False)
         self._params = params
@@ -44,7 +44,7 @@ class WatermarkKey:
         elif isinstance(secret, (bytes, bytearray)):
             secret_bytes = bytes(secret)
         else:
-            raise TypeError(f"secret must be str or bytes (got {type(secret).__name__})")
+            raise ArgumentTypeError(f"secret must be str or bytes (got {type(secret).__name__})")
         if len(secret_bytes) < MIN_SECRET_BYTES:
             raise SecretConfigError(f"secret must be at least {MIN_SECRET_BYTES} bytes long")
         words = np.empty((params.num_keys, WORDS_PER_KEY), dtype=np.int64)
@@ -73,4 +73,4 @@ class WatermarkKey:
         return f"WatermarkKey(params={self._params!r}, fingerprint={self._fingerprint[:12]}…)"
 
     def __reduce__(self) -> NoReturn:  # pragma: no cover - keys must not be pickled by accident
-        raise TypeError("WatermarkKey cannot be pickled")
+        raise ArgumentTypeError("WatermarkKey cannot be pickled")

@@ -77,11 +77,10 @@ from .attribution import (
     rival_shares,
 )
 from .decoder import MAX_TOKEN_ID, _first_occurrences
-from .detect import DEFAULT_ALPHA
-from .errors import DecodeInputError, ParamsError
+from .errors import ArgumentError, DecodeInputError, ParamsError
 from .hashing import block_index, context_multipliers, shard, shard_of, token_codes
 from .keys import WatermarkKey
-from .naming import DEFAULT_MIN_CONFIDENCE, NamingRule, check_ranking, rule_of
+from .naming import DEFAULT_ALPHA, DEFAULT_MIN_CONFIDENCE, Multiplicity, NamingRule, check_ranking, rule_of
 from .params import WatermarkParams
 
 DEFAULT_TOP_K = 20
@@ -241,9 +240,9 @@ def checked_text(
 ) -> IntArray:
     """The token ids of a text a likelihood reading can score (int64 [n]), or the reason it cannot."""
     if not (temperature > 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0 (got {temperature})")
+        raise ArgumentError(f"temperature must be a finite number > 0 (got {temperature})")
     if not 0.0 <= edit_rate < 1.0:
-        raise ValueError(f"edit_rate must be in [0, 1) (got {edit_rate})")
+        raise ArgumentError(f"edit_rate must be in [0, 1) (got {edit_rate})")
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise DecodeInputError("token ids must be one 1-D sequence of integers")
@@ -397,7 +396,7 @@ def weighted_bernoulli_tail(
     """
     w = np.asarray(weights, dtype=np.int64)
     if w.size and w.min() < 0:
-        raise ValueError("weights must be >= 0")
+        raise ArgumentError("weights must be >= 0")
     probs = np.broadcast_to(np.asarray(probability, dtype=np.float64), w.shape)
     if observed <= 0:
         return 1.0
@@ -420,7 +419,7 @@ def weighted_bernoulli_tail(
 @dataclass(frozen=True)
 class LikelihoodAttribution:
     """Who the likelihood decoder names. ``score`` of a candidate is its L(m) (nats); ``p_value``
-    of the best is its exact test, corrected for the registry size and ``tries``; ``confidence`` is
+    of the best is its exact test, corrected for the registry size and the other tests; ``confidence`` is
     its posterior over the registry; ``margin`` the gap in L to the runner-up."""
 
     candidates: list[CandidateScore]
@@ -526,19 +525,20 @@ def attribute_likelihood(
     top: int = 5,
     alpha: float = DEFAULT_ALPHA,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
-    tries: int = 1,
+    multiplicity: Multiplicity | None = None,
     identity_level: float | None = None,
     rule: NamingRule | None = None,
 ) -> LikelihoodAttribution:
     """Score every registered message; name the best only if its corrected p-value is below
-    ``alpha`` and its posterior at least ``min_confidence`` (``tries``: key versions tried).
+    ``alpha`` and its posterior at least ``min_confidence`` (``multiplicity``: the other tests run
+    on the text, as for :func:`xmark_core.attribute`).
 
     ``identity_level``: also require ``identity_test`` against every other registered message at
     most this (a wrong registered user is then named with probability at most ``identity_level``
     on any watermarked text, whatever the model's calibration). Off by default: it costs naming
     (see docs/xmark_core.md)."""
     rule = rule_of(rule, alpha, min_confidence, identity_level)
-    check_ranking(top, tries)
+    multiplicity = check_ranking(top, multiplicity)
     params = result.params
     if candidates.params.bits != params.bits or candidates.params.block_bits != params.block_bits:
         raise ParamsError("candidate messages do not match the decoder's message length")
@@ -548,13 +548,13 @@ def attribute_likelihood(
     totals = candidates.hits(result.scores)  # float64 [C]: L(m)
     order, confidence, margin = rank_by_likelihood(totals, top)
     decoded = result.blocks
-    factors = candidates.multiplicity(order)
+    factors = multiplicity.naming_factors(candidates, order, params)
     out = []
     p_best, statistic = 1.0, 0
     for rank, idx in enumerate(order):
         cand_blocks = candidates.blocks[idx].astype(np.int64)
         p_raw, observed = naming_test(result, cand_blocks)
-        p_value = min(1.0, p_raw * float(factors[rank]) * tries)
+        p_value = min(1.0, p_raw * float(factors[rank]))
         if rank == 0:
             p_best, statistic = p_value, observed
         hamming = _hamming_blocks(cand_blocks, decoded, params)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import MessageError
+from .errors import ArgumentTypeError, MessageError
 from .errors import MessageSpaceExhausted as MessageSpaceExhausted  # re-exported: its historic home
 from .params import WatermarkParams
 
@@ -25,7 +25,7 @@ class Message:
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, str):
-            raise TypeError(f"message bits must be a str of '0'/'1' (got {type(self.bits).__name__})")
+            raise ArgumentTypeError(f"message bits must be a str of '0'/'1' (got {type(self.bits).__name__})")
         if len(self.bits) != self.params.bits:
             raise MessageError(f"message must have exactly {self.params.bits} bits (got {len(self.bits)})")
         if self.bits.strip("01"):
@@ -43,7 +43,7 @@ class Message:
     @classmethod
     def from_int(cls, value: int, params: WatermarkParams) -> Message:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError("message value must be an int")
+            raise ArgumentTypeError("message value must be an int")
         if not 0 <= value < (1 << params.bits):
             raise MessageError(f"message value must be in [0, 2**{params.bits})")
         return cls(format(value, f"0{params.bits}b"), params)
@@ -52,7 +52,7 @@ class Message:
     def from_blocks(cls, blocks: Sequence[int] | np.ndarray, params: WatermarkParams) -> Message:
         values = np.asarray(blocks)
         if values.dtype == bool or not np.issubdtype(values.dtype, np.integer):
-            raise TypeError(f"block values must be integers (got dtype {values.dtype})")
+            raise ArgumentTypeError(f"block values must be integers (got dtype {values.dtype})")
         if values.shape != (params.num_blocks,):
             raise MessageError(f"expected {params.num_blocks} block values (got shape {values.shape})")
         if values.min(initial=0) < 0 or values.max(initial=0) >= params.num_shards:

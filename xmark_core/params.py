@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from .errors import ParamsError
+from .errors import ArgumentTypeError, ParamsError
 
 Scheme = Literal["xmark", "mpac", "loso", "gumbel"]
 SCHEMES: tuple[str, ...] = ("xmark", "mpac", "loso", "gumbel")
@@ -96,13 +96,13 @@ class WatermarkParams:
             )
         _check_int("num_keys", self.num_keys, 1, 8)
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)):
-            raise TypeError(f"delta must be a number > 0 (got {type(self.delta).__name__})")
+            raise ArgumentTypeError(f"delta must be a number > 0 (got {type(self.delta).__name__})")
         if not (self.delta > 0.0) or self.delta != self.delta or self.delta == float("inf"):
             raise ParamsError(f"delta must be a finite number > 0 (got {self.delta})")
         object.__setattr__(self, "delta", float(self.delta))  # 2 and 2.0 are the same key version
         if isinstance(self.min_entropy, bool) or not isinstance(self.min_entropy, (int, float)):
             kind = type(self.min_entropy).__name__
-            raise TypeError(f"min_entropy must be a number in [0, {MAX_MIN_ENTROPY:g}] (got {kind})")
+            raise ArgumentTypeError(f"min_entropy must be a number in [0, {MAX_MIN_ENTROPY:g}] (got {kind})")
         if not 0.0 <= self.min_entropy <= MAX_MIN_ENTROPY:  # NaN fails both
             raise ParamsError(f"min_entropy must be in [0, {MAX_MIN_ENTROPY:g}] nats (got {self.min_entropy})")
         object.__setattr__(self, "min_entropy", float(self.min_entropy))
@@ -178,6 +178,6 @@ class WatermarkParams:
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer in [{low}, {high}] (got {type(value).__name__})")
+        raise ArgumentTypeError(f"{name} must be an integer in [{low}, {high}] (got {type(value).__name__})")
     if not low <= value <= high:
         raise ParamsError(f"{name} must be in [{low}, {high}] (got {value})")

@@ -63,14 +63,13 @@ from service.provenance.sketch import Sketcher, derive_sketch_key
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
 from service.trace.analysis import LengthGroup, TraceOutcome
 from service.trace.fanout import FanoutOutcome, TextReading
-from service.trace.plan import decoders_for
+from service.trace.plan import decoders_for, plan_for
 from service.trace.policy import TracePolicy
 from service.trace.service import run_trace
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from xmark_core import (
     CandidateSet,
     ModelScores,
-    WatermarkKey,
     WatermarkParams,
     attribute,
     attribute_likelihood,
@@ -88,6 +87,8 @@ from .provenance_protocol import corpus_params
 
 # the product's naming policy, every threshold at its default (the gateway's settings)
 POLICY = TracePolicy()
+# the decoders of a trace: the route's ``auto`` with the model's scorer at hand
+TRACE_DECODERS = decoders_for(TraceDecoder.AUTO, scorer_available=True)
 ATTACKS = ("original", "t150", "paraphrase", "summary", "reorder", "substitution", "wrapped", "forged")
 REWRITES = ("paraphrase", "summary")
 # leads written per trace by --traces
@@ -371,7 +372,7 @@ class Evaluation:
                 TextReading(scored.ids, self.tokenizer),
                 scores,
                 POLICY,
-                decoders=decoders_for(TraceDecoder.AUTO, scorer_available=True),
+                decoders=TRACE_DECODERS,
                 run_counting=inline,
                 run_likelihood=inline,
             )
@@ -381,7 +382,7 @@ class Evaluation:
         outcome = await search.witness(text, analyze)
         return outcome, leads_seen
 
-    def probe(self, scored: Scored, key: WatermarkKey, snapshot: RegistrySnapshot, leads: Sequence[int]) -> Any:
+    def probe(self, scored: Scored, handle: KeyVersionHandle, snapshot: RegistrySnapshot, leads: Sequence[int]) -> Any:
         """What the retrieved set's test sees of a text, per decoder (``--traces``; rules the
         fan-out does not apply are weighed from these): the leads' best by the decoder, its
         p-value with equal shares and with the fan-out's shares, its posterior among the leads,
@@ -389,9 +390,11 @@ class Evaluation:
         identity test against the registry's 5 first others. None without leads."""
         users = list(dict.fromkeys(leads))
         restricted = snapshot.restricted(users)
+        key = handle.key
         if not len(restricted) or key.params.distortion_free:  # the probe reads the biasing schemes only
             return None
-        tries = 2 * 2  # the plan's count: two candidate sets, one key version, two decoders
+        # the multiplicity of the trace ``trace`` runs on the text (the registry and the leads)
+        multiplicity = plan_for([LengthGroup((handle,), snapshot)], users, TRACE_DECODERS, policy=POLICY).multiplicity
         special = self.tokenizer.all_special_ids
         shared = restricted.candidates
         if len(restricted) > 1:
@@ -406,9 +409,9 @@ class Evaluation:
         out: dict[str, Any] = {}
         for name, result in readings:
             score = attribute if name == "counting" else attribute_likelihood
-            plain = score(result, restricted.candidates, top=1, tries=tries, alpha=POLICY.alpha)  # type: ignore[arg-type]
-            weighted = score(result, shared, top=1, tries=tries, alpha=POLICY.alpha)  # type: ignore[arg-type]
-            ranked = score(result, snapshot.candidates, top=6, tries=tries, alpha=POLICY.alpha)  # type: ignore[arg-type]
+            plain = score(result, restricted.candidates, top=1, multiplicity=multiplicity, alpha=POLICY.alpha)  # type: ignore[arg-type]
+            weighted = score(result, shared, top=1, multiplicity=multiplicity, alpha=POLICY.alpha)  # type: ignore[arg-type]
+            ranked = score(result, snapshot.candidates, top=6, multiplicity=multiplicity, alpha=POLICY.alpha)  # type: ignore[arg-type]
             if not plain.candidates or not ranked.candidates:
                 continue
             best = int(str(plain.candidates[0].id))
@@ -492,7 +495,7 @@ class Evaluation:
                     }
                 )
                 if self.args.traces is not None and attack in (*REWRITES, "forged"):
-                    self.traces[-1]["probe"] = self.probe(self.scored(author, attack), handle.key, snapshot, leads)
+                    self.traces[-1]["probe"] = self.probe(self.scored(author, attack), handle, snapshot, leads)
             if n % 50 == 49:
                 _log(f"  {n + 1}/{len(self.authors)} authors traced")
         return cells
@@ -516,7 +519,7 @@ class Evaluation:
                 named += outcome.attributed_user_id is not None
                 narrowed += outcome.report.named_by == "watermark+retrieval"
                 if self.args.traces is not None:
-                    probes.append(self.probe(scored, key, snapshot, leads))
+                    probes.append(self.probe(scored, handle, snapshot, leads))
                 if self.args.traces is not None and j == 0:  # the leads are the same under every key
                     top = await search.search(search.sketch(author.null_text), top=TRACE_LEADS)
                     self.traces.append(

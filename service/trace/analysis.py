@@ -8,10 +8,11 @@ ID, deleted users' tombstones included.
 
 Two decoders: counting (``analyze_counting``: the cTMM, no model needed) and likelihood
 (``analyze_likelihood``: each token weighted by the served model's own next-token distribution,
-which the service fetches from the backend). ``tries`` is the number of tests a trace may run on the
-same text (candidate sets × key versions × decoders), counted in one place
-(``service.trace.fanout``): every p-value is multiplied by it, so the verdict stays valid
-at ``alpha`` whichever test decides.
+which the service fetches from the backend). ``multiplicity`` (an ``xmark_core.Multiplicity``) is
+every test a trace may run on the same text (candidate sets × key versions × encoders × decoders),
+counted in one place (``service.trace.plan``) and applied by the decoders (with the salts and the
+candidate set's size): every p-value is corrected by it, so the verdict stays valid at ``alpha``
+whichever test decides.
 
 Key versions of different message lengths (bits, block_bits) coexist, and a reading under a version
 is scored against the registry of that version's length. ``analyze_counting_by_length`` and
@@ -47,6 +48,7 @@ from xmark_core import (
     LikelihoodAttribution,
     LikelihoodResult,
     ModelScores,
+    Multiplicity,
     attribute,
     attribute_gumbel_likelihood,
     attribute_likelihood,
@@ -110,12 +112,11 @@ class _Reading:
     result: DecodeResult
     detection: Detection
     attribution: Attribution
-    tries: int
 
     @property
     def strength(self) -> float:
-        """The smaller of the corrected detection p-value and the best candidate's (corrected)."""
-        return min(1.0, self.detection.p_value * self.tries, self.attribution.p_value)
+        """The smaller of the corrected detection p-value and the best candidate's (both corrected)."""
+        return min(self.detection.p_value, self.attribution.p_value)
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -335,11 +336,6 @@ def group_by_length(versions: Sequence[KeyVersionHandle]) -> list[tuple[KeyVersi
     return [tuple(group) for group in groups.values()]
 
 
-def _check_tries(versions: Sequence[KeyVersionHandle], tries: int) -> None:
-    if tries < len(versions):
-        raise ValueError(f"tries ({tries}) is less than the {len(versions)} key versions read here")
-
-
 def _strongest(outcomes: Sequence[TraceOutcome]) -> TraceOutcome:
     """The outcome that names someone, else the one with the smallest p-value; the first one (the
     active version's length) on ties. Each group's naming is valid at alpha on its own (every
@@ -373,10 +369,10 @@ def analyze_counting_by_length(
     *,
     policy: TracePolicy,
     include_tokens: bool = False,
-    tries: int,
+    multiplicity: Multiplicity,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
-    """``analyze_counting`` of each length group, every p-value corrected for ``tries`` tests; the
+    """``analyze_counting`` of each length group, every p-value corrected for ``multiplicity``; the
     outcome that names someone, else the one with the smallest p-value. ``leads``: as for
     :func:`analyze_counting`."""
     return _strongest(
@@ -388,7 +384,7 @@ def analyze_counting_by_length(
                 group.snapshot,
                 policy=policy,
                 include_tokens=include_tokens,
-                tries=tries,
+                multiplicity=multiplicity,
                 leads=leads,
             )
             for group in groups
@@ -405,10 +401,10 @@ def analyze_likelihood_by_length(
     policy: TracePolicy,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
-    tries: int,
+    multiplicity: Multiplicity,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
-    """``analyze_likelihood`` of each length group, every p-value corrected for ``tries`` tests;
+    """``analyze_likelihood`` of each length group, every p-value corrected for ``multiplicity``;
     the outcome that names someone, else the one with the smallest p-value. ``leads``: as for
     :func:`analyze_counting`."""
     return _strongest(
@@ -422,7 +418,7 @@ def analyze_likelihood_by_length(
                 policy=policy,
                 counting=counting,
                 include_tokens=include_tokens,
-                tries=tries,
+                multiplicity=multiplicity,
                 leads=leads,
             )
             for group in groups
@@ -438,13 +434,13 @@ def analyze_counting(
     *,
     policy: TracePolicy,
     include_tokens: bool = False,
-    tries: int,
+    multiplicity: Multiplicity,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """The counting decoder's report of the text with token ids ``ids``.
 
-    ``tries``: the tests run on the text in all (``fanout.FanoutPlan.tries``; at least the
-    key versions read here, all of one message length, that of ``snapshot``): every p-value is
+    ``multiplicity``: the tests run on the text in all (``plan.FanoutPlan.multiplicity``; at least
+    the key readings read here, all of one message length, that of ``snapshot``): every p-value is
     corrected for them. ``leads``: users a content search led to; a naming of someone else gets
     the identity test against them (``TraceOutcome.lead_identity_p``)."""
     params = versions[0].key.params
@@ -458,20 +454,20 @@ def analyze_counting(
         return TraceOutcome(report, None, None)
     special = tokenizer.all_special_ids
     counting_rule = policy.with_identity_level(None).naming_rule()
-    # Several key versions, decoders and candidate sets are several tests: Bonferroni-correct the
-    # level and the p-values.
-    _check_tries(versions, tries)
+    # Several key versions, decoders and candidate sets are several tests: the decoders correct
+    # every p-value for them (Bonferroni).
+    multiplicity.check_readings(len(versions))
     best: _Reading | None = None
     for handle in versions:
         result = decode(ids, handle.key, skip_ids=special, per_token=include_tokens)
         reading = _Reading(
             handle,
             result,
-            detect(result, alpha=policy.alpha / tries, sigma_test=False),  # the report has no sigma p-value
+            # the report has no sigma p-value
+            detect(result, alpha=policy.alpha, sigma_test=False, multiplicity=multiplicity),
             # the counting decoder's naming never waits on the identity level: with one, the fan-out
             # takes counting's verdict but not its name
-            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, tries=tries, rule=counting_rule),
-            tries,
+            attribute(result, snapshot.candidates, top=TOP_CANDIDATES, multiplicity=multiplicity, rule=counting_rule),
         )
         if best is None or reading.strength < best.strength:
             best = reading
@@ -481,7 +477,7 @@ def analyze_counting(
     # A naming is itself a rejection of unwatermarked text (the attribution test, corrected for the
     # registry and the tries, at alpha): the report then says watermarked, with the smaller p-value,
     # whatever the detection test of the counts (a different statistic) says.
-    p_value = min(1.0, detection.p_value * tries)
+    p_value = detection.p_value
     if attributed is not None:
         p_value = min(p_value, attribution.p_value)
     report = TraceReport(
@@ -538,19 +534,19 @@ def analyze_likelihood(
     policy: TracePolicy,
     counting: TraceOutcome | None = None,
     include_tokens: bool = False,
-    tries: int,
+    multiplicity: Multiplicity,
     leads: Sequence[int] = (),
 ) -> TraceOutcome:
     """The likelihood decoder's report of the text with token ids ``ids`` (``len(ids) >= 3``).
 
     ``counting``: the counting decoder's outcome on the same text under ``decoder=auto``: its
-    verdict counts too (both were tested at ``alpha / tries``). ``tries``: as for
+    verdict counts too (both were corrected for the whole multiplicity). ``multiplicity``: as for
     :func:`analyze_counting`. ``policy``: the naming rule and the reading's parameters (its
     identity level as for ``xmark_core.attribute_likelihood``; the report gives the level and the
     best candidate's identity p-value). ``leads``: as for :func:`analyze_counting`.
     """
     special = tokenizer.all_special_ids
-    _check_tries(versions, tries)
+    multiplicity.check_readings(len(versions))
     rule = policy.naming_rule()
     alpha, temperature, edit_rate = policy.alpha, policy.temperature, policy.edit_rate
     best: _LikelihoodReading | None = None
@@ -561,11 +557,13 @@ def analyze_likelihood(
                 ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special
             )
             attribution = attribute_gumbel_likelihood(
-                result, snapshot.candidates, top=TOP_CANDIDATES, tries=tries, rule=rule
+                result, snapshot.candidates, top=TOP_CANDIDATES, multiplicity=multiplicity, rule=rule
             )
         else:
             result = score_text(ids, scores, handle.key, temperature=temperature, edit_rate=edit_rate, skip_ids=special)
-            attribution = attribute_likelihood(result, snapshot.candidates, top=TOP_CANDIDATES, tries=tries, rule=rule)
+            attribution = attribute_likelihood(
+                result, snapshot.candidates, top=TOP_CANDIDATES, multiplicity=multiplicity, rule=rule
+            )
         if best is None or attribution.p_value < best.attribution.p_value:
             best = _LikelihoodReading(handle, result, attribution)
     assert best is not None
@@ -578,7 +576,7 @@ def analyze_likelihood(
         llr = result.token_llr(candidate_blocks(top.bits, result.params.block_bits))
     watermarked = attribution.p_value < alpha
     p_value = attribution.p_value
-    if counting is not None:  # decoder=auto: either verdict stands (each was tested at alpha / tries)
+    if counting is not None:  # decoder=auto: either verdict stands (each was corrected for every test)
         watermarked = watermarked or counting.report.watermarked
         p_value = min(p_value, counting.report.p_value)
     named = attribution.best

@@ -135,7 +135,7 @@ class TraceFanout:
             candidates.groups,
             policy=self.policy,
             include_tokens=r.include_tokens,
-            tries=self.plan.tries,
+            multiplicity=self.plan.multiplicity,
             leads=self._leads(candidates),
         )
 
@@ -155,7 +155,7 @@ class TraceFanout:
             policy=self.policy,
             counting=counting,
             include_tokens=r.include_tokens,
-            tries=self.plan.tries,
+            multiplicity=self.plan.multiplicity,
             leads=self._leads(candidates),
         )
 
@@ -179,6 +179,7 @@ class TraceFanout:
         over the readings is reported (each reading's last test).
         """
         plan = self.plan
+        tries = plan.multiplicity.tries
         # with an identity level, counting gives its verdict but never the name
         counting_names = self.policy.identity_level is None
         scored: dict[str, ModelScores | None] = {}
@@ -217,7 +218,7 @@ class TraceFanout:
             return False
 
         def done(outcome: TraceOutcome, scope: CandidateScope | None, model: str) -> FanoutOutcome:
-            return FanoutOutcome(outcome, scope, plan.tries, model, _first(withdrawn), _first(refused))
+            return FanoutOutcome(outcome, scope, tries, model, _first(withdrawn), _first(refused))
 
         for candidates in plan.candidate_sets:
             readings = list(zip(plan.reading_plans, self.readings, strict=True))

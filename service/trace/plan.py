@@ -1,5 +1,5 @@
 """The fan-out's plan: the candidate sets, message lengths, key versions, readings, decoders and
-models a trace may test, and its one multiplicity count.
+models a trace may test, and its one multiplicity.
 
 A trace may test one text many times: against each candidate set (the whole registry; the users a
 content search of the generation log led to), under each key version of each message length, in
@@ -7,10 +7,12 @@ each reading of the text (one per tokenizer of the served models), with each dec
 once per tokenization; likelihood, once per served model, with that model's scorer). Each test's
 p-value is exact on its own; naming the best of them is valid at ``alpha`` only if every p-value
 is multiplied by the number of tests that *could* run, fixed before any of them looks at the
-watermark: ``FanoutPlan.tries``. The plan is chosen from what needs no watermark key (the request,
-the served models, whether their scorers are at hand, the text's length, and the retrieved
-candidates, which a content search chose), so it is the same whatever the watermark says. This
-module is the only place that counts; ``trace.analysis`` applies the count it is given.
+watermark: ``FanoutPlan.multiplicity`` (an ``xmark_core.Multiplicity``; the decoders apply it with
+the factors of their own reading, the salts and the candidate set's size or shares). The plan is
+chosen from what needs no watermark key (the request, the served models, whether their scorers are
+at hand, the text's length, and the retrieved candidates, which a content search chose), so it is
+the same whatever the watermark says. This module is the only place that counts;
+``trace.analysis`` hands the count to the decoders, which apply it once each.
 
 The retrieved set's shares of the level (``TracePolicy.lead_shares``) and the copy holder
 (``TracePolicy.copy_holder``) are chosen by the content search, which reads no key, so they are
@@ -29,6 +31,7 @@ from service.services.registry_cache import RegistrySnapshot
 from service.trace.analysis import LengthGroup
 from service.trace.policy import TracePolicy
 from service.vocabulary import TraceDecoder
+from xmark_core import Multiplicity
 
 
 class CandidateScope(enum.StrEnum):
@@ -113,9 +116,23 @@ class FanoutPlan:
         return next((c.copy_holder for c in self.candidate_sets if c.copy_holder is not None), None)
 
     @property
+    def multiplicity(self) -> Multiplicity:
+        """The tests of the trace: candidate sets x key readings (each version's encoders) x the
+        readings' tests, what every p-value of the trace is corrected for."""
+        handles = [handle for group in self.candidate_sets[0].groups for handle in group.versions]
+        encoders: dict[int, int] = {}
+        for handle in handles:
+            encoders[handle.id] = encoders.get(handle.id, 0) + 1
+        return Multiplicity(
+            candidate_sets=len(self.candidate_sets),
+            encoders=tuple(encoders.values()),
+            reading_tests=sum(r.tests for r in self.reading_plans),
+        )
+
+    @property
     def tries(self) -> int:
-        """The number of tests, the factor every p-value of the trace is multiplied by."""
-        return len(self.candidate_sets) * self.key_versions * sum(r.tests for r in self.reading_plans)
+        """The number of tests (``multiplicity.tries``)."""
+        return self.multiplicity.tries
 
 
 def decoders_for(requested: TraceDecoder, *, scorer_available: bool) -> tuple[TraceDecoder, ...]:

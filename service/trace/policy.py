@@ -3,7 +3,7 @@ frozen object that the settings fill.
 
 A trace names a registered user only when each rule below lets it; a rule either withdraws a
 naming or narrows the candidates, never adds one, so the multiplicity the fan-out counts
-(``plan.FanoutPlan.tries``) stays valid whatever the rules decide. The HTTP route, ``xmark trace``
+(``plan.FanoutPlan.multiplicity``) stays valid whatever the rules decide. The HTTP route, ``xmark trace``
 and every evaluation trace with a :class:`TracePolicy` (``TracePolicy.from_settings`` for the
 product); a variant an evaluation measures is a field of the policy, never a patch of the code.
 

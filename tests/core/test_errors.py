@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 import xmark_core
 from xmark_core import (
+    ArgumentError,
+    ArgumentTypeError,
     CandidateSet,
     DecodeInputError,
     Message,
@@ -94,7 +99,34 @@ def test_every_error_class_is_exported_and_derives_from_xmark_error() -> None:
     assert xmark_core.secrets.SecretConfigError is SecretConfigError
 
 
-def test_misuse_with_wrong_types_is_still_a_plain_type_error() -> None:
-    with pytest.raises(TypeError) as caught:
+def test_misuse_is_of_the_family_and_keeps_its_builtin() -> None:
+    """A wrong type or an argument out of its range is a bug in the caller, still of the family."""
+    with pytest.raises(ArgumentTypeError) as wrong_type:
         WatermarkParams(bits="16")  # type: ignore[arg-type]  # a wrong type on purpose
-    assert not isinstance(caught.value, XMarkError)
+    assert isinstance(wrong_type.value, TypeError)
+    with pytest.raises(ArgumentError) as out_of_range:
+        xmark_core.detect(decode([1, 2, 3, 4], _key()), alpha=1.5)
+    assert isinstance(out_of_range.value, ValueError)
+
+
+def test_no_builtin_exception_is_raised_anywhere_in_the_library() -> None:
+    """Every ``raise`` in xmark_core names a class of the family (or re-raises): none raises a
+    builtin such as ``ValueError`` across the package's boundary. (A module ``__getattr__`` raises
+    ``AttributeError``: Python's protocol for a missing name.)"""
+    builtin = {name for name in dir(builtins) if isinstance(getattr(builtins, name), type)}
+    found = []
+    for path in sorted(Path(xmark_core.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        protocol = {
+            id(node)
+            for function in ast.walk(tree)
+            if isinstance(function, ast.FunctionDef) and function.name == "__getattr__"
+            for node in ast.walk(function)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or node.exc is None or id(node) in protocol:
+                continue
+            target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(target, ast.Name) and target.id in builtin:
+                found.append(f"{path.name}:{node.lineno} raises {target.id}")
+    assert not found, found

@@ -9,6 +9,7 @@ import pytest
 from xmark_core import (
     CandidateSet,
     ModelScores,
+    Multiplicity,
     WatermarkKey,
     WatermarkParams,
     attribute,
@@ -78,17 +79,17 @@ def test_every_decoder_divides_a_candidates_tail_by_its_share(decoder: str) -> N
     if decoder in ("counting", "gumbel-counting"):
         result = decode(g.tokens[0], key)
         plain, weighted = (
-            attribute(result, leads, tries=tries, top=LEADS),
-            attribute(result, shared, tries=tries, top=LEADS),
+            attribute(result, leads, multiplicity=Multiplicity.of_tries(tries), top=LEADS),
+            attribute(result, shared, multiplicity=Multiplicity.of_tries(tries), top=LEADS),
         )
     elif decoder == "likelihood":
         scored = score_text(g.tokens[0], _scores(g, 0), key)
-        plain = attribute_likelihood(scored, leads, tries=tries, top=LEADS)
-        weighted = attribute_likelihood(scored, shared, tries=tries, top=LEADS)
+        plain = attribute_likelihood(scored, leads, multiplicity=Multiplicity.of_tries(tries), top=LEADS)
+        weighted = attribute_likelihood(scored, shared, multiplicity=Multiplicity.of_tries(tries), top=LEADS)
     else:
         gscored = score_gumbel_text(g.tokens[0], _scores(g, 0), key)
-        plain = attribute_gumbel_likelihood(gscored, leads, tries=tries, top=LEADS)
-        weighted = attribute_gumbel_likelihood(gscored, shared, tries=tries, top=LEADS)
+        plain = attribute_gumbel_likelihood(gscored, leads, multiplicity=Multiplicity.of_tries(tries), top=LEADS)
+        weighted = attribute_gumbel_likelihood(gscored, shared, multiplicity=Multiplicity.of_tries(tries), top=LEADS)
     assert [c.id for c in weighted.candidates] == [c.id for c in plain.candidates]
     assert weighted.confidence == plain.confidence and weighted.margin == plain.margin
     compared = 0

@@ -206,8 +206,10 @@ def test_null_texts_read_under_both_encoders_are_detected_at_most_at_the_level()
         candidates = Candidates(bits, list(range(1, 501)), params)
         users = {i: RegisteredUser(i, f"u{i}", "active") for i in range(1, 501)}
         groups.append(LengthGroup((encoder,), RegistrySnapshot(candidates, users)))
-    tries = FanoutPlan((CandidateSet(CandidateScope.REGISTRY, tuple(groups)),), (TraceDecoder.COUNTING,)).tries
-    assert tries == 2
+    multiplicity = FanoutPlan(
+        (CandidateSet(CandidateScope.REGISTRY, tuple(groups)),), (TraceDecoder.COUNTING,)
+    ).multiplicity
+    assert multiplicity.tries == 2 and multiplicity.encoders == (2,)
 
     class _Tokenizer:
         all_special_ids: tuple[int, ...] = ()
@@ -216,7 +218,9 @@ def test_null_texts_read_under_both_encoders_are_detected_at_most_at_the_level()
     detected = named = 0
     for _ in range(texts):
         ids = rng.integers(0, 49_152, size=150).tolist()
-        outcome = analyze_counting_by_length(ids, _Tokenizer(), groups, policy=TracePolicy(alpha=alpha), tries=tries)  # type: ignore[arg-type]
+        outcome = analyze_counting_by_length(
+            ids, _Tokenizer(), groups, policy=TracePolicy(alpha=alpha), multiplicity=multiplicity
+        )  # type: ignore[arg-type]
         detected += outcome.report.watermarked
         named += outcome.named
     bound = int(binom.ppf(0.999, texts, alpha))

@@ -21,7 +21,7 @@ from service.trace.policy import TracePolicy
 from service.vocabulary import KeyVersionStatus, TraceDecoder
 from tests.core.synthetic import generate, random_messages
 from tests.core.test_likelihood import scores_of
-from xmark_core import CandidateSet, Message, ModelScores, WatermarkKey, WatermarkParams
+from xmark_core import CandidateSet, Message, ModelScores, Multiplicity, WatermarkKey, WatermarkParams
 
 # Every draw here is seeded: the synthetic model's sampling (``generate``: a torch generator of its
 # seed), the registered IDs (``random_messages``: numpy, seeded), the keys (fixed secrets) and the
@@ -142,8 +142,9 @@ class _UncountedPlan(FanoutPlan):
     """A plan that forgets every factor of the count: what the calibration test must catch."""
 
     @property
-    def tries(self) -> int:
-        return self.key_versions  # the analysis's floor: it refuses fewer than the versions it reads
+    def multiplicity(self) -> Multiplicity:
+        # the analysis's floor: it refuses fewer than the key readings it reads
+        return Multiplicity.of_tries(self.key_versions)
 
 
 def _run(fanout: TraceFanout, scores: ModelScores | None) -> Any:
