@@ -43,6 +43,7 @@ from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp
 from service.config import Settings
 from service.db import session_scope, upgrade_database
 from service.random_model import TEST_MODEL_NAME
+from service.repositories.unit import Repositories
 from service.services.users import UserService
 from service.vocabulary import Role
 from xmark_core import Message, WatermarkKey
@@ -254,7 +255,7 @@ async def _measure(args: argparse.Namespace, app: Any, workers: dict[str, Worker
     for served in resources.fleet:
         assert await served.backend.wait_ready(300), f"{served.name} did not load"
     async with session_scope(resources.sessionmaker) as session:
-        service = UserService(session, resources.keyring.params, resources.api_key_hasher)
+        service = UserService(Repositories(session), resources.keyring.params, resources.api_key_hasher)
         users = [await service.create_user(f"user-{i}", Role.USER) for i in range(args.users)]
         auditor = await service.create_user("auditor", Role.AUDITOR)
     started = time.perf_counter()

@@ -89,6 +89,7 @@ from service.db import create_engine, create_sessionmaker, session_scope, upgrad
 from service.keyring import params_from_settings
 from service.logging import configure_logging
 from service.models import User
+from service.repositories.unit import Repositories
 from service.repositories.users import UserRepository
 from service.security import ApiKeyHasher
 from service.services.users import UserService
@@ -149,7 +150,7 @@ async def _seed(settings: Settings, pepper: str, users: int, traced: int) -> See
     try:
         sessionmaker = create_sessionmaker(engine)
         async with session_scope(sessionmaker) as session:
-            service = UserService(session, params, hasher)
+            service = UserService(Repositories(session), params, hasher)
             chat = await service.create_user("bench-chat", "user")
             auditor = await service.create_user("bench-auditor", "auditor")
         started = time.perf_counter()

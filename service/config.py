@@ -18,8 +18,10 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.client_address import parse_networks
+from service.exceptions import ServiceError
 from service.security import ApiKeyFormatError, parse_api_key
 from xmark_core.encoders import DEFAULT_CONFIGURED_SCHEME, ConfiguredScheme, KeyVersionSpec, spec_for
+from xmark_core.errors import XMarkError
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
     placeholder_reason,
@@ -32,7 +34,7 @@ API_KEY_PEPPER_FILE = "api_key_pepper"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
-class ConfigurationError(Exception):
+class ConfigurationError(ServiceError):
     """The configuration cannot be used; the message says what to change (never a secret)."""
 
 
@@ -975,7 +977,7 @@ class Settings(BaseSettings):
             )
         try:
             self.watermark_spec()
-        except ValueError as exc:
+        except XMarkError as exc:  # the library's parameter checks (ParamsError, ArgumentError)
             raise ValueError(f"invalid watermark parameters: {exc}") from None
         return self
 

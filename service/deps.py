@@ -14,6 +14,7 @@ from service.db import session_scope
 from service.errors import PermissionDeniedError, speaks_anthropic
 from service.keyring import Keyring
 from service.metrics import Metrics
+from service.repositories.unit import Repositories
 from service.resources import Resources
 from service.schemas.common import Principal, Role
 from service.security import ApiKeyHasher
@@ -28,6 +29,7 @@ __all__ = [
     "MetricsDep",
     "Principal",
     "PrincipalDep",
+    "RepositoriesDep",
     "Resources",
     "ResourcesDep",
     "SessionDep",
@@ -60,6 +62,13 @@ async def get_session(resources: ResourcesDep) -> AsyncIterator[AsyncSession]:
         yield session
 
 
+async def get_repositories(
+    session: Annotated[AsyncSession, Depends(get_session, scope="function")], resources: ResourcesDep
+) -> Repositories:
+    """The request's session's repositories, what the route's services are given."""
+    return Repositories(session, planner=resources.planner_statistics)
+
+
 async def get_settings(resources: ResourcesDep) -> Settings:
     return resources.settings
 
@@ -81,6 +90,7 @@ async def get_api_key_hasher(resources: ResourcesDep) -> ApiKeyHasher:
 
 
 SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
+RepositoriesDep = Annotated[Repositories, Depends(get_repositories)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 KeyringDep = Annotated[Keyring, Depends(get_keyring)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]

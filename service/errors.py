@@ -28,6 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.db.engine import is_database_fault
+from service.exceptions import ServiceError
 from service.security import KEY_PATTERN
 
 logger = logging.getLogger("xmark.errors")
@@ -41,7 +42,7 @@ MAX_MESSAGE_CHARS = 400
 MAX_PARAM_CHARS = 120
 
 
-class GatewayError(Exception):
+class GatewayError(ServiceError):
     """Base of every error the gateway reports to a client."""
 
     status_code: int = 500

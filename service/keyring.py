@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.config import Settings
 from service.errors import ServiceUnavailableError
+from service.exceptions import ServiceError
 from service.models import KeyVersion
 from service.repositories.key_versions import KeyVersionRepository
 from service.vocabulary import KeyVersionStatus
@@ -48,7 +49,7 @@ from xmark_core.params import Scheme
 logger = logging.getLogger("xmark.keyring")
 
 
-class KeyringError(Exception):
+class KeyringError(ServiceError):
     """The configured secrets and the key_versions table disagree (start-up error)."""
 
 

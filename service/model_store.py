@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from service.exceptions import ServiceError
+
 if TYPE_CHECKING:
     from service.config import Settings
 
@@ -38,7 +40,7 @@ MANIFEST_FORMAT = 1
 _HASH_CHUNK = 1 << 20
 
 
-class ModelStoreError(RuntimeError):
+class ModelStoreError(ServiceError, RuntimeError):
     """The model could not be obtained, built or loaded."""
 
 

@@ -15,6 +15,8 @@ import secrets
 import zlib
 from dataclasses import dataclass, field
 
+from service.exceptions import ServiceError
+
 _ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _RANDOM_BYTES = 32
 _RANDOM_CHARS = 43  # 62**43 > 2**256
@@ -25,7 +27,7 @@ _FULL_KEY = re.compile(rf"^{KEY_PATTERN.pattern}$")
 MAX_KEY_LENGTH = 3 + _RANDOM_CHARS + 1 + _CHECKSUM_CHARS
 
 
-class ApiKeyFormatError(ValueError):
+class ApiKeyFormatError(ServiceError, ValueError):
     """The text is not a well-formed gateway API key (the message never contains the text)."""
 
 

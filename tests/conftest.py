@@ -42,6 +42,7 @@ from sqlalchemy.pool import NullPool
 from benchmarks.pg_admin import create_database, database_name, sibling_url
 from service.config import Settings
 from service.db import session_scope, upgrade_database
+from service.repositories.unit import Repositories
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Under pytest-xdist (`make test` runs two workers) each worker has a database of its own beside the
@@ -294,7 +295,7 @@ def make_user(app: Any, db_connection: AsyncConnection) -> MakeUser:
     async def factory(role: str = "user", name: str | None = None) -> tuple[dict[str, Any], str]:
         async with session_scope(app.state.resources.sessionmaker) as session:
             created = await UserService(
-                session, app.state.resources.keyring.params, app.state.resources.api_key_hasher
+                Repositories(session), app.state.resources.keyring.params, app.state.resources.api_key_hasher
             ).create_user(name or f"{role}-{next(counter)}", role)  # type: ignore[arg-type]
         principal = {
             "id": created.id,

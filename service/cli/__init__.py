@@ -26,7 +26,9 @@ from service.db import (
     session_scope,
     upgrade_database,
 )
+from service.exceptions import ServiceError
 from service.keyring import KeyringError, spec_from_settings
+from service.repositories.unit import Repositories
 from service.schemas.admin import CreatedUser, CreateUserRequest, UserPage
 from service.security import ApiKeyHasher, parse_api_key
 from service.services.audit import CLI_ACTOR, AuditTrail
@@ -36,7 +38,7 @@ from service.services.users import UserService
 from service.vocabulary import Role, UserStatus
 
 
-class CliError(Exception):
+class CliError(ServiceError):
     """A failure reported as one line on stderr with exit status 1."""
 
 
@@ -175,7 +177,9 @@ def cmd_create_admin(args: argparse.Namespace) -> int:
             return await ensure_first_admin(
                 session, params, hasher, audit=audit, api_key=api_key, name=request.name, fresh_key_if_taken=True
             )
-        return await UserService(session, params, hasher, audit=audit).create_user(request.name, Role.ADMIN)
+        return await UserService(Repositories(session), params, hasher, audit=audit).create_user(
+            request.name, Role.ADMIN
+        )
 
     created = asyncio.run(_with_session(settings, work))
     if created is None:
@@ -202,7 +206,7 @@ def cmd_create_user(args: argparse.Namespace) -> int:
 
     async def work(session: Any, hasher: ApiKeyHasher) -> CreatedUser:
         params = spec_from_settings(settings)
-        users = UserService(session, params, hasher, audit=_cli_audit(settings))
+        users = UserService(Repositories(session), params, hasher, audit=_cli_audit(settings))
         return await users.create_user(request.name, request.role)
 
     _print_created(asyncio.run(_with_session(settings, work)), as_json=args.json)
@@ -214,7 +218,7 @@ def cmd_users(args: argparse.Namespace) -> int:
 
     async def work(session: Any, hasher: ApiKeyHasher) -> UserPage:
         params = spec_from_settings(settings)
-        return await UserService(session, params, hasher).list_users(
+        return await UserService(Repositories(session), params, hasher).list_users(
             limit=args.limit, offset=args.offset, status=args.status, role=args.role
         )
 

@@ -22,6 +22,7 @@ from pydantic import AliasChoices, SecretStr
 from pydantic.fields import FieldInfo
 
 from service.config import Settings
+from service.exceptions import ServiceError
 
 # where the reference lives, relative to the repository root (links in descriptions are written
 # from the root and rewritten relative to this file's folder)
@@ -264,7 +265,7 @@ _BOUNDS: tuple[tuple[type[Any], str, str], ...] = (
 )
 
 
-class ConfigDocsError(Exception):
+class ConfigDocsError(ServiceError):
     """``GROUPS`` does not cover the fields of ``Settings`` exactly once."""
 
 

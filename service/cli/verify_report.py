@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from service.exceptions import ServiceError
 from service.services.reports import (
     ReportVerificationError,
     decode_public_key,
@@ -30,7 +31,7 @@ KEY_PATH = "/.well-known/xmark-report-key"
 EXIT_DISAGREES = 2
 
 
-class VerifyError(Exception):
+class VerifyError(ServiceError):
     """The report cannot be accepted; the message says why (exit status 1)."""
 
 

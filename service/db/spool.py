@@ -38,6 +38,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from service.config import Settings
 from service.db.row_writer import RowWriter, refused
+from service.exceptions import ServiceError
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
@@ -64,7 +65,7 @@ class SpooledEntry:
     rows: list[dict[str, Any]]
 
 
-class RecordNotDurable(Exception):
+class RecordNotDurable(ServiceError):
     """Neither the database nor the spool took the rows (they are counted as dropped)."""
 
     def __init__(self, error_type: str) -> None:

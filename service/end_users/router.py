@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query
 
-from service.deps import ResourcesDep, SessionDep, require_roles
+from service.deps import RepositoriesDep, ResourcesDep, require_roles
 from service.end_users.schemas import EndUserOut, EndUserPage, UpdateEndUserRequest
 from service.end_users.service import EndUserService
 from service.routers.admin import AuditDep, UserId
@@ -27,9 +27,9 @@ router = APIRouter(
 EndUserId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-async def _end_users(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> EndUserService:
+async def _end_users(repos: RepositoriesDep, resources: ResourcesDep, audit: AuditDep) -> EndUserService:
     return EndUserService(
-        session,
+        repos,
         settings=resources.settings,
         cache=resources.end_users.cache,
         on_change=resources.registry_cache.invalidate,

@@ -19,14 +19,12 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from service.config import Settings
 from service.end_users.directory import EndUserCache
-from service.end_users.repository import EndUserRepository
 from service.end_users.schemas import EndUserLimits, EndUserOut, EndUserPage, EndUserUsage
 from service.errors import ConflictError, NotFoundError
 from service.models import EndUser, MessageId, User
+from service.repositories.unit import Repositories
 from service.services.admission import limit_of
 from service.services.audit import UNRECORDED, AuditWriter, Change
 from service.services.message_ids import message_ids_out
@@ -72,16 +70,16 @@ def end_user_out(
 class EndUserService:
     def __init__(
         self,
-        session: AsyncSession,
+        repos: Repositories,
         *,
         settings: Settings,
         cache: EndUserCache | None = None,
         on_change: Callable[[], None] | None = None,
         audit: AuditWriter = UNRECORDED,
     ) -> None:
-        self._session = session
+        self._session = repos.session
         self._settings = settings
-        self._repo = EndUserRepository(session)
+        self._repo = repos.end_users
         self._cache = cache
         self._on_change = on_change
         self._audit = audit

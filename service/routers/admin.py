@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request, status
 
 from service.deps import (
     AdminDep,
+    RepositoriesDep,
     ResourcesDep,
-    SessionDep,
     require_roles,
 )
 from service.routing import AuthenticatedRoute
@@ -58,9 +58,9 @@ async def _audit(request: Request, resources: ResourcesDep, principal: AdminDep)
 AuditDep = Annotated[AuditTrail, Depends(_audit)]
 
 
-async def _users(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> UserService:
+async def _users(repos: RepositoriesDep, resources: ResourcesDep, audit: AuditDep) -> UserService:
     return UserService(
-        session,
+        repos,
         resources.keyring.spec,
         resources.api_key_hasher,
         on_change=resources.registry_cache.invalidate,
@@ -69,9 +69,9 @@ async def _users(session: SessionDep, resources: ResourcesDep, audit: AuditDep) 
     )
 
 
-async def _keys(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> ApiKeyService:
+async def _keys(repos: RepositoriesDep, resources: ResourcesDep, audit: AuditDep) -> ApiKeyService:
     return ApiKeyService(
-        session,
+        repos,
         resources.api_key_hasher,
         auth_cache=resources.authenticator.cache,
         last_use=resources.authenticator.last_use,
@@ -79,9 +79,9 @@ async def _keys(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -
     )
 
 
-async def _key_versions(session: SessionDep, resources: ResourcesDep, audit: AuditDep) -> KeyVersionService:
+async def _key_versions(repos: RepositoriesDep, resources: ResourcesDep, audit: AuditDep) -> KeyVersionService:
     return KeyVersionService(
-        session,
+        repos,
         resources.keyring,
         resources.settings,
         can_generate=resources.secrets_can_generate,
@@ -90,8 +90,8 @@ async def _key_versions(session: SessionDep, resources: ResourcesDep, audit: Aud
     )
 
 
-async def _usage(session: SessionDep) -> UsageService:
-    return UsageService(session)
+async def _usage(repos: RepositoriesDep) -> UsageService:
+    return UsageService(repos)
 
 
 UsersDep = Annotated[UserService, Depends(_users)]

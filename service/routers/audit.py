@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query
 
-from service.deps import SessionDep, require_roles
+from service.deps import RepositoriesDep, require_roles
 from service.errors import InvalidRequestError
 from service.repositories.audit import AuditFilters
 from service.routing import AuthenticatedRoute
@@ -25,8 +25,8 @@ router = APIRouter(
 )
 
 
-async def _audit_log(session: SessionDep) -> AuditLogService:
-    return AuditLogService(session)
+async def _audit_log(repos: RepositoriesDep) -> AuditLogService:
+    return AuditLogService(repos)
 
 
 AuditLogDep = Annotated[AuditLogService, Depends(_audit_log)]

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from service.repositories.audit import AuditFilters, AuditRepository
+from service.repositories.audit import AuditFilters
+from service.repositories.unit import Repositories
 from service.schemas.audit import AuditEntryOut, AuditHeadOut, AuditPage
 from service.services.audit import stored_entry
 
 
 class AuditLogService:
-    def __init__(self, session: AsyncSession) -> None:
-        self._repo = AuditRepository(session)
+    def __init__(self, repos: Repositories) -> None:
+        self._repo = repos.audit
 
     async def page(self, filters: AuditFilters, *, after_seq: int | None, limit: int, newest_first: bool) -> AuditPage:
         """The matching entries after ``after_seq`` in the order asked, and the trail's head."""

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.guards import Guard, lock_guarded_set
+from service.repositories.unit import Repositories
 from service.repositories.users import UserRepository
 from service.schemas.admin import CreatedUser
 from service.security import ApiKeyHasher, ParsedKey
@@ -69,7 +70,7 @@ async def ensure_first_admin(
         api_key = None
     try:
         async with session.begin_nested():
-            users = UserService(session, params, hasher, audit=audit)
+            users = UserService(Repositories(session), params, hasher, audit=audit)
             created = await users.create_user(name, Role.ADMIN, api_key=api_key)
     except IntegrityError:
         # another process bootstrapped the same key concurrently

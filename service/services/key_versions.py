@@ -16,14 +16,12 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from service.config import ConfigurationError, Settings, generate_embedded_secret
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
 from service.keyring import Keyring, row_spec
 from service.models import KeyVersion
 from service.repositories.guards import Guard, lock_guarded_set
-from service.repositories.key_versions import KeyVersionRepository
+from service.repositories.unit import Repositories
 from service.schemas.admin import CompanionEncoderOut, KeyVersionList, KeyVersionOut
 from service.services.audit import UNRECORDED, AuditWriter, Change, key_version_fields
 from service.services.auth_cache import AuthCache
@@ -50,7 +48,7 @@ def _companion_out(row: KeyVersion) -> CompanionEncoderOut | None:
 class KeyVersionService:
     def __init__(
         self,
-        session: AsyncSession,
+        repos: Repositories,
         keyring: Keyring,
         settings: Settings,
         *,
@@ -58,13 +56,14 @@ class KeyVersionService:
         auth_cache: AuthCache | None = None,
         audit: AuditWriter = UNRECORDED,
     ) -> None:
-        self._session = session
+        self._repos = repos
+        self._session = repos.session
         self._audit = audit
         self._keyring = keyring
         self._settings = settings
         self._can_generate = can_generate
         self._auth_cache = auth_cache
-        self._repo = KeyVersionRepository(session)
+        self._repo = repos.key_versions
 
     def _out(self, row: KeyVersion) -> KeyVersionOut:
         return KeyVersionOut(
@@ -128,7 +127,7 @@ class KeyVersionService:
             await self._repo.flush()
         # every user (deleted ones included) needs an ID of this version's length; usually they got
         # it when the version was registered at start-up, and this finds nobody missing
-        added = await MessageIdService(self._session).fill(row_spec(row).encoders)
+        added = await MessageIdService(self._repos).fill(row_spec(row).encoders)
         if added and self._auth_cache is not None:  # cached principals lack the new IDs
             self._auth_cache.invalidate_all(self._session)
         after = {**key_version_fields(row), "message_ids_added": added}

@@ -9,13 +9,11 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Row
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
 from service.models import ApiKey
-from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.guards import Guard, lock_guarded_set
-from service.repositories.users import UserRepository
+from service.repositories.unit import Repositories
 from service.schemas.admin import ApiKeyList, ApiKeyOut, ApiKeyPage, IssuedKey
 from service.schemas.common import MessageIdOut, Principal
 from service.security import ApiKeyFormatError, ApiKeyHasher, ParsedKey, generate_api_key, parse_api_key
@@ -122,18 +120,18 @@ def touch_due(last_used_at: datetime | None, now: datetime) -> bool:
 class ApiKeyService:
     def __init__(
         self,
-        session: AsyncSession,
+        repos: Repositories,
         hasher: ApiKeyHasher,
         *,
         auth_cache: AuthCache | None = None,
         last_use: LastUseRecorder | None = None,
         audit: AuditWriter = UNRECORDED,
     ) -> None:
-        self._session = session
+        self._session = repos.session
         self._audit = audit
         self._hasher = hasher
-        self._keys = ApiKeyRepository(session)
-        self._users = UserRepository(session)
+        self._keys = repos.api_keys
+        self._users = repos.users
         self._auth_cache = auth_cache
         self._last_use = last_use  # its pending uses are written before keys are listed
 

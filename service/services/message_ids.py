@@ -33,7 +33,8 @@ from service.errors import ConflictError
 from service.keyring import row_spec
 from service.models import KeyVersion, MessageId
 from service.repositories.key_versions import KeyVersionRepository
-from service.repositories.message_ids import MessageIdRepository, MissingUser
+from service.repositories.message_ids import MissingUser
+from service.repositories.unit import Repositories
 from service.schemas.common import MessageIdOut
 from service.services.audit import UNRECORDED, AuditWriter, message_ids_allocated
 from service.vocabulary import KeyVersionStatus
@@ -136,9 +137,9 @@ def _choose(
 
 
 class MessageIdService:
-    def __init__(self, session: AsyncSession) -> None:
-        self._session = session
-        self._repo = MessageIdRepository(session)
+    def __init__(self, repos: Repositories) -> None:
+        self._session = repos.session
+        self._repo = repos.message_ids
 
     async def fill_batch(self, params: WatermarkParams, *, limit: int = BACKFILL_BATCH) -> BatchResult:
         """Give up to ``limit`` users without an ID of ``params``' length one (lowest user ids first)."""
@@ -220,7 +221,7 @@ async def backfill_message_ids(
 
         async def batch(p: WatermarkParams = params) -> BatchResult:
             async with session_scope(sessionmaker) as session:
-                result = await MessageIdService(session).fill_batch(p, limit=batch_size)
+                result = await MessageIdService(Repositories(session)).fill_batch(p, limit=batch_size)
                 if result.inserted and result.first_missing is not None and result.last_missing is not None:
                     span = (result.first_missing, result.last_missing)
                     await audit.record(session, message_ids_allocated(p, result.inserted, span))

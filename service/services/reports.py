@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from service.exceptions import ServiceError
+
 ALG = "Ed25519"
 # HKDF label of the signing key: a secret used for anything else yields an unrelated key here
 SIGNING_KEY_LABEL = b"xmark-gateway trace report signing key v1"
@@ -58,7 +60,7 @@ REPORT_FIELDS = (
 )
 
 
-class ReportVerificationError(Exception):
+class ReportVerificationError(ServiceError):
     """A report or its signature cannot be checked, or does not verify; the message says why."""
 
 

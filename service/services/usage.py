@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, time, timedelta
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from service.repositories.usage import UsageRepository
+from service.repositories.unit import Repositories
 from service.schemas.admin import UsageDay, UsagePage
 
 
@@ -17,8 +15,8 @@ def window_start(days: int, now: datetime) -> datetime:
 
 
 class UsageService:
-    def __init__(self, session: AsyncSession) -> None:
-        self._usage = UsageRepository(session)
+    def __init__(self, repos: Repositories) -> None:
+        self._usage = repos.usage
 
     async def per_day(self, *, days: int, user_id: int | None, limit: int, offset: int) -> UsagePage:
         since = window_start(days, datetime.now(UTC))

@@ -25,14 +25,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import ConflictError, NotFoundError
 from service.models import ApiKey, MessageId, User
-from service.repositories.api_keys import ApiKeyRepository
 from service.repositories.guards import Guard, lock_guarded_set
 from service.repositories.message_ids import MessageIdRepository
-from service.repositories.users import UserRepository
+from service.repositories.unit import Repositories
 from service.schemas.admin import LIMIT_FIELDS, CreatedUser, UserOut, UserPage
 from service.schemas.common import MessageIdOut
 from service.security import ApiKeyHasher, ParsedKey, generate_api_key
@@ -115,7 +113,7 @@ async def choose_message_ids(
 class UserService:
     def __init__(
         self,
-        session: AsyncSession,
+        repos: Repositories,
         params: WatermarkParams | KeyVersionSpec,
         hasher: ApiKeyHasher,
         *,
@@ -124,16 +122,16 @@ class UserService:
         auth_cache: AuthCache | None = None,
         audit: AuditWriter = UNRECORDED,
     ) -> None:
-        self._session = session
+        self._session = repos.session
         self._audit = audit
         self._params = params
         self._hasher = hasher
         self._allocator = allocator
         self._on_change = on_change
         self._auth_cache = auth_cache
-        self._users = UserRepository(session)
-        self._keys = ApiKeyRepository(session)
-        self._ids = MessageIdRepository(session)
+        self._users = repos.users
+        self._keys = repos.api_keys
+        self._ids = repos.message_ids
 
     async def create_user(
         self,

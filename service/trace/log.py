@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from service.errors import NotFoundError
-from service.repositories.traces import TraceRepository
+from service.repositories.unit import Repositories
 from service.services.reports import ReportSigner
 from service.trace.report import report_document
 from service.trace.schemas import ReportKey, TraceLogEntry, TraceLogPage, TraceReportDocument
@@ -18,8 +16,8 @@ def public_key_of(signer: ReportSigner) -> ReportKey:
 
 
 class TraceLogService:
-    def __init__(self, session: AsyncSession) -> None:
-        self._traces = TraceRepository(session)
+    def __init__(self, repos: Repositories) -> None:
+        self._traces = repos.traces
 
     async def report(self, report_id: str) -> TraceReportDocument:
         row = await self._traces.by_report_id(report_id)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query
 
-from service.deps import ResourcesDep, SessionDep, require_roles
+from service.deps import RepositoriesDep, ResourcesDep, require_roles
 from service.routing import AuthenticatedRoute
 from service.schemas.common import ERROR_RESPONSES, UNAVAILABLE_RESPONSES, Principal
 from service.trace.log import TraceLogService, public_key_of
@@ -23,9 +23,9 @@ ForensicDep = Annotated[Principal, Depends(require_roles(Role.AUDITOR, Role.ADMI
 UserIdQuery = Annotated[int | None, Query(ge=1, le=2**31 - 1)]
 
 
-async def _tracing(session: SessionDep, resources: ResourcesDep) -> TracingService:
+async def _tracing(repos: RepositoriesDep, resources: ResourcesDep) -> TracingService:
     return TracingService(
-        session,
+        repos,
         resources.trace_records,
         resources.settings,
         resources.fleet,
@@ -34,12 +34,11 @@ async def _tracing(session: SessionDep, resources: ResourcesDep) -> TracingServi
         resources.registry_cache,
         resources.report_signer,
         resources.sketcher,
-        resources.planner_statistics,
     )
 
 
-async def _trace_log(session: SessionDep) -> TraceLogService:
-    return TraceLogService(session)
+async def _trace_log(repos: RepositoriesDep) -> TraceLogService:
+    return TraceLogService(repos)
 
 
 TracingDep = Annotated[TracingService, Depends(_tracing)]

@@ -11,8 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from service.db import RowWriter
 from service.errors import (
     InvalidRequestError,
@@ -25,8 +23,7 @@ from service.fleet import Fleet, ServedModel, models_by_tokenizer
 from service.models import utcnow
 from service.provenance.retrieval import Retrieved
 from service.provenance.search import ProvenanceSearch
-from service.repositories.planner import PlannerStatistics
-from service.repositories.provenance import ProvenanceRepository
+from service.repositories.unit import Repositories
 from service.schemas.common import Principal
 from service.services.registry_cache import RegistryCache
 from service.services.reports import ReportSigner
@@ -132,7 +129,7 @@ class _ModelsReading:
 class TracingService:
     def __init__(
         self,
-        session: AsyncSession,
+        repos: Repositories,
         records: RowWriter,
         settings: Settings,
         backend: Backend | Fleet,
@@ -141,12 +138,11 @@ class TracingService:
         registry: RegistryCache,
         signer: ReportSigner,
         sketcher: Sketcher | None = None,
-        planner: PlannerStatistics | None = None,
     ) -> None:
         self._signer = signer
         self._policy = TracePolicy.from_settings(settings)
-        self._provenance = ProvenanceSearch(ProvenanceRepository(session, planner), sketcher, self._policy)
-        self._session = session
+        self._provenance = ProvenanceSearch(repos.provenance, sketcher, self._policy)
+        self._session = repos.session
         self._records = records
         self._settings = settings
         # every served model; a service built around one backend traces for that one

@@ -25,6 +25,7 @@ from service.fleet import ServedModel
 from service.keyring import Keyring, params_from_settings
 from service.metrics import Metrics
 from service.models import KeyVersion
+from service.repositories.unit import Repositories
 from service.resources import _check_scheme_served
 from service.schemas.admin import CreatedUser
 from service.services.encoder_choice import check_keyed_sampling
@@ -76,7 +77,7 @@ async def gumbel_users(
     await resources.keyring.refresh(db_session)
     assert sorted(rows) == [("v1", "retired", "xmark"), ("v2", "active", "gumbel")], rows
     assert [(h.name, h.key.params) for h in resources.keyring.usable()] == [("v2", GUMBEL)]
-    users = UserService(db_session, GUMBEL, resources.api_key_hasher)
+    users = UserService(Repositories(db_session), GUMBEL, resources.api_key_hasher)
     author = await users.create_user("gumbel-author", "user")
     other = await users.create_user("gumbel-other", "user")
     auditor = await users.create_user("gumbel-auditor", "auditor")

@@ -68,3 +68,30 @@ def test_the_chat_path_imports_no_trace_module(module: str) -> None:
     # a bound on the child, not a timing check: the import took 3 s here
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == [], f"{module} imports {done.stdout.split()}"
+
+
+def _service_classes() -> list[tuple[str, ast.ClassDef]]:
+    """Every class named ``*Service`` in the package, with its module's path."""
+    found = []
+    for path in sorted(SERVICE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Service"):
+                found.append((str(path.relative_to(SERVICE)), node))
+    return found
+
+
+def test_services_receive_their_repositories_rather_than_building_them() -> None:
+    """No ``*Service`` class constructs a ``*Repository`` (its caller hands it a
+    ``service.repositories.unit.Repositories``), and each takes the repositories, not a session."""
+    classes = _service_classes()
+    assert {"UserService", "ApiKeyService", "TracingService", "EndUserService"} <= {c.name for _, c in classes}
+    built = []
+    for path, cls in classes:
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("Repository"):
+                built.append(f"{path}: {cls.name} builds {node.func.id}")
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if isinstance(arg.annotation, ast.Name) and arg.annotation.id == "AsyncSession":
+                        built.append(f"{path}: {cls.name} takes a session ({arg.arg})")
+    assert not built, built

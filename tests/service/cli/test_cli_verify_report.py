@@ -23,6 +23,7 @@ from sqlalchemy.pool import NullPool
 from service.cli import main
 from service.db import session_scope
 from service.models import ApiKey, MessageId, User
+from service.repositories.unit import Repositories
 from service.services.reports import ReportSigner
 from service.services.users import UserService
 from tests.service.trace.test_trace import _watermarked_text as watermarked_text
@@ -40,7 +41,7 @@ async def committed_users(app: Any, settings: Any, seeded_message_ids: Any) -> A
 
     maker = async_sessionmaker(engine, expire_on_commit=False)
     async with session_scope(maker) as session:
-        service = UserService(session, resources.keyring.params, resources.api_key_hasher)
+        service = UserService(Repositories(session), resources.keyring.params, resources.api_key_hasher)
         writer = await service.create_user("verify-writer", "user")  # type: ignore[arg-type]
         auditor = await service.create_user("verify-auditor", "auditor")  # type: ignore[arg-type]
     resources.registry_cache.invalidate()

@@ -28,6 +28,7 @@ from service.db import RowWriter, create_sessionmaker, session_scope
 from service.db.spool import GENERATION_KEY, RecordSpool, SpooledWriter
 from service.errors import DatabaseUnavailableError
 from service.models import ApiKey, Generation, MessageId, Trace, User
+from service.repositories.unit import Repositories
 from service.routers.chat import CompletionResponse
 from service.schemas.chat import ChatCompletionRequest
 from service.services.users import UserService
@@ -53,7 +54,9 @@ async def committed_users(app: Any) -> AsyncIterator[dict[str, tuple[int, str]]]
     assert await app.state.resources.backend.wait_ready(180)
     users: dict[str, tuple[int, str]] = {}
     async with session_scope(app.state.resources.sessionmaker) as session:
-        service = UserService(session, app.state.resources.keyring.params, app.state.resources.api_key_hasher)
+        service = UserService(
+            Repositories(session), app.state.resources.keyring.params, app.state.resources.api_key_hasher
+        )
         for role in ("user", "auditor", "admin"):
             created = await service.create_user(f"durable-{role}", role)  # type: ignore[arg-type]
             users[role] = (created.id, created.api_key)

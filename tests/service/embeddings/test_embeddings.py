@@ -29,6 +29,7 @@ from service.config import DEFAULT_EMBEDDING_MODEL, ConfigurationError
 from service.embeddings.checkpoint import read_layout
 from service.fleet import embedding_model_settings, load_models_file, model_settings
 from service.models import EmbeddingRecord, Generation
+from service.repositories.unit import Repositories
 from tests.conftest import REPO_ROOT, checkpoint_path, make_test_settings
 from tests.fakes import FakeBackend
 
@@ -559,7 +560,7 @@ async def test_an_app_from_the_setting_alone_serves_embeddings(tmp_path: Path, m
                 try:
                     async with session_scope(resources.sessionmaker) as session:
                         created = await UserService(
-                            session, resources.keyring.params, resources.api_key_hasher
+                            Repositories(session), resources.keyring.params, resources.api_key_hasher
                         ).create_user("setting-user", "user")
                     transport = httpx.ASGITransport(app=application)
                     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:

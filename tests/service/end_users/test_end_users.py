@@ -21,6 +21,7 @@ from service.config import Settings
 from service.db import session_scope, upgrade_database
 from service.metrics import Metrics
 from service.models import EndUser, Generation, MessageId, RegistryAuditEntry
+from service.repositories.unit import Repositories
 from service.services.admission import Admission
 from service.services.users import UserService
 from service.vocabulary import Role
@@ -528,7 +529,7 @@ async def _race(settings: Settings) -> None:
     async for app, client in _started(settings):
         async with session_scope(app.state.resources.sessionmaker) as session:
             created = await UserService(
-                session, app.state.resources.keyring.spec, app.state.resources.api_key_hasher
+                Repositories(session), app.state.resources.keyring.spec, app.state.resources.api_key_hasher
             ).create_user("platform", Role.USER)
         for round_ in range(3):
             identifier = f"racing-{round_}"

@@ -15,6 +15,7 @@ from service.db import session_scope
 from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.end_users.repository import EndUserRepository
 from service.models import EndUser, MessageId, RegistryAuditEntry
+from service.repositories.unit import Repositories
 from service.schemas.common import Principal
 from service.services.users import UserService
 from service.vocabulary import Role
@@ -41,9 +42,9 @@ async def test_many_concurrent_first_sights_of_few_identifiers_create_exactly_th
         async for app, client in _started(raced):
             resources = app.state.resources
             async with session_scope(resources.sessionmaker) as session:
-                account = await UserService(session, resources.keyring.spec, resources.api_key_hasher).create_user(
-                    "platform", Role.USER
-                )
+                account = await UserService(
+                    Repositories(session), resources.keyring.spec, resources.api_key_hasher
+                ).create_user("platform", Role.USER)
             lengths = {(m.bits, m.block_bits) for m in account.message_ids}
             # each identifier's requests adjacent: they are all in flight before the first is answered
             identifiers = [f"racer-{i * IDENTIFIERS // REQUESTS}" for i in range(REQUESTS)]
@@ -90,9 +91,9 @@ async def test_two_replicas_racing_for_new_identifiers_create_one_end_user_each(
         async for app, _client in _started(settings.model_copy(update={"database_url": url})):
             resources = app.state.resources
             async with session_scope(resources.sessionmaker) as session:
-                account = await UserService(session, resources.keyring.spec, resources.api_key_hasher).create_user(
-                    "platform", Role.USER
-                )
+                account = await UserService(
+                    Repositories(session), resources.keyring.spec, resources.api_key_hasher
+                ).create_user("platform", Role.USER)
             principal = Principal(user_id=account.id, name="platform", role=Role.USER, api_key_id=1)
             replicas = [
                 EndUserDirectory(
@@ -145,9 +146,9 @@ async def test_a_burst_of_one_new_identifier_takes_the_account_lock_once(
         async for app, client in _started(settings.model_copy(update=unlimited)):
             resources = app.state.resources
             async with session_scope(resources.sessionmaker) as session:
-                account = await UserService(session, resources.keyring.spec, resources.api_key_hasher).create_user(
-                    "platform", Role.USER
-                )
+                account = await UserService(
+                    Repositories(session), resources.keyring.spec, resources.api_key_hasher
+                ).create_user("platform", Role.USER)
             responses = await asyncio.gather(
                 *(
                     client.post("/v1/chat/completions", json=_chat(user="one-burst"), headers=_auth(account.api_key))

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.errors import ConflictError
 from service.models import KeyVersion, MessageId, User
+from service.repositories.unit import Repositories
 from service.schemas.admin import CreatedUser
 from service.services import users as users_module
 from service.services.users import UserService
@@ -26,7 +27,7 @@ def id_of(created: CreatedUser, params: WatermarkParams) -> str:
 
 
 async def test_deleted_users_ids_are_never_reused(app: Any, db_session: AsyncSession) -> None:
-    service = UserService(db_session, TINY, app.state.resources.api_key_hasher)
+    service = UserService(Repositories(db_session), TINY, app.state.resources.api_key_hasher)
     first = [await service.create_user(f"u{i}", "user") for i in range(3)]
     assert len({id_of(u, TINY) for u in first}) == 3
     deleted = await service.delete_user(first[0].id)
@@ -49,7 +50,7 @@ async def test_a_user_gets_one_id_per_length_in_use(app: Any, db_session: AsyncS
     one of the active version's length."""
     versions = (await db_session.scalars(select(KeyVersion))).all()
     in_use = {(v.bits, v.block_bits) for v in versions if v.status != "retired"}
-    service = UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher)
+    service = UserService(Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher)
     created = await service.create_user("multi", "user")
     lengths = [(m.bits, m.block_bits) for m in created.message_ids]
     assert lengths == sorted(in_use | {(16, 2)})
@@ -77,7 +78,7 @@ def _row_like(row: KeyVersion, **changes: Any) -> dict[str, Any]:
 
 
 async def test_ids_are_spread_in_hamming_distance(app: Any, db_session: AsyncSession) -> None:
-    service = UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher)
+    service = UserService(Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher)
     ids = [id_of(await service.create_user(f"s{i}", "user"), SIXTEEN) for i in range(8)]
     distance = min(sum(a != b for a, b in zip(x, y, strict=True)) for i, x in enumerate(ids) for y in ids[i + 1 :])
     # best-candidate sampling keeps eight 16-bit IDs at distance >= 7 in 3000 of 3000 trials;
@@ -86,7 +87,9 @@ async def test_ids_are_spread_in_hamming_distance(app: Any, db_session: AsyncSes
 
 
 async def test_a_concurrent_collision_is_retried(app: Any, db_session: AsyncSession) -> None:
-    existing = await UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher).create_user("first", "user")
+    existing = await UserService(Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher).create_user(
+        "first", "user"
+    )
     calls: list[int] = []
 
     def racing_allocator(taken: Iterable[str], p: WatermarkParams) -> Message:
@@ -96,7 +99,9 @@ async def test_a_concurrent_collision_is_retried(app: Any, db_session: AsyncSess
             return Message(id_of(existing, p), p)
         return allocate_message(taken, p)
 
-    service = UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher, allocator=racing_allocator)
+    service = UserService(
+        Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher, allocator=racing_allocator
+    )
     created = await service.create_user("second", "user")
     per_attempt = len(created.message_ids)
     assert len(calls) == 2 * per_attempt  # every length is allocated again on the second attempt
@@ -109,12 +114,14 @@ async def test_a_concurrent_collision_is_retried(app: Any, db_session: AsyncSess
 
 
 async def test_persistent_collisions_give_up_cleanly(app: Any, db_session: AsyncSession) -> None:
-    existing = await UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher).create_user("first", "user")
+    existing = await UserService(Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher).create_user(
+        "first", "user"
+    )
 
     def always_taken(_: Iterable[str], p: WatermarkParams) -> Message:
         return Message(id_of(existing, p), p)
 
-    service = UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher, allocator=always_taken)
+    service = UserService(Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher, allocator=always_taken)
     with pytest.raises(ConflictError) as info:
         await service.create_user("second", "user")
     assert info.value.code == "message_id_conflict"
@@ -129,7 +136,9 @@ async def test_a_large_registry_draws_ids_without_reading_them(
     (the allocator sees none); a draw that is taken is refused by the unique constraints and drawn
     again. A 16-bit length keeps reading them (its space is small enough to fill)."""
     thirty_two = WatermarkParams(bits=32)
-    existing = await UserService(db_session, thirty_two, app.state.resources.api_key_hasher).create_user("a", "user")
+    existing = await UserService(Repositories(db_session), thirty_two, app.state.resources.api_key_hasher).create_user(
+        "a", "user"
+    )
     monkeypatch.setattr(users_module, "SPREAD_ALLOCATION_LIMIT", 1)
     seen: list[tuple[int, int]] = []
 
@@ -140,14 +149,14 @@ async def test_a_large_registry_draws_ids_without_reading_them(
             return Message(id_of(existing, p), p)
         return allocate_message(taken, p)
 
-    service = UserService(db_session, thirty_two, app.state.resources.api_key_hasher, allocator=drawing)
+    service = UserService(Repositories(db_session), thirty_two, app.state.resources.api_key_hasher, allocator=drawing)
     created = await service.create_user("b", "user")
     assert [taken for bits, taken in seen if bits >= 17] and all(taken == 0 for bits, taken in seen if bits >= 17)
     assert [bits for bits, _ in seen].count(32) == 2  # drawn again after the unique constraint refused the first
     assert id_of(created, thirty_two) != id_of(existing, thirty_two)
-    await UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher).create_user("c", "user")
+    await UserService(Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher).create_user("c", "user")
     seen.clear()
-    await UserService(db_session, SIXTEEN, app.state.resources.api_key_hasher, allocator=drawing).create_user(
-        "d", "user"
-    )
+    await UserService(
+        Repositories(db_session), SIXTEEN, app.state.resources.api_key_hasher, allocator=drawing
+    ).create_user("d", "user")
     assert any(bits == 16 and taken > 0 for bits, taken in seen)

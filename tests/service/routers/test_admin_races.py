@@ -29,6 +29,7 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_scope, upgrade_database
 from service.models import KeyVersion, User
+from service.repositories.unit import Repositories
 from service.security import generate_api_key
 from service.services.users import UserService
 from service.vocabulary import Role
@@ -231,7 +232,7 @@ async def test_two_admins_revoking_each_others_last_key_leave_one_postgres(
     app, client, _ = postgres_app
     async with session_scope(app.state.resources.sessionmaker) as session:
         created = await UserService(
-            session, app.state.resources.keyring.params, app.state.resources.api_key_hasher
+            Repositories(session), app.state.resources.keyring.params, app.state.resources.api_key_hasher
         ).create_user("keys-admin", Role.ADMIN)
     await _keys_race(app, client, created.api_key, ROUNDS)
 
@@ -243,7 +244,7 @@ async def test_retiring_the_last_two_key_versions_at_once_leaves_one_postgres(
     # an admin of its own: the first admin may have lost its access in another test of this module
     async with session_scope(app.state.resources.sessionmaker) as session:
         created = await UserService(
-            session, app.state.resources.keyring.params, app.state.resources.api_key_hasher
+            Repositories(session), app.state.resources.keyring.params, app.state.resources.api_key_hasher
         ).create_user("versions-admin", Role.ADMIN)
     await _versions_race(app, client, created.api_key, ROUNDS)
 
@@ -254,7 +255,7 @@ async def test_one_version_activated_twice_at_once_is_activated_once_postgres(
     app, client, _ = postgres_app
     async with session_scope(app.state.resources.sessionmaker) as session:
         created = await UserService(
-            session, app.state.resources.keyring.params, app.state.resources.api_key_hasher
+            Repositories(session), app.state.resources.keyring.params, app.state.resources.api_key_hasher
         ).create_user("activating-admin", Role.ADMIN)
     headers = bearer(created.api_key)
     results = await asyncio.gather(

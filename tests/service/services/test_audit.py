@@ -30,6 +30,7 @@ from service.cli.verify_audit import check_trail
 from service.config import Settings
 from service.db import session_scope, upgrade_database
 from service.models import ApiKey, RegistryAuditEntry, RegistryAuditHead, User
+from service.repositories.unit import Repositories
 from service.security import generate_api_key
 from service.services.audit import (
     GENESIS_HASH,
@@ -217,7 +218,7 @@ async def test_an_entry_rolls_back_with_its_change(app: Any, db_session: AsyncSe
 
     with pytest.raises(Abort):
         async with session_scope(resources.sessionmaker) as session:
-            service = UserService(session, resources.keyring.spec, resources.api_key_hasher, audit=trail)
+            service = UserService(Repositories(session), resources.keyring.spec, resources.api_key_hasher, audit=trail)
             await service.create_user("rolled-back", Role.USER)
             assert (await _head(session))[0] == start[0] + 1  # written, not yet committed
             raise Abort

@@ -20,6 +20,7 @@ from service.errors import InvalidRequestError
 from service.fleet import ServedModel
 from service.keyring import Keyring, KeyringError, KeyVersionHandle
 from service.models import Generation, KeyVersion
+from service.repositories.unit import Repositories
 from service.schemas.admin import CreatedUser
 from service.schemas.chat import ChatCompletionRequest
 from service.services.encoder_choice import EncoderRule, choose_encoder, companion_reason
@@ -247,7 +248,7 @@ async def auto_users(
     assert [(h.name, h.per_request) for h in resources.keyring.usable()] == [("v2", True)]
     from service.services.users import UserService
 
-    users = UserService(db_session, SPEC, resources.api_key_hasher)
+    users = UserService(Repositories(db_session), SPEC, resources.api_key_hasher)
     author = await users.create_user("auto-author", "user")
     auditor = await users.create_user("auto-auditor", "auditor")
     for created in (author, auditor):

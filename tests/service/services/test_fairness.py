@@ -21,6 +21,7 @@ from service.backends.base import BackendError, ChatTurn, GenerationRequest, Wat
 from service.backends.batch import FairBacklog, Job
 from service.backends.local import LocalBackend
 from service.models import Generation
+from service.repositories.unit import Repositories
 from service.vocabulary import FinishReason
 from xmark_core import Message
 
@@ -174,9 +175,9 @@ async def committed_user(app: Any) -> AsyncIterator[Callable[[str], Awaitable[tu
 
     async def create(name: str) -> tuple[int, str]:
         async with session_scope(resources.sessionmaker) as session:
-            created = await UserService(session, resources.keyring.params, resources.api_key_hasher).create_user(
-                f"{name}-{time.time_ns()}", "user"
-            )
+            created = await UserService(
+                Repositories(session), resources.keyring.params, resources.api_key_hasher
+            ).create_user(f"{name}-{time.time_ns()}", "user")
         created_ids.append(created.id)
         return created.id, created.api_key
 

@@ -30,6 +30,7 @@ from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker
 from service.errors import ServiceUnavailableError
 from service.keyring import Keyring
 from service.models import Generation, KeyVersion, MessageId, Trace, User
+from service.repositories.unit import Repositories
 from service.resources import startup_sessions, sync_keyring
 from service.schemas.admin import CreatedUser
 from service.schemas.chat import ChatCompletionRequest
@@ -101,7 +102,7 @@ async def sixteen_bit(app: Any, db_session: AsyncSession, monkeypatch: pytest.Mo
     await db_session.flush()
     await resources.keyring.refresh(db_session)
     assert [(h.name, h.key.params.bits) for h in resources.keyring.usable()] == [("v1", 16)]
-    users = UserService(db_session, P16, resources.api_key_hasher)  # configured for 16 bits, as before
+    users = UserService(Repositories(db_session), P16, resources.api_key_hasher)  # configured for 16 bits, as before
     author = await users.create_user("author", "user")
     gone = await users.create_user("gone", "user")
     await users.delete_user(gone.id)
@@ -193,7 +194,7 @@ async def test_rotating_to_a_32_bit_version_gives_every_user_a_32_bit_id(
     created = (await client.post("/admin/users", json={"name": "newcomer"}, headers=_auth(d.admin.api_key))).json()
     assert [(m["bits"], m["block_bits"]) for m in created["message_ids"]] == [(16, 2), (32, 2)]
     assert created["message_id"] == created["message_ids"][1]["message_id"]
-    assert await MessageIdService(db_session).fill([P16, P32]) == 0
+    assert await MessageIdService(Repositories(db_session)).fill([P16, P32]) == 0
 
 
 async def test_a_principal_without_an_id_of_the_active_length_gets_503(app: Any) -> None:
@@ -257,7 +258,9 @@ async def test_the_backfill_keeps_the_id_a_user_was_created_with(app: Any, db_se
     users.message_id as its ID of that length, unless another user holds it there."""
     active = app.state.resources.keyring.active().key.params
     now = datetime.now(UTC)
-    taken = await UserService(db_session, active, app.state.resources.api_key_hasher).create_user("holder", "user")
+    taken = await UserService(Repositories(db_session), active, app.state.resources.api_key_hasher).create_user(
+        "holder", "user"
+    )
     bare = [
         User(name=f"imported-{i}", role="user", status="active", message_id=bits, created_at=now, updated_at=now)
         for i, bits in enumerate(["01" * (active.bits // 2), "10" * (active.bits // 2)])
@@ -269,12 +272,12 @@ async def test_the_backfill_keeps_the_id_a_user_was_created_with(app: Any, db_se
     holder.message_id = bare[1].message_id
     await db_session.flush()
 
-    assert await MessageIdService(db_session).fill([active]) == 2
+    assert await MessageIdService(Repositories(db_session)).fill([active]) == 2
     kept = await _lengths_of(db_session, bare[0].id)
     assert kept == {active.bits: bare[0].message_id}
     moved = await _lengths_of(db_session, bare[1].id)
     assert moved[active.bits] != bare[1].message_id and len(moved[active.bits]) == active.bits
-    assert await MessageIdService(db_session).fill([active]) == 0
+    assert await MessageIdService(Repositories(db_session)).fill([active]) == 0
 
 
 # -- start-up registration and racing backfills, on databases of their own -------------------------
@@ -309,7 +312,7 @@ async def _sixteen_bit_users(sessionmaker: async_sessionmaker[AsyncSession], cou
     hasher = ApiKeyHasher(TEST_API_KEY_PEPPER.encode())
     ids = []
     async with session_scope(sessionmaker) as session:
-        users = UserService(session, P16, hasher)
+        users = UserService(Repositories(session), P16, hasher)
         for i in range(count):
             created = await users.create_user(f"user-{i}", "user")
             assert [m.bits for m in created.message_ids] == [16]
@@ -442,8 +445,8 @@ async def test_racing_backfills_create_no_duplicates(scratch_url: str, tmp_path:
         # two sessions read the same missing users; the second inserts while the first has not
         # committed, waits for it, and skips every row (ON CONFLICT DO NOTHING)
         async with one() as a, two() as b:
-            assert await MessageIdService(a).fill([P32], batch_size=4) == len(user_ids)
-            racing = asyncio.create_task(MessageIdService(b).fill([P32], batch_size=4))
+            assert await MessageIdService(Repositories(a)).fill([P32], batch_size=4) == len(user_ids)
+            racing = asyncio.create_task(MessageIdService(Repositories(b)).fill([P32], batch_size=4))
             await asyncio.sleep(0.5)  # (a later start than that still passes: it then finds nothing to do)
             await a.commit()
             assert await asyncio.wait_for(racing, 60) == 0  # 5x margin and more: the whole test took 1.4 s here
@@ -469,7 +472,7 @@ async def _more_users(sessionmaker: async_sessionmaker[AsyncSession], count: int
         v2 = (await session.scalars(select(KeyVersion).where(KeyVersion.name == "v2"))).one()
         v2.status = "retired"
         await session.flush()
-        users = UserService(session, P16, hasher)
+        users = UserService(Repositories(session), P16, hasher)
         created = [await users.create_user(f"more-{i}", "user") for i in range(count)]
         assert all([m.bits for m in c.message_ids] == [16] for c in created)
         v2.status = "pending"
