@@ -81,6 +81,9 @@ COMPLETIONS_PATH = "/v1/completions"
 HEALTH_PATH = "/health"
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+# consecutive failed probes (no answer in time, or not 200) that take a worker in rotation out of it;
+# a worker that refuses the connection leaves at once
+PROBES_TO_LEAVE = 3
 MAX_UPSTREAM_ERROR_CHARS = 500
 MAX_WORKER_CONNECTIONS = 256  # open connections to one worker (more requests wait for one)
 CONNECT_TIMEOUT_S = 5.0
@@ -108,6 +111,10 @@ def _origin(url: str) -> str:
 _CONNECTION_ERRORS = (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, OSError)
 
 
+class _ConnectionFailed(Exception):
+    """A request's connection to a worker failed before any answer (``_post``'s own signal)."""
+
+
 @dataclass
 class Worker:
     """One upstream vLLM server and what the gateway knows about it. ``session`` exists between
@@ -118,6 +125,8 @@ class Worker:
     healthy: bool = False
     in_flight: int = 0
     served: int = 0
+    # failed probes in a row (``WorkerPool.check``); a success resets it
+    failed_probes: int = 0
 
     @property
     def origin(self) -> str:
@@ -157,12 +166,17 @@ class WorkerPool:
     async def check(self, worker: Worker) -> bool:
         """One health probe, bounded by HEALTH_TIMEOUT_S alone: the session's own bounds are the
         request timeout's, which may be far shorter than a busy worker needs to answer /health.
+        Whether the worker is in rotation after it.
 
-        A worker in rotation whose probe times out is probed once more before it leaves: the
-        gateway's own event loop may have stalled past the bound (a long garbage collection, the
-        start-up heap freeze) with the worker's answer waiting unread, and one stall must not
-        take every worker out of rotation. A worker that refuses the connection leaves at once.
+        A worker in rotation leaves only after ``PROBES_TO_LEAVE`` failed probes in a row (no
+        answer in time, or an answer other than 200): a worker busy with a long batch on a loaded
+        machine may miss a probe's bound and still serve, and with one worker its leaving turns
+        every request into a 503. Within one probe a timeout is retried once: the gateway's own
+        event loop may have stalled past the bound (a long garbage collection, the start-up heap
+        freeze) with the worker's answer waiting unread. A worker that refuses the connection is
+        gone and leaves at once; one out of rotation comes back on its first good probe.
         """
+        refused = False
         for _ in range(2 if worker.healthy else 1):
             try:
                 async with asyncio.timeout(HEALTH_TIMEOUT_S):
@@ -172,10 +186,21 @@ class WorkerPool:
             except TimeoutError:
                 ok = False
             except (ServiceUnavailableError, *_CONNECTION_ERRORS):
-                ok = False
+                ok, refused = False, True
                 break
-        self.mark(worker, ok)
-        return ok
+        worker.failed_probes = 0 if ok else worker.failed_probes + 1
+        if ok or refused or worker.failed_probes >= PROBES_TO_LEAVE or not worker.healthy:
+            self.mark(worker, ok)
+        elif worker.failed_probes == 1:
+            logger.warning("vLLM worker missed a health probe; still in rotation", extra={"worker": worker.origin})
+        return worker.healthy
+
+    async def connection_failed(self, worker: Worker) -> bool:
+        """A request's connection to ``worker`` failed before any answer: probe it now. Whether it
+        is still in rotation (a stale keep-alive connection the worker had closed, or a worker
+        that is only slow: the request may go to it again); a refused probe takes it out at once."""
+        logger.warning("vLLM worker connection failed; probing it", extra={"worker": worker.origin})
+        return await self.check(worker)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))
@@ -404,8 +429,8 @@ class VllmStream:
             raise UpstreamTimeoutError("The model worker did not answer in time") from None
         except (*_CONNECTION_ERRORS, ValueError):  # ValueError: a malformed event (JSONDecodeError)
             self.connection_lost = True
-            self._pool.mark(self._worker, False)
             await self.aclose()
+            await self._pool.connection_failed(self._worker)  # a worker that is gone leaves rotation
             raise UpstreamUnavailableError("The connection to the model worker was lost") from None
         except BaseException:
             await self.aclose()
@@ -727,7 +752,16 @@ class VllmBackend:
                 return stream
 
     async def _open(self, worker: Worker, body: dict[str, Any], n: int, path: str) -> VllmStream | None:
-        """Send ``body`` to ``worker`` and read up to its first token; None: try another worker."""
+        """Send ``body`` to ``worker`` and read up to its first token; None: try another worker.
+        A connection that fails before any token is tried once more on the same worker when a
+        probe finds it still in rotation (``WorkerPool.connection_failed``)."""
+        for attempt in (1, 2):
+            stream = await self._open_once(worker, body, n, path)
+            if stream is not None or attempt == 2 or not worker.healthy:
+                return stream
+        return None
+
+    async def _open_once(self, worker: Worker, body: dict[str, Any], n: int, path: str) -> VllmStream | None:
         worker.in_flight += 1
         worker.served += 1
         try:
@@ -738,7 +772,7 @@ class VllmBackend:
             raise UpstreamTimeoutError("The model worker did not answer in time") from None
         except _CONNECTION_ERRORS:
             worker.in_flight -= 1
-            self._pool.mark(worker, False)
+            await self._pool.connection_failed(worker)
             return None
         except BaseException:
             worker.in_flight -= 1
@@ -817,7 +851,17 @@ class VllmBackend:
 
         ``whole``: a non-streamed generation, whose answer comes only once every token exists; the
         backend's timeout then bounds the connect alone, and the request's own deadline (the
-        caller's, ``request_timeout_s``) the rest."""
+        caller's, ``request_timeout_s``) the rest. A connection that fails is tried once more on
+        the same worker when a probe finds it still in rotation (``WorkerPool.connection_failed``)."""
+        for attempt in (1, 2):
+            try:
+                return await self._post_once(worker, path, body, whole=whole)
+            except _ConnectionFailed:
+                if attempt == 2 or not await self._pool.connection_failed(worker):
+                    return None
+        return None
+
+    async def _post_once(self, worker: Worker, path: str, body: dict[str, Any], *, whole: bool) -> Any | None:
         worker.in_flight += 1
         worker.served += 1
         try:
@@ -831,8 +875,7 @@ class VllmBackend:
         except TimeoutError:
             raise UpstreamTimeoutError("The model worker did not answer in time") from None
         except _CONNECTION_ERRORS:
-            self._pool.mark(worker, False)
-            return None
+            raise _ConnectionFailed from None
         finally:
             worker.in_flight -= 1
         try:

@@ -661,9 +661,11 @@ async def test_a_stall_of_the_gateways_own_loop_does_not_take_a_worker_out_of_ro
         assert await probe
         assert worker.healthy
         assert (await backend.generate(WHOLE, STAMP)).choices[0].text == "Cats are great"
-        # a worker that does not answer /health at all still leaves rotation: it would answer after
-        # 2.5 s, 5x the probe's bound (its two probes take 1 s)
+        # a worker that does not answer /health at all still leaves rotation, after PROBES_TO_LEAVE
+        # probes: it would answer after 2.5 s, 5x the probe's bound (each probe's two tries take 1 s)
         upstreams.workers["w1"].health_delay_s = 2.5
+        for _ in range(vllm.PROBES_TO_LEAVE - 1):
+            assert await backend.pool.check(worker)
         assert not await backend.pool.check(worker)
         assert not worker.healthy
     finally:
@@ -847,20 +849,84 @@ async def test_a_stream_that_already_produced_tokens_is_not_retried() -> None:
                 received.append(delta.text)
         assert received == ["a", "b"]
         assert [len(w.requests) for w in upstreams.workers.values()] == [1, 0]
-        assert backend.pool.workers[0].healthy is False
+        # the worker was probed at once and answered: a dropped connection alone keeps it in rotation
+        assert backend.pool.workers[0].healthy is True
         assert backend.pool.workers[0].in_flight == 0
+        # a worker that drops a stream and is gone leaves at once (its probe is refused): w2, the
+        # least used, takes the next request and drops it after its first tokens
+        upstreams.workers["w2"].on_chat = lambda body: [*events[:3], Reset()]
+        stream = await backend.stream(REQUEST, STAMP)
+        assert [w.in_flight for w in backend.pool.workers] == [0, 1]
+        upstreams.refused.add("w2")
+        with pytest.raises(UpstreamUnavailableError):
+            async for _ in stream:
+                pass
+        assert [w.healthy for w in backend.pool.workers] == [True, False]
     finally:
         await backend.close()
 
 
 async def test_connection_lost_before_the_first_token_is_retried() -> None:
+    """Lost before any token: the worker is probed; it answers, so it is tried once more (a stale
+    keep-alive connection the worker had closed), then the next worker. It stays in rotation."""
     upstreams = Upstreams("w1", "w2")
     upstreams.workers["w1"].on_chat = lambda body: [Reset()]
     backend = await started(upstreams, health_interval_s=3600)
     try:
         result = await backend.generate(REQUEST, STAMP)
         assert result.choices[0].text == "Cats are great"
-        assert [len(w.requests) for w in upstreams.workers.values()] == [1, 1]
+        assert [len(w.requests) for w in upstreams.workers.values()] == [2, 1]
+        assert [w.healthy for w in backend.pool.workers] == [True, True]
+    finally:
+        await backend.close()
+
+
+async def test_a_single_worker_that_drops_one_connection_serves_the_retry() -> None:
+    """One worker, whose first connection drops before any token (as a keep-alive connection the
+    worker closed does): the request is served by its retry on the same worker, not a 503."""
+    upstreams = Upstreams("w1")
+    events = completion_events([["Cats", " are", " great"]])
+    answers = iter([[Reset()], events])
+    upstreams.workers["w1"].on_chat = lambda body: next(answers)
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        result = await backend.generate(REQUEST, STAMP)
+        assert result.choices[0].text == "Cats are great"
+        assert len(upstreams.workers["w1"].requests) == 2 and backend.pool.workers[0].healthy
+    finally:
+        await backend.close()
+
+
+async def test_a_worker_leaves_rotation_only_after_three_missed_probes_in_a_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A busy worker that misses a probe's bound stays in rotation; the third missed probe in a row
+    takes it out; a good probe resets the count and brings it back."""
+    import aiohttp
+
+    import service.backends.vllm as vllm
+
+    upstreams = Upstreams("w1")
+    backend = await started(upstreams, health_interval_s=3600)
+    try:
+        worker = backend.pool.workers[0]
+        # the probe's bound 0.2 s; the worker answers /health after 1 s: 5x margin and more
+        monkeypatch.setattr(vllm, "HEALTH_TIMEOUT_S", 0.2)
+        monkeypatch.setattr(vllm, "HEALTH_TIMEOUT", aiohttp.ClientTimeout(total=0.2))
+        assert vllm.PROBES_TO_LEAVE == 3
+        upstreams.workers["w1"].health_delay_s = 1.0
+        assert await backend.pool.check(worker) and await backend.pool.check(worker)
+        assert worker.healthy and worker.failed_probes == 2
+        assert (await backend.generate(REQUEST, STAMP)).choices[0].text == "Cats are great"
+        upstreams.workers["w1"].health_delay_s = 0.0
+        assert await backend.pool.check(worker) and worker.failed_probes == 0  # the count starts again
+        upstreams.workers["w1"].health_delay_s = 1.0
+        for _ in range(2):
+            assert await backend.pool.check(worker)
+        assert not await backend.pool.check(worker)  # the third in a row
+        assert not worker.healthy
+        upstreams.workers["w1"].health_delay_s = 0.0
+        assert await backend.pool.check(worker) and worker.healthy  # back on its first good probe
     finally:
         await backend.close()
 
