@@ -68,13 +68,22 @@ from service.config import Settings
 from service.keyring import KeyVersionHandle
 from service.security import generate_api_key
 from service.services.registry_cache import RegisteredUser, RegistrySnapshot
-from service.trace.analysis import analyze_counting, analyze_likelihood, tokenize
+from service.trace.analysis import LengthGroup, tokenize
+from service.trace.fanout import TextReading
 from service.trace.policy import TracePolicy
-from service.vocabulary import KeyVersionStatus
-from xmark_core import CandidateSet, Message, MessageAllocator, Multiplicity, WatermarkKey, WatermarkParams
+from service.trace.service import run_trace
+from service.vocabulary import KeyVersionStatus, TraceDecoder
+from xmark_core import CandidateSet, Message, MessageAllocator, ModelScores, WatermarkKey, WatermarkParams
 
-# each decoder's test read alone: no other test of the text to correct for
-ONE_TEST = Multiplicity()
+# each decoder's test run alone through the product's trace (one key version, no leads: one test,
+# nothing else to correct for)
+COUNTING = (TraceDecoder.COUNTING,)
+LIKELIHOOD = (TraceDecoder.LIKELIHOOD,)
+
+
+async def _no_scores() -> ModelScores | None:
+    return None
+
 
 SECRET = "trace-naming-benchmark-secret-5a1f"
 # the product's policy (its level alpha); each reading below is one test, as a trace of one version
@@ -143,26 +152,21 @@ async def _measure(args: argparse.Namespace, backend: LocalBackend, bits: int) -
         for text, owner in zip(texts, owners, strict=True):
             ids = tokenize(tokenizer, text)
             lengths.append(len(ids))
-            counted = analyze_counting(
-                ids, tokenizer, versions, snapshot, policy=policy, multiplicity=ONE_TEST
-            )  # one test each
+            groups = [LengthGroup(tuple(versions), snapshot)]
+            reading = TextReading(ids, tokenizer)
+            counted = (await run_trace(groups, (), reading, _no_scores, policy, decoders=COUNTING)).outcome
             begun = time.perf_counter()
             scores = await backend.score(ids, args.top_k)
-            likely = analyze_likelihood(
-                ids, scores, tokenizer, versions, snapshot, policy=policy, multiplicity=ONE_TEST
-            )
+
+            async def scored(given: ModelScores = scores) -> ModelScores:
+                return given
+
+            likely = (await run_trace(groups, (), reading, scored, policy, decoders=LIKELIHOOD)).outcome
             seconds.append(time.perf_counter() - begun)
             readings = [("counting", counted), ("likelihood", likely)]
             if args.identity_level is not None:  # the same scores, named only after the identity test
-                guarded = analyze_likelihood(
-                    ids,
-                    scores,
-                    tokenizer,
-                    versions,
-                    snapshot,
-                    policy=policy.with_identity_level(args.identity_level),
-                    multiplicity=ONE_TEST,
-                )
+                guarded_policy = policy.with_identity_level(args.identity_level)
+                guarded = (await run_trace(groups, (), reading, scored, guarded_policy, decoders=LIKELIHOOD)).outcome
                 readings.append(("likelihood_identity", guarded))
             for name, result in readings:
                 named = result.attributed_user_id
