@@ -10,6 +10,13 @@ user, the p-value, the confidence and the verdict. ``--compare`` then lists the 
 outcome differs from ``OTHER.json`` (named user or verdict; p-value or confidence beyond a relative
 1e-9) and exits 1 if any does. Run it in each checkout (a ``git worktree`` of the other commit, with
 ``PYTHONPATH`` set to it and this file copied in where it is absent) on one ``--cache-dir``.
+
+    python -m benchmarks.evaluation.trace_outcomes --compare-traces A.jsonl B.jsonl
+
+compares two ``--traces`` files of the provenance evaluation (``benchmarks.evaluation.provenance``,
+each checkout run on one ``--corpus``, whose model scores it caches): every field of every trace
+(the named user, ``named_by``, the corroboration, the copy holder, withdrawn and refused users, the
+leads, the probes' p-values) equal, numbers to a relative 1e-9; exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -26,6 +33,41 @@ from . import forensic
 
 def _close(a: float, b: float) -> bool:
     return a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, floats to a relative 1e-9, through dicts and lists."""
+    if isinstance(a, float) and isinstance(b, float):
+        return _close(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def trace_differences(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The provenance traces (index, field) that differ in any field."""
+    if len(ours) != len(theirs):
+        return [(-1, f"{len(ours)} traces against {len(theirs)}")]
+    return [
+        (i, f"{field}: {a.get(field)!r} != {b.get(field)!r}")
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+        for field in sorted(a.keys() | b.keys())
+        if not _same(a.get(field), b.get(field))
+    ]
+
+
+def _compare_traces(first: Path, second: Path) -> int:
+    rows = [
+        [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line] for path in (first, second)
+    ]
+    found = trace_differences(rows[0], rows[1])
+    for index, what in found[:20]:
+        print(f"trace {index}: {what}")
+    named = sum(row.get("named") is not None for row in rows[0])
+    print(f"{len(rows[0])} traces ({named} named): {len(found)} differences")
+    return 1 if found else 0
 
 
 def differences(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -45,6 +87,10 @@ def differences(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--compare-traces"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: --compare-traces A.jsonl B.jsonl")
+        return _compare_traces(Path(argv[1]), Path(argv[2]))
     ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.evaluation.trace_outcomes", description=__doc__)
     parser.add_argument("out", type=Path)
