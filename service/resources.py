@@ -76,6 +76,8 @@ class Resources:
     secrets_can_generate: bool
     # the start-up simulation of /trace's null distributions (None when switched off)
     trace_null_warmer: asyncio.Task[None] | None
+    # the start-up load of /trace's registry snapshots (its own sessions from ``sessionmaker``)
+    registry_warmer: asyncio.Task[None]
     # chat requests' admission: the backend's queue bound and the per-user limits
     admission: Admission
     # signs trace reports (its public key is served at /.well-known/xmark-report-key)
@@ -374,6 +376,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             secret_values=secret_values,
             secrets_can_generate=settings.embedded and secrets.watermark_source == "generated",
             trace_null_warmer=warmer,
+            registry_warmer=registry_warmer,
             admission=admission,
             report_signer=report_signer,
             embeddings=embeddings,

@@ -245,6 +245,10 @@ async def app(request: pytest.FixtureRequest, settings: Settings, migrated_datab
         async with application.router.lifespan_context(application):
             # never a model where the fake was meant: the lifespan must have built its backend here
             assert built or not fake, "the lifespan no longer calls service.resources.build_backend"
+            # the start-up load of the registry opens sessions from the app's sessionmaker, which
+            # ``db_connection`` binds to a test's connection: a load still running then would share
+            # that connection with the test's own queries (and break its savepoint)
+            await asyncio.wait_for(asyncio.shield(application.state.resources.registry_warmer), 120)
             yield application
 
 
