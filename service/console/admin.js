@@ -5,6 +5,7 @@
 import { call, query } from "./api.js";
 import { PAGE, actionButton, append, clear, el, field, formatDate, formatP, message, pager, problem, select, table } from "./dom.js";
 import { endUsersPanel } from "./end_users.js";
+import { ACCOUNT_LIMITS, limitsForm } from "./limits.js";
 
 const ROLES = [["user", "user"], ["auditor", "auditor"], ["admin", "admin"]];
 
@@ -46,6 +47,7 @@ export function renderUsers(root) {
   const status = el("div", { class: "status-line" });
   const created = el("div");
   const list = el("div");
+  const limits = el("div");
   const endUsers = el("div");
 
   const q = el("input", { attrs: { type: "search", name: "q", placeholder: "name contains…" } });
@@ -85,6 +87,28 @@ export function renderUsers(root) {
       const page = await call("GET", `/admin/users${query({ q: state.q, role: state.role, status: state.status, limit: PAGE, offset: state.offset })}`);
       const rows = page.data.map((user) => {
         const actions = el("div", { class: "row-actions" });
+        if (user.status !== "deleted") {
+          actions.append(el("button", {
+            text: "Limits",
+            attrs: { type: "button", "data-action": "limits" },
+            on: {
+              click: () => {
+                const form = limitsForm({
+                  name: "account",
+                  title: `Limits of ${user.name} (#${user.id})`,
+                  limits: ACCOUNT_LIMITS,
+                  current: user,
+                  path: `/admin/users/${encodeURIComponent(user.id)}`,
+                  unset: "gateway's default",
+                  onSaved: load,
+                  onClose: () => clear(limits),
+                });
+                clear(limits).append(form);
+                form.querySelector("input").focus();
+              },
+            },
+          }));
+        }
         actions.append(el("button", {
           text: "End users",
           attrs: { type: "button", "data-action": "end-users" },
@@ -111,7 +135,7 @@ export function renderUsers(root) {
     }
   }
 
-  append(clear(root), el("h2", { text: "Users" }), create, created, filters, status, list, endUsers);
+  append(clear(root), el("h2", { text: "Users" }), create, created, filters, status, limits, list, endUsers);
   load();
 }
 

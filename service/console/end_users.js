@@ -5,6 +5,7 @@
 
 import { call, query } from "./api.js";
 import { PAGE, actionButton, clear, el, field, formatDate, message, pager, problem, select, table } from "./dom.js";
+import { END_USER_LIMITS, limitText, limitsForm } from "./limits.js";
 
 // a search waits this long after the last keystroke, so typing an identifier asks the API once
 const SEARCH_DELAY_MS = 300;
@@ -17,19 +18,24 @@ const TIMESTAMP = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}/;
 
 function shownValue(value) {
   if (value === null || value === undefined) return "–";
+  if (typeof value === "number") return String(value);
   if (typeof value === "string" && TIMESTAMP.test(value)) return formatDate(value);
   return typeof value === "object" ? JSON.stringify(value) : String(value);
 }
 
-/** An object as "name: value" lines (nested objects by dotted names); anything else as text. */
-function valueLines(value) {
-  if (value === null || value === undefined || typeof value !== "object" || Array.isArray(value)) return shownValue(value);
+// how a column's numbers read: a limit of 0 is "unlimited"
+const LEAF_TEXT = { limits: (value) => (typeof value === "number" ? limitText(value) : shownValue(value)) };
+
+/** An object as "name: value" lines (nested objects by dotted names, each leaf through ``text``);
+ * anything else as text. */
+function valueLines(value, text = shownValue) {
+  if (value === null || value === undefined || typeof value !== "object" || Array.isArray(value)) return text(value);
   const lines = [];
   (function walk(object, prefix) {
     for (const [name, item] of Object.entries(object)) {
       const key = prefix ? `${prefix}.${name}` : name;
       if (item !== null && typeof item === "object" && !Array.isArray(item)) walk(item, key);
-      else lines.push(`${key}: ${shownValue(item)}`);
+      else lines.push(`${key}: ${text(item)}`);
     }
   })(value, "");
   return lines.length ? el("div", { class: "values" }, lines.map((line) => el("div", { text: line }))) : "–";
@@ -48,6 +54,7 @@ export function endUsersPanel(account, onClose) {
   const base = `/admin/users/${encodeURIComponent(account.id)}/end-users`;
   const status = el("div", { class: "status-line" });
   const list = el("div");
+  const editor = el("div");
   let timer = null;
 
   const q = el("input", { attrs: { type: "search", name: "q", placeholder: "identifier contains…", autocomplete: "off", spellcheck: "false" } });
@@ -89,9 +96,33 @@ export function endUsersPanel(account, onClose) {
     );
   }
 
+  /** The form of the end user's own rate limits, above the list (a reload of the list keeps it). */
+  function editLimits(endUser) {
+    // the value an empty field takes is the account's (or the gateway's): known where no own one is set
+    const inherited = Object.fromEntries(
+      END_USER_LIMITS.filter(([key]) => endUser[key] === null || endUser[key] === undefined).map(([key]) => [key, endUser.limits[key]]),
+    );
+    const form = limitsForm({
+      name: "end-user",
+      title: `Own limits of end user ${endUser.identifier} (#${endUser.id})`,
+      limits: END_USER_LIMITS,
+      current: endUser,
+      inForce: inherited,
+      path: `${base}/${encodeURIComponent(endUser.id)}`,
+      unset: "account's end-user limit",
+      onSaved: load,
+      onClose: () => clear(editor),
+    });
+    clear(editor).append(form);
+    form.querySelector("input").focus();
+  }
+
   function actions(endUser) {
     const who = `End user ${endUser.identifier} (#${endUser.id})`;
     const node = el("div", { class: "row-actions" });
+    if (endUser.status !== "deleted") {
+      node.append(el("button", { text: "Limits", attrs: { type: "button", "data-action": "limits" }, on: { click: () => editLimits(endUser) } }));
+    }
     if (endUser.status === "active") {
       node.append(change(endUser, "Disable", "disable", "POST", "/disable", null, `${who} is disabled: its requests get 403.`));
     } else if (endUser.status === "disabled") {
@@ -120,7 +151,7 @@ export function endUsersPanel(account, onClose) {
         formatDate(e.created_at),
         formatDate(e.last_seen_at),
         messageIdCount(e),
-        ...extras.map(([name]) => valueLines(e[name])),
+        ...extras.map(([name]) => valueLines(e[name], LEAF_TEXT[name])),
         actions(e),
       ]);
       const headers = ["ID", "Identifier", "Status", "First seen", "Last seen", "Message IDs", ...extras.map(([, label]) => label), ""];
@@ -150,6 +181,7 @@ export function endUsersPanel(account, onClose) {
     }),
     filters,
     status,
+    editor,
     list,
   );
   load();

@@ -295,3 +295,92 @@ def test_the_registry_log_filters_end_user_changes(live_server: Any, chromium: B
     expect(rows).to_have_count(len(disables))
     expect(rows.first.locator("td").first).to_have_text(str(disables[0]["seq"]))
     page.close()
+
+
+def _user(server: Any, user_id: int) -> dict[str, Any]:
+    response = httpx.get(f"{server.base_url}/admin/users/{user_id}", headers=admin_headers(server))
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_admin_edits_an_accounts_and_an_end_users_limits(live_server: Any, chromium: Browser, artifacts: Path) -> None:
+    user_id, key = _account(live_server, "platform-ends-4")
+    _served(live_server, key, "eu-fay@example.test")
+    fay = _end_users(live_server, user_id)["eu-fay@example.test"]
+
+    page = new_page(chromium, live_server)
+    patches: list[dict[str, Any]] = []
+    page.on("request", lambda r: patches.append(r.post_data_json) if r.method == "PATCH" else None)
+    sign_in(page, live_server.admin_key)
+    page.goto("/console#/users")
+    page.locator("form.filters input[name=q]").fill("platform-ends-4")
+    page.get_by_role("button", name="Search").click()
+    row = page.locator("table.users tbody tr", has_text="platform-ends-4")
+    expect(row).to_have_count(1)
+
+    # the account's seven limits, each unset: the gateway's default
+    row.get_by_role("button", name="Limits").click()
+    form = page.locator("form[data-limits=account]")
+    expect(form.locator("h4")).to_have_text(f"Limits of platform-ends-4 (#{user_id})")
+    expect(form.locator("input")).to_have_count(7)
+    expect(form.locator(".limit-shown[data-limit=tokens_per_minute]")).to_have_text("gateway's default")
+
+    # a value that is not a limit is refused in the page, by its field's name, and nothing is sent
+    tokens = form.get_by_label("Tokens per minute", exact=True)
+    tokens.fill("-3")
+    expect(form.locator(".limit-shown[data-limit=tokens_per_minute]")).to_have_text("not a limit")
+    form.get_by_role("button", name="Save limits").click()
+    expect(form.get_by_role("alert")).to_contain_text("Tokens per minute: a whole number from 0 (unlimited)")
+    assert patches == []
+
+    # 0 reads "unlimited"; only the fields changed are sent, and the API holds them
+    tokens.fill("0")
+    expect(form.locator(".limit-shown[data-limit=tokens_per_minute]")).to_have_text("unlimited")
+    form.get_by_label("End users in all", exact=True).fill("1")
+    form.get_by_role("button", name="Save limits").click()
+    expect(form.locator(".status-line")).to_contain_text("Saved: 2 limits changed.")
+    assert patches == [{"tokens_per_minute": 0, "end_users_max": 1}]
+    account = _user(live_server, user_id)
+    assert (account["tokens_per_minute"], account["end_users_max"]) == (0, 1)
+    assert account["requests_per_minute"] is None and account["end_user_tokens_per_minute"] is None
+    # the cap holds from the next request: its one end user is served, a second identifier is refused
+    _served(live_server, key, "eu-fay@example.test")
+    refused = _chat(live_server, key, "eu-gil@example.test")
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "end_user_limit_exceeded"
+    assert "end_users_max" in refused.json()["error"]["message"]
+
+    # an emptied field goes back to the default (null)
+    tokens.fill("")
+    expect(form.locator(".limit-shown[data-limit=tokens_per_minute]")).to_have_text("gateway's default")
+    form.get_by_role("button", name="Save limits").click()
+    expect(form.locator(".status-line")).to_contain_text("Saved: 1 limit changed.")
+    assert patches[-1] == {"tokens_per_minute": None}
+    assert _user(live_server, user_id)["tokens_per_minute"] is None
+    form.get_by_role("button", name="Save limits").click()
+    expect(form.locator(".status-line")).to_have_text("Nothing changed.")
+    assert len(patches) == 2
+    form.get_by_role("button", name="Close").click()
+    expect(form).to_have_count(0)
+
+    # an end user's own limits: unset shows the account's limit in force; 0 reads "unlimited"
+    row.get_by_role("button", name="End users").click()
+    panel = page.locator("section.end-users-panel")
+    end_user = panel.locator("table.end-users tbody tr", has_text="eu-fay@example.test")
+    end_user.get_by_role("button", name="Limits").click()
+    own = panel.locator("form[data-limits=end-user]")
+    expect(own.locator("input")).to_have_count(2)
+    in_force = fay["limits"]["requests_per_minute"]
+    expect(own.locator(".limit-shown[data-limit=requests_per_minute]")).to_have_text(
+        f"account's end-user limit: {in_force:,}" if in_force else "account's end-user limit: unlimited"
+    )
+    own.get_by_label("Requests per minute", exact=True).fill("0")
+    own.get_by_role("button", name="Save limits").click()
+    expect(own.locator(".status-line")).to_contain_text("Saved: 1 limit changed.")
+    assert patches[-1] == {"requests_per_minute": 0}
+    listed = _end_users(live_server, user_id)["eu-fay@example.test"]
+    assert listed["requests_per_minute"] == 0 and listed["limits"]["requests_per_minute"] == 0
+    limits_cell = end_user.locator("td").nth(_headers(panel).index("Limits"))
+    expect(limits_cell).to_contain_text("requests_per_minute: unlimited")
+    page.screenshot(path=str(artifacts / "limits.png"), full_page=True)
+    page.close()
