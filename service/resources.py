@@ -87,6 +87,8 @@ class Resources:
     embedding_records: EmbeddingRecords
     # the accounts' end users a request names: first sight, caps, the per-process cache
     end_users: EndUserDirectory
+    # the start-up backfill of end users' IDs of every length in use (``EndUserDirectory.backfill``)
+    end_user_backfill: asyncio.Task[None]
     # OpenTelemetry spans (a no-op tracer unless an OTLP endpoint is configured)
     telemetry: Telemetry = field(default_factory=Telemetry)
     # content sketches of completions and suspect texts (None: XMARK_PROVENANCE=off)
@@ -359,6 +361,9 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             cache=EndUserCache(settings.auth_cache_ttl_s, settings.auth_cache_size),
             on_change=registry_cache.invalidate,
         )
+        stack.push_async_callback(end_users.aclose)
+        # existing end users' IDs of a length that became usable since they were first seen
+        end_user_backfill = end_users.backfill()
         if FREEZE_START_UP_HEAP:
             _background(stack, asyncio.create_task(_freeze_start_up_heap(fleet, embeddings, warmer, registry_warmer)))
         yield Resources(
@@ -382,6 +387,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
             embeddings=embeddings,
             embedding_records=embedding_records,
             end_users=end_users,
+            end_user_backfill=end_user_backfill,
             telemetry=telemetry,
             sketcher=sketcher_for(settings, secrets.api_key_pepper),
         )

@@ -248,7 +248,9 @@ async def app(request: pytest.FixtureRequest, settings: Settings, migrated_datab
             # the start-up load of the registry opens sessions from the app's sessionmaker, which
             # ``db_connection`` binds to a test's connection: a load still running then would share
             # that connection with the test's own queries (and break its savepoint)
-            await asyncio.wait_for(asyncio.shield(application.state.resources.registry_warmer), 120)
+            resources = application.state.resources
+            for start_up_work in (resources.registry_warmer, resources.end_user_backfill):
+                await asyncio.wait_for(asyncio.shield(start_up_work), 120)
             yield application
 
 

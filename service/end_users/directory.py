@@ -7,7 +7,8 @@
   (``Principal``, from the authentication cache).
 * **Cold, known**: one statement reads the end user with its message IDs; ``last_seen_at`` is
   written when the last write is more than a minute old. An end user without an ID of the length the
-  request is encoded with (a key version of a new length) gets one there.
+  request is encoded with (a key version of a new length) gets one there, unless the background
+  backfill (``backfill``, run at start-up and after an activation) gave it one first.
 * **First sight**: under the account's end-user lock (``EndUserRepository.lock_account``) the end
   user is read again (a concurrent first sight may have created it), the account's caps are checked
   (its ``end_users_max`` and ``end_users_new_per_minute`` where set, else the settings
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import event
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
@@ -47,8 +48,13 @@ from service.errors import ConflictError, DatabaseUnavailableError, PermissionDe
 from service.models import EndUser, MessageId
 from service.repositories.message_ids import MessageIdRepository
 from service.schemas.common import EndUserIdentity, Principal
-from service.services.audit import Actor, AuditTrail, Change
-from service.services.message_ids import MessageLength, lengths_in_use, message_ids_out
+from service.services.audit import SYSTEM_ACTOR, Actor, AuditTrail, Change
+from service.services.message_ids import (
+    MessageLength,
+    backfill_end_user_message_ids,
+    lengths_in_use,
+    message_ids_out,
+)
 from service.services.reports import ReportSigner
 from service.services.users import MAX_ALLOCATION_ATTEMPTS, Allocator, allocate_one, choose_message_ids
 from service.vocabulary import AuditAction, AuditTarget, EndUserStatus
@@ -209,6 +215,52 @@ class EndUserDirectory:
         self._pending: dict[tuple[int, str], asyncio.Future[tuple[EndUserIdentity, str]]] = {}
         # at most half the database pool's connections look end users up at once
         self._turns = asyncio.Semaphore(max(1, settings.database_pool_size // 2))
+        # the backfills of end users' IDs of a length that became usable (``backfill``)
+        self._backfills: set[asyncio.Task[None]] = set()
+
+    def ids_added(self, more: bool) -> None:
+        """End users were given IDs of a new length outside this directory (an activation's first
+        batch): forget the cached identities, which lack them, and, ``more``, backfill the rest."""
+        self._batch_done()
+        if more:
+            self.backfill()
+
+    def _batch_done(self) -> None:
+        self.cache.clear()  # cached identities lack the new IDs
+        if self._on_change is not None:
+            self._on_change()
+
+    def backfill(self) -> asyncio.Task[None]:
+        """Give every end user an ID of each length in use it lacks, in the background: batches of
+        ``BACKFILL_BATCH`` end users, each a unit of work of its own recorded in the audit trail as
+        the gateway's (``message_ids.allocate``), so a large directory is neither one transaction
+        nor a wait before serving. Run at start-up and after an activation left end users without
+        an ID of its length (``ids_added``); an end user's request before its batch gets its ID on
+        that request, as before. A failure is logged: the request path covers whom it missed."""
+        task = asyncio.create_task(self._backfill())
+        self._backfills.add(task)
+        task.add_done_callback(self._backfills.discard)
+        return task
+
+    async def _backfill(self) -> None:
+        try:
+            async with session_scope(self._sessionmaker) as session:
+                lengths = (await lengths_in_use(session, self._configured)).params
+            await backfill_end_user_message_ids(
+                self._sessionmaker, lengths, audit=AuditTrail(self._signer, SYSTEM_ACTOR), on_batch=self._batch_done
+            )
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            logger.warning(
+                "end users' message IDs of a new length were not backfilled; their requests allocate them",
+                extra={"error": type(exc).__name__},
+            )
+
+    async def aclose(self) -> None:
+        """Stop the backfills in progress (a batch not committed is rolled back, and the next run
+        or the request path takes it up)."""
+        for task in list(self._backfills):
+            task.cancel()
+        await asyncio.gather(*self._backfills, return_exceptions=True)
 
     async def resolve(
         self, principal: Principal, identifier: str, length: MessageLength, *, request_id: str | None = None

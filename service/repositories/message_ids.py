@@ -10,7 +10,7 @@ from sqlalchemy import exists, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.models import MessageId, User
+from service.models import EndUser, MessageId, User
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,14 @@ class MessageIdRepository:
         )
         stmt = select(User.id, User.message_id).where(~has_one).order_by(User.id).limit(limit)
         return [MissingUser(row.id, row.message_id) for row in (await self._session.execute(stmt)).all()]
+
+    async def missing_end_users(self, bits: int, block_bits: int, *, limit: int) -> list[int]:
+        """Up to ``limit`` end users (deleted ones included), lowest id first, with no ID of this length."""
+        has_one = exists().where(
+            MessageId.end_user_id == EndUser.id, MessageId.bits == bits, MessageId.block_bits == block_bits
+        )
+        stmt = select(EndUser.id).where(~has_one).order_by(EndUser.id).limit(limit)
+        return list((await self._session.scalars(stmt)).all())
 
     async def insert_if_free(self, rows: Sequence[Mapping[str, Any]]) -> int:
         """Insert the rows that violate no unique constraint (``ON CONFLICT DO NOTHING``): a row

@@ -87,6 +87,7 @@ async def _key_versions(repos: RepositoriesDep, resources: ResourcesDep, audit: 
         can_generate=resources.secrets_can_generate,
         auth_cache=resources.authenticator.cache,
         audit=audit,
+        on_end_user_ids=resources.end_users.ids_added,
     )
 
 

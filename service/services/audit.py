@@ -263,14 +263,17 @@ def key_version_registered(row: KeyVersion) -> Change:
     return Change(action, AuditTarget.KEY_VERSION, row.id, None, key_version_fields(row))
 
 
-def message_ids_allocated(params: WatermarkParams, allocated: int, user_ids: tuple[int, int]) -> Change:
-    """IDs of a length given to users that had none (a start-up batch); the users by id range."""
+def message_ids_allocated(
+    params: WatermarkParams, allocated: int, ids: tuple[int, int], *, end_users: bool = False
+) -> Change:
+    """IDs of a length given to users (or, ``end_users``, to end users) that had none (a batch of a
+    backfill); those given one by id range (``user_ids`` or ``end_user_ids``)."""
     length = f"{params.bits}/{params.block_bits}"
     after = {
         "bits": params.bits,
         "block_bits": params.block_bits,
         "allocated": allocated,
-        "user_ids": {"from": user_ids[0], "to": user_ids[1]},
+        "end_user_ids" if end_users else "user_ids": {"from": ids[0], "to": ids[1]},
     }
     return Change(AuditAction.MESSAGE_IDS_ALLOCATE, AuditTarget.MESSAGE_LENGTH, length, None, after)
 

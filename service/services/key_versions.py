@@ -2,7 +2,10 @@
 
 Activating a version of a message length some users have no ID of gives every user one first
 (``services/message_ids.py``), in the same unit of work: once the activation commits, every user
-can be encoded under it.
+can be encoded under it. End users get theirs in the same unit of work up to one batch
+(``BACKFILL_BATCH``) and, past that, in the background once the activation has committed
+(``EndUserDirectory.ids_added``, the ``on_end_user_ids`` hook): there may be far more of them than fit
+one request's transaction, and a request of one not yet reached gets its ID on that request.
 
 Last active key version: retiring takes the key versions' guard lock (``repositories/guards.py``)
 before it reads the version and counts the active ones, so two retirements racing for the last
@@ -13,8 +16,12 @@ Activations and retirements are recorded in the registry's audit trail (``servic
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
+
+from sqlalchemy import event
 
 from service.config import ConfigurationError, Settings, generate_embedded_secret
 from service.errors import ConflictError, InvalidRequestError, NotFoundError
@@ -55,7 +62,11 @@ class KeyVersionService:
         can_generate: bool,
         auth_cache: AuthCache | None = None,
         audit: AuditWriter = UNRECORDED,
+        on_end_user_ids: Callable[[bool], object] | None = None,
     ) -> None:
+        # runs once an activation that gave end users IDs, or left some without, has committed:
+        # with whether end users are left (``EndUserDirectory.ids_added``: its cache, the backfill)
+        self._on_end_user_ids = on_end_user_ids
         self._repos = repos
         self._session = repos.session
         self._audit = audit
@@ -127,13 +138,25 @@ class KeyVersionService:
             await self._repo.flush()
         # every user (deleted ones included) needs an ID of this version's length; usually they got
         # it when the version was registered at start-up, and this finds nobody missing
-        added = await MessageIdService(self._repos).fill(row_spec(row).encoders)
+        ids = MessageIdService(self._repos)
+        added = await ids.fill(row_spec(row).encoders)
         if added and self._auth_cache is not None:  # cached principals lack the new IDs
             self._auth_cache.invalidate_all(self._session)
-        after = {**key_version_fields(row), "message_ids_added": added}
+        # end users: a first batch here (all of a small directory), the rest in the background
+        end_users_added, more = await ids.fill_end_users_first(row_spec(row).encoders)
+        after = {
+            **key_version_fields(row),
+            "message_ids_added": added,
+            "end_user_message_ids_added": end_users_added,
+        }
         change = Change(AuditAction.KEY_VERSION_ACTIVATE, AuditTarget.KEY_VERSION, row.id, before, after)
         await self._audit.record(self._session, change)
         await self._keyring.refresh(self._session)
+        if (end_users_added or more) and self._on_end_user_ids is not None:
+            # after the commit (the backfill's own sessions must see the version): the end-user
+            # cache, whose identities lack the new IDs, and the end users the first batch left
+            loop, hook = asyncio.get_running_loop(), self._on_end_user_ids
+            event.listen(self._session.sync_session, "after_commit", lambda _: loop.call_soon(hook, more), once=True)
         logger.info("key version activated", extra={"key_version": name})
         return self._out(row)
 

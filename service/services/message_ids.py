@@ -16,6 +16,11 @@ safe when replicas race: it works in batches of users that have no ID of the len
 ``ON CONFLICT DO NOTHING`` under the unique constraints on (user, length) and (length, ID), and
 reads again until no user is missing one. A user whose ``users.message_id`` (the ID it was created
 with) has the length's bit count keeps that ID when no one else holds it.
+
+End users (``service/end_users``) share each length's ID space. They get the lengths in use at
+first sight; :func:`backfill_end_user_message_ids` gives the existing ones an ID of a length that
+became usable later, in the background (the end-user directory runs it at start-up and after an
+activation), and a request of an end user it has not reached yet gets its ID on that request.
 """
 
 from __future__ import annotations
@@ -136,6 +141,12 @@ def _choose(
     return chosen
 
 
+def _allocate(count: int, taken: Sequence[str], params: WatermarkParams) -> list[str]:
+    """``count`` new IDs of ``params``' length, apart from ``taken`` (CPU work: run off the event loop)."""
+    allocator = MessageAllocator(taken, params)
+    return [allocator.allocate().bits for _ in range(count)]
+
+
 class MessageIdService:
     def __init__(self, repos: Repositories) -> None:
         self._session = repos.session
@@ -160,6 +171,41 @@ class MessageIdService:
         ]
         inserted = await self._repo.insert_if_free(rows)
         return BatchResult(len(missing), inserted, missing[0].user_id, missing[-1].user_id)
+
+    async def fill_end_users_batch(self, params: WatermarkParams, *, limit: int = BACKFILL_BATCH) -> BatchResult:
+        """Give up to ``limit`` end users without an ID of ``params``' length one (lowest ids first),
+        chosen against every ID of the length and every ID a user was created with (a user's
+        backfill may give it back that one)."""
+        bits, block_bits = length_of(params)
+        missing = await self._repo.missing_end_users(bits, block_bits, limit=limit)
+        if not missing:
+            return BatchResult(0, 0, None)
+        taken = await self._repo.existing(bits, block_bits)
+        try:
+            chosen = await asyncio.to_thread(_allocate, len(missing), taken, params)
+        except MessageSpaceExhausted:
+            raise _exhausted(params) from None
+        now = datetime.now(UTC)
+        rows = [
+            {"end_user_id": owner, "bits": bits, "block_bits": block_bits, "message_id": message_id, "created_at": now}
+            for owner, message_id in zip(missing, chosen, strict=True)
+        ]
+        inserted = await self._repo.insert_if_free(rows)
+        return BatchResult(len(missing), inserted, missing[0], missing[-1])
+
+    async def fill_end_users_first(
+        self, lengths: Sequence[WatermarkParams], *, limit: int | None = None
+    ) -> tuple[int, bool]:
+        """One batch per length of :meth:`fill_end_users_batch` in this unit of work (``limit``, else
+        ``BACKFILL_BATCH``): how many IDs it added, and whether end users may be left without one (a
+        full batch: the backfill's work)."""
+        limit = BACKFILL_BATCH if limit is None else limit
+        added, more = 0, False
+        for params in lengths:
+            result = await self.fill_end_users_batch(params, limit=limit)
+            added += result.inserted
+            more = more or result.missing >= limit
+        return added, more
 
     async def fill(self, lengths: Sequence[WatermarkParams], *, batch_size: int = BACKFILL_BATCH) -> int:
         """Give every user an ID of each of ``lengths``, in this unit of work; returns how many were added."""
@@ -216,22 +262,52 @@ async def backfill_message_ids(
     """
     async with session_scope(sessionmaker) as session:
         lengths = await key_version_lengths(session)
+    return await _backfill(sessionmaker, lengths, batch_size=batch_size, audit=audit, end_users=False)
+
+
+async def backfill_end_user_message_ids(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    lengths: Sequence[WatermarkParams],
+    *,
+    batch_size: int = BACKFILL_BATCH,
+    audit: AuditWriter = UNRECORDED,
+    on_batch: Callable[[], None] | None = None,
+) -> dict[MessageLength, int]:
+    """Give every end user (deleted ones included) an ID of each of ``lengths`` it lacks, in
+    batches of ``batch_size``, each a unit of work recorded by ``audit``; ``on_batch`` runs after a
+    batch that added IDs has committed. Returns how many IDs were added per length."""
+    return await _backfill(sessionmaker, lengths, batch_size=batch_size, audit=audit, end_users=True, on_batch=on_batch)
+
+
+async def _backfill(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    lengths: Sequence[WatermarkParams],
+    *,
+    batch_size: int,
+    audit: AuditWriter,
+    end_users: bool,
+    on_batch: Callable[[], None] | None = None,
+) -> dict[MessageLength, int]:
     added: dict[MessageLength, int] = {}
     for params in lengths:
 
         async def batch(p: WatermarkParams = params) -> BatchResult:
             async with session_scope(sessionmaker) as session:
-                result = await MessageIdService(Repositories(session)).fill_batch(p, limit=batch_size)
+                service = MessageIdService(Repositories(session))
+                fill = service.fill_end_users_batch if end_users else service.fill_batch
+                result = await fill(p, limit=batch_size)
                 if result.inserted and result.first_missing is not None and result.last_missing is not None:
                     span = (result.first_missing, result.last_missing)
-                    await audit.record(session, message_ids_allocated(p, result.inserted, span))
-                return result
+                    await audit.record(session, message_ids_allocated(p, result.inserted, span, end_users=end_users))
+            if result.inserted and on_batch is not None:
+                on_batch()
+            return result
 
         try:
             added[length_of(params)] = await _until_done(params, batch)
         except ConflictError as exc:
             logger.error(
                 "message IDs could not be allocated for a key version's message length",
-                extra={"bits": params.bits, "block_bits": params.block_bits, "code": exc.code},
+                extra={"bits": params.bits, "block_bits": params.block_bits, "code": exc.code, "end_users": end_users},
             )
     return added

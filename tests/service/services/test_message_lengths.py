@@ -1,7 +1,8 @@
 """Key versions of different message lengths coexist: a 16-bit deployment rotates to a 32-bit
 version. Every user (deleted ones included) gets a 32-bit ID, generations are encoded with the ID
 of the active version's length, text of the old version is still traced to its author, and the
-backfill is idempotent and safe when two sessions race."""
+backfill is idempotent and safe when two sessions race; end users get theirs in the activation (a
+first batch) and in the background backfill (the rest, and at start-up)."""
 
 from __future__ import annotations
 
@@ -23,23 +24,30 @@ import pytest
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+import service.resources
 import service.services.message_ids
 from benchmarks.pg_admin import create_database, drop_database, sibling_url
+from service.app import create_app
 from service.config import ConfigurationError
 from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker, session_scope, upgrade_database
+from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.errors import ServiceUnavailableError
 from service.keyring import Keyring
-from service.models import Generation, KeyVersion, MessageId, Trace, User
+from service.models import EndUser, Generation, KeyVersion, MessageId, RegistryAuditEntry, Trace, User
 from service.repositories.unit import Repositories
 from service.resources import startup_sessions, sync_keyring
 from service.schemas.admin import CreatedUser
 from service.schemas.chat import ChatCompletionRequest
 from service.schemas.common import MessageIdOut, Principal
 from service.security import ApiKeyHasher
+from service.services.audit import SYSTEM_ACTOR, AuditTrail
 from service.services.generation import GenerationService
-from service.services.message_ids import MessageIdService, backfill_message_ids
+from service.services.key_versions import KeyVersionService
+from service.services.message_ids import MessageIdService, backfill_end_user_message_ids, backfill_message_ids
+from service.services.reports import ReportSigner
 from service.services.users import UserService
 from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, make_test_settings
+from tests.fakes import FakeBackend
 from xmark_core import MessageAllocator, WatermarkKey, WatermarkParams
 
 P16 = WatermarkParams(bits=16)
@@ -477,3 +485,219 @@ async def _more_users(sessionmaker: async_sessionmaker[AsyncSession], count: int
         assert all([m.bits for m in c.message_ids] == [16] for c in created)
         v2.status = "pending"
     return [c.id for c in created]
+
+
+# -- end users: the activation's first batch, the background backfill ------------------------------
+
+
+async def _sixteen_bit_end_users(session: AsyncSession, account_id: int, count: int) -> list[int]:
+    """``count`` end users of the account holding a 16-bit ID only (every third deleted), IDs drawn
+    apart from every 16-bit ID held."""
+    held = list((await session.scalars(select(MessageId.message_id).where(MessageId.bits == 16))).all())
+    allocator = MessageAllocator(held, P16)
+    ids = []
+    for i in range(count):
+        row = EndUser(user_id=account_id, identifier=f"eu-{i}", status="deleted" if i % 3 == 0 else "active")
+        session.add(row)
+        await session.flush()
+        session.add(MessageId(end_user_id=row.id, bits=16, block_bits=2, message_id=allocator.allocate().bits))
+        ids.append(row.id)
+    await session.flush()
+    return ids
+
+
+async def _end_user_ids(session: AsyncSession, bits: int) -> dict[int, str]:
+    stmt = select(MessageId.end_user_id, MessageId.message_id).where(
+        MessageId.bits == bits, MessageId.end_user_id.is_not(None)
+    )
+    return {int(r.end_user_id): r.message_id for r in (await session.execute(stmt)).all()}
+
+
+async def _unique_per_length(session: AsyncSession) -> None:
+    for bits in (16, 32):
+        held = (await session.scalars(select(MessageId.message_id).where(MessageId.bits == bits))).all()
+        assert held and max(Counter(held).values()) == 1, bits  # users' and end users' IDs apart
+        assert all(len(m) == bits for m in held)
+
+
+async def test_rotating_gives_every_end_user_an_id_of_the_new_length_in_the_activation(
+    app: Any, client: httpx.AsyncClient, db_session: AsyncSession, sixteen_bit: Deployment
+) -> None:
+    d = sixteen_bit
+    directory = app.state.resources.end_users
+    end_users = await _sixteen_bit_end_users(db_session, d.author.id, 5)
+    before = await _end_user_ids(db_session, 16)
+    assert set(before) == set(end_users) and await _end_user_ids(db_session, 32) == {}
+    # a cached identity holds the 16-bit ID only: the activation must make it go
+    fill_principal = await app.state.resources.authenticator.authenticate(f"Bearer {d.author.api_key}")
+    cached = await directory.resolve(fill_principal, "eu-1", (16, 2))
+    assert directory.cache.get((d.author.id, "eu-1")) is not None and cached.message_id_for(32, 2) is None
+
+    await _activate_v2(client, d.admin.api_key)
+    # every end user, the deleted ones too, got a 32-bit ID in the activation's unit of work (a
+    # directory this small fits one batch: no background backfill), apart from every other ID
+    after = await _end_user_ids(db_session, 32)
+    assert set(after) == set(end_users)
+    assert await _end_user_ids(db_session, 16) == before
+    await _unique_per_length(db_session)
+    assert not directory._backfills
+    entry = (
+        await db_session.scalars(
+            select(RegistryAuditEntry)
+            .where(RegistryAuditEntry.action == "key_version.activate")
+            .order_by(RegistryAuditEntry.seq.desc())
+        )
+    ).first()
+    assert entry is not None and entry.changes["after"]["end_user_message_ids_added"] == 5
+    # the cache was cleared at the commit; the end user's next request is encoded with its new ID
+    # and allocates nothing more
+    assert directory.cache.get((d.author.id, "eu-1")) is None
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "user": "eu-1"},
+        headers=_auth(d.author.api_key),
+    )
+    assert response.status_code == 200, response.text
+    served = directory.cache.get((d.author.id, "eu-1"))  # as the request resolved it
+    assert served is not None and served.identity.message_id_for(32, 2) == after[end_users[1]]
+    assert await _end_user_ids(db_session, 32) == after
+
+
+async def _end_users_of_a_sixteen_bit_deployment(
+    sessionmaker: async_sessionmaker[AsyncSession], count: int
+) -> list[int]:
+    """A 16-bit deployment (``_sixteen_bit_users``) whose second user has ``count`` end users."""
+    user_ids = await _sixteen_bit_users(sessionmaker, 2)
+    async with session_scope(sessionmaker) as session:
+        return await _sixteen_bit_end_users(session, user_ids[1], count)
+
+
+async def test_the_background_backfill_gives_every_end_user_an_id_batch_by_batch(
+    scratch_url: str, tmp_path: Path
+) -> None:
+    (engine,) = await _engines(tmp_path, scratch_url, 1)
+    try:
+        sessionmaker = create_sessionmaker(engine)
+        end_users = await _end_users_of_a_sixteen_bit_deployment(sessionmaker, 7)
+        batches: list[int] = []
+
+        def on_batch() -> None:
+            batches.append(len(batches))
+
+        signer = ReportSigner.from_secret(b"end-user backfill test")
+        added = await backfill_end_user_message_ids(
+            sessionmaker, [P32], batch_size=3, audit=AuditTrail(signer, SYSTEM_ACTOR), on_batch=on_batch
+        )
+        assert added == {(32, 2): 7} and len(batches) == 3  # 3 + 3 + 1, each committed on its own
+        async with sessionmaker() as session:
+            assert set(await _end_user_ids(session, 32)) == set(end_users)
+            await _unique_per_length(session)
+            entries = (
+                await session.scalars(
+                    select(RegistryAuditEntry)
+                    .where(RegistryAuditEntry.action == "message_ids.allocate")
+                    .order_by(RegistryAuditEntry.seq)
+                )
+            ).all()
+        allocations = [e.changes["after"] for e in entries if "end_user_ids" in e.changes["after"]]
+        spans = [a["end_user_ids"] for a in allocations]
+        assert spans == [
+            {"from": end_users[0], "to": end_users[2]},
+            {"from": end_users[3], "to": end_users[5]},
+            {"from": end_users[6], "to": end_users[6]},
+        ]
+        assert [a["allocated"] for a in allocations] == [3, 3, 1]
+        # run again (a restart, another replica): nothing to do, nothing recorded
+        assert await backfill_end_user_message_ids(sessionmaker, [P32], batch_size=3) == {(32, 2): 0}
+    finally:
+        await engine.dispose()
+
+
+async def test_racing_end_user_backfills_create_no_duplicates(scratch_url: str, tmp_path: Path) -> None:
+    first, second = await _engines(tmp_path, scratch_url, 2)
+    try:
+        one, two = create_sessionmaker(first), create_sessionmaker(second)
+        end_users = await _end_users_of_a_sixteen_bit_deployment(one, 11)
+        added = await asyncio.gather(
+            backfill_end_user_message_ids(one, [P32], batch_size=2),
+            backfill_end_user_message_ids(two, [P32], batch_size=2),
+        )
+        assert sum(a[(32, 2)] for a in added) == len(end_users)
+        async with one() as session:
+            held = await _end_user_ids(session, 32)
+            assert sorted(held) == sorted(end_users)  # exactly one each
+            await _unique_per_length(session)
+    finally:
+        await first.dispose()
+        await second.dispose()
+
+
+async def test_an_activation_past_one_batch_leaves_the_rest_to_the_directorys_backfill(
+    scratch_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More end users than one batch: the activation gives the first batch their IDs and hands the
+    rest to ``EndUserDirectory.backfill`` (after its commit), which reaches every one."""
+    monkeypatch.setattr(service.services.message_ids, "BACKFILL_BATCH", 4)
+    settings = make_test_settings(tmp_path, database_url=scratch_url)
+    (engine,) = await _engines(tmp_path, scratch_url, 1)
+    try:
+        sessionmaker = create_sessionmaker(engine)
+        end_users = await _end_users_of_a_sixteen_bit_deployment(sessionmaker, 10)
+        keyring = Keyring(P32, {"v1": S1, "v2": S2})
+        await sync_keyring(keyring, sessionmaker)  # v2 registered (pending); users get 32-bit IDs
+        signer = ReportSigner.from_secret(b"end-user backfill test")
+        directory = EndUserDirectory(
+            sessionmaker=sessionmaker, settings=settings, configured=keyring.spec, signer=signer, cache=EndUserCache(60)
+        )
+        hooked: list[bool] = []
+
+        def on_end_user_ids(more: bool) -> None:
+            hooked.append(more)
+            directory.ids_added(more)
+
+        async with session_scope(sessionmaker) as session:
+            versions = KeyVersionService(
+                Repositories(session), keyring, settings, can_generate=False, on_end_user_ids=on_end_user_ids
+            )
+            await versions.activate("v2")
+            async with sessionmaker() as other:  # not committed yet: nothing handed on
+                assert hooked == [] and await _end_user_ids(other, 32) == {}
+        await asyncio.sleep(0)  # the hook runs on the loop right after the commit
+        assert hooked == [True] and len(directory._backfills) == 1
+        await asyncio.wait_for(asyncio.gather(*directory._backfills), 60)  # 5x margin and more: < 1 s here
+        async with sessionmaker() as session:
+            assert set(await _end_user_ids(session, 32)) == set(end_users)
+            await _unique_per_length(session)
+        await directory.aclose()
+    finally:
+        await engine.dispose()
+
+
+async def test_a_start_up_backfills_the_end_users_of_a_version_registered_then(
+    scratch_url: str, tmp_path: Path
+) -> None:
+    """A 16-bit deployment with end users restarts configured for 32 bits with a second secret: v2
+    is registered at start-up, the users get 32-bit IDs before serving, the end users in the
+    directory's background backfill (``Resources.end_user_backfill``), apart from every other ID."""
+    (engine,) = await _engines(tmp_path, scratch_url, 1)
+    try:
+        end_users = await _end_users_of_a_sixteen_bit_deployment(create_sessionmaker(engine), 6)
+    finally:
+        await engine.dispose()
+    settings = make_test_settings(tmp_path, database_url=scratch_url, watermark_bits=32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service.resources, "build_backend", lambda s, metrics: FakeBackend(s.model_name))
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            resources = app.state.resources
+            await asyncio.wait_for(asyncio.shield(resources.end_user_backfill), 60)  # 5x margin and more: < 1 s here
+            assert resources.keyring.lengths() == {(16, 2), (32, 2)}
+            async with resources.sessionmaker() as session:
+                assert set(await _end_user_ids(session, 32)) == set(end_users)
+                await _unique_per_length(session)
+                actors = (
+                    await session.scalars(
+                        select(RegistryAuditEntry.actor_kind).where(RegistryAuditEntry.action == "message_ids.allocate")
+                    )
+                ).all()
+            assert actors and set(actors) == {"system"}
