@@ -261,6 +261,10 @@ def row_seed(seed: int, job: RowJob) -> int:
     return int.from_bytes(hashlib.sha256(ident).digest()[:4], "little")
 
 
+# GiB of KV cache of the in-process engine (the evaluation's batches of up to 128 sequences)
+KV_CACHE_GIB = 4
+
+
 class VllmGenerator:
     """One vLLM engine for the whole run; ``generate`` takes any mix of settings in one call."""
 
@@ -270,8 +274,12 @@ class VllmGenerator:
         self, model_path: Path, tokenizer: PreTrainedTokenizerBase, *, max_model_len: int, max_num_seqs: int
     ) -> None:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         from vllm import LLM
+
+        # the engine's own KV cache (VLLM_CPU_KVCACHE_SPACE, when set, still overrides it), not the
+        # process environment's: a default written there was inherited by every vLLM server the
+        # process started later (the e2e tests' workers asked for 4 GiB each instead of their 1)
+        kv_cache_gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or KV_CACHE_GIB)
 
         self._tokenizer = tokenizer
         self._llm: LLM = LLM(
@@ -288,6 +296,7 @@ class VllmGenerator:
             max_num_batched_tokens=max_model_len * max_num_seqs,
             logits_processors=[PROCESSOR],
             logprobs_mode="raw_logprobs",
+            kv_cache_memory_bytes=kv_cache_gib * 2**30,
             seed=0,
         )
         self.max_num_seqs = max_num_seqs

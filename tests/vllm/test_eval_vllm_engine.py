@@ -8,6 +8,7 @@ return exactly max_new_tokens tokens with the raw model NLL of each.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -184,7 +185,13 @@ def test_real_engine_gives_exact_lengths_and_the_raw_model_nll() -> None:
     if not (model_path / "config.json").is_file():
         pytest.fail(f"no model checkpoint at {model_path}: run `xmark fetch-model` first")
     model, tokenizer = load_model(model_path)
+    environment = dict(os.environ)
     generator = VllmGenerator(model_path, tokenizer, max_model_len=256, max_num_seqs=4)
+    # its KV cache is the engine's own: the vLLM servers this process starts later (tests/e2e_vllm)
+    # must not inherit it through the environment
+    assert {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")} == {
+        k: v for k, v in environment.items() if k.startswith("VLLM_CPU")
+    }
     spec = GenSpec("xmark", 8, 2, 2.0, temperature=0.7)
     key = evaluation_key(spec.params(), SEED)
     messages = user_messages(8, 2, SEED)
