@@ -38,10 +38,14 @@ USERS = 1_000
 # gateway's own (database_timeout_s = 1 s) inside it: 5x margin and more, the slowest answer took
 # 0.07 s (file gone) and 0.17 s (disk full) here
 ANSWER_WITHIN_S = 2.0
-# the bound for writers that find the file locked by another process: one busy timeout (0.5 s
-# there) and the refusals of those queued behind it; 5x margin: the slowest of the 32 took 0.90 s
-# here, where waits in turn (the failure this tests) would take 32 x 0.5 = 16 s
-LOCKED_ANSWER_WITHIN_S = 5.0
+# writers that find the file locked by another process: one busy timeout (0.5 s there) and the
+# refusals of those queued behind it, on top of what 32 requests at once cost the machine now (a
+# baseline measured in the test: the same 32 creations once the lock is gone), where waits in turn
+# (the failure this tests) would add 32 x 0.5 = 16 s. The allowance is 8 busy timeouts (4 s):
+# the slowest refusal and the slowest creation after it took 0.68 s and 0.33 s here (0.90 s and
+# 0.83 s beside two CPU-bound loops); in a CI run with make test-vllm beside make test the refusals
+# took 4.0-5.7 s, all of them, which failed the absolute 5 s bound this replaces
+LOCKED_ALLOWANCE_TIMEOUTS = 8
 # the clients' timeout: 5x margin and more, the slowest creation of the parallel load took 1.9 s here
 CLIENT_TIMEOUT_S = 60
 MODEL = "smollm2-135m-instruct"
@@ -131,7 +135,8 @@ def test_a_lock_held_by_another_process_is_a_fast_503_for_every_waiting_writer(t
 
     The busy timeout is 0.5 s here, so one wait (the first writer's; those queued behind it are
     refused at once) took 0.9 s for the slowest here, and waits in turn would take 16 s: the bound
-    (LOCKED_ANSWER_WITHIN_S, 5 s) lies between."""
+    (the creations' own time once the lock is gone, plus LOCKED_ALLOWANCE_TIMEOUTS busy timeouts)
+    lies between."""
     settings, admin_key = _embedded_settings(tmp_path, database_timeout_s=0.5)
     database = tmp_path / "var" / "xmark.db"
     with live_gateway(settings) as base_url:
@@ -151,11 +156,12 @@ def test_a_lock_held_by_another_process_is_a_fast_503_for_every_waiting_writer(t
             holder.stdin.flush()
             holder.wait(timeout=30)  # 5x margin and more: it ends at once once told (milliseconds)
         assert {(status, code) for status, _, code in results} == {(503, "database_unavailable")}
-        slowest = max(seconds for _, seconds, _ in results)
-        assert slowest < LOCKED_ANSWER_WITHIN_S, sorted(round(seconds, 3) for _, seconds, _ in results)
         time.sleep(settings.database_timeout_s)  # the refusal is remembered for one busy timeout
         after = asyncio.run(_create_each(base_url, admin_key, [f"after-{i}" for i in range(CREATORS)]))
         assert {status for status, _, _ in after} == {201}
+        slowest = max(seconds for _, seconds, _ in results)
+        bound = max(seconds for _, seconds, _ in after) + LOCKED_ALLOWANCE_TIMEOUTS * settings.database_timeout_s
+        assert slowest < bound, (round(bound, 3), sorted(round(seconds, 3) for _, seconds, _ in results))
 
 
 def test_a_removed_database_is_a_fast_503_not_writes_into_the_void(tmp_path: Path) -> None:
