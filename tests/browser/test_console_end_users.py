@@ -81,14 +81,19 @@ def _shown_date(value: str) -> str:
     return datetime.fromisoformat(value).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def _open_end_users(page: Page, name: str) -> Locator:
-    """The Users view, the account found by name, its End users panel opened."""
+def _account_row(page: Page, name: str) -> Locator:
+    """The Users view, searched by name: the account's one row."""
     page.goto("/console#/users")
     page.locator("form.filters input[name=q]").fill(name)
     page.get_by_role("button", name="Search").click()
     row = page.locator("table.users tbody tr", has_text=name)
     expect(row).to_have_count(1)
-    row.get_by_role("button", name="End users").click()
+    return row
+
+
+def _open_end_users(page: Page, name: str) -> Locator:
+    """The Users view, the account found by name, its End users panel opened."""
+    _account_row(page, name).get_by_role("button", name="End users").click()
     panel = page.locator("section.end-users-panel")
     expect(panel).to_be_visible()
     return panel
@@ -312,11 +317,7 @@ def test_admin_edits_an_accounts_and_an_end_users_limits(live_server: Any, chrom
     patches: list[dict[str, Any]] = []
     page.on("request", lambda r: patches.append(r.post_data_json) if r.method == "PATCH" else None)
     sign_in(page, live_server.admin_key)
-    page.goto("/console#/users")
-    page.locator("form.filters input[name=q]").fill("platform-ends-4")
-    page.get_by_role("button", name="Search").click()
-    row = page.locator("table.users tbody tr", has_text="platform-ends-4")
-    expect(row).to_have_count(1)
+    row = _account_row(page, "platform-ends-4")
 
     # the account's seven limits, each unset: the gateway's default
     row.get_by_role("button", name="Limits").click()
