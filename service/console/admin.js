@@ -1,9 +1,10 @@
 // The administration views: users (with each account's end users, end_users.js), API keys, key
 // versions, the trace audit log, the registry's audit trail and usage.
-// Each view loads its page from the API and shows the API's own error message when it fails.
+// Each view loads its page from the API (the newest request only: dom.js latest) and shows the API's
+// own error message when it fails.
 
 import { call, query } from "./api.js";
-import { PAGE, actionButton, append, clear, el, field, formatDate, formatP, message, pager, problem, select, table } from "./dom.js";
+import { PAGE, actionButton, append, clear, el, field, formatDate, formatP, latest, message, pager, problem, select, table } from "./dom.js";
 import { endUsersPanel } from "./end_users.js";
 import { ACCOUNT_LIMITS, limitsForm } from "./limits.js";
 
@@ -82,9 +83,12 @@ export function renderUsers(root) {
     }
   });
 
+  const loads = latest();
   async function load() {
+    const current = loads();
     try {
       const page = await call("GET", `/admin/users${query({ q: state.q, role: state.role, status: state.status, limit: PAGE, offset: state.offset })}`);
+      if (!current()) return;
       const rows = page.data.map((user) => {
         const actions = el("div", { class: "row-actions" });
         if (user.status !== "deleted") {
@@ -131,7 +135,7 @@ export function renderUsers(root) {
       });
       clear(list).append(table(["ID", "Name", "Role", "Status", "Created", ""], rows, { class: "grid users", empty: "No user matches." }), pager(page, (offset) => { state.offset = offset; load(); }));
     } catch (error) {
-      clear(list).append(problem(error, "The user list"));
+      if (current()) clear(list).append(problem(error, "The user list"));
     }
   }
 
@@ -170,9 +174,12 @@ export function renderKeys(root) {
     load();
   });
 
+  const loads = latest();
   async function load() {
+    const current = loads();
     try {
       const page = await call("GET", `/admin/api-keys${query({ prefix: state.prefix, user_id: state.userId, limit: PAGE, offset: state.offset })}`);
+      if (!current()) return;
       const rows = page.data.map((key) => [
         String(key.id),
         `#${key.user_id}`,
@@ -185,7 +192,7 @@ export function renderKeys(root) {
       ]);
       clear(list).append(table(["ID", "User", "Prefix", "Created", "Last used", ""], rows, { class: "grid keys", empty: "No key matches." }), pager(page, (offset) => { state.offset = offset; load(); }));
     } catch (error) {
-      clear(list).append(problem(error, "The key list"));
+      if (current()) clear(list).append(problem(error, "The key list"));
     }
   }
 
@@ -218,9 +225,12 @@ export function renderKeyVersions(root) {
     }
   });
 
+  const loads = latest();
   async function load() {
+    const current = loads();
     try {
       const versions = await call("GET", "/admin/key-versions");
+      if (!current()) return;
       const rows = versions.data.map((v) => [
         v.name,
         v.status,
@@ -235,7 +245,7 @@ export function renderKeyVersions(root) {
       ]);
       clear(list).append(table(["Name", "Status", "Parameters", "Fingerprint", "Secret here", "Activated", "Retired", ""], rows, { class: "grid versions" }));
     } catch (error) {
-      clear(list).append(problem(error, "The key-version list"));
+      if (current()) clear(list).append(problem(error, "The key-version list"));
     }
   }
 
@@ -256,9 +266,12 @@ export function renderAudit(root) {
     load();
   });
 
+  const loads = latest();
   async function load() {
+    const current = loads();
     try {
       const page = await call("GET", `/traces${query({ ...state, limit: PAGE })}`);
+      if (!current()) return;
       const rows = page.data.map((t) => [
         formatDate(t.created_at),
         t.report_id || "–",
@@ -275,7 +288,7 @@ export function renderAudit(root) {
         pager(page, (offset) => { state.offset = offset; load(); }),
       );
     } catch (error) {
-      clear(list).append(problem(error, "The audit log"));
+      if (current()) clear(list).append(problem(error, "The audit log"));
     }
   }
 
@@ -342,9 +355,8 @@ function changeLines(changes) {
 }
 
 export function renderRegistryAudit(root) {
-  // newest first; ``cursors`` holds the after_seq of each page before the current one; ``loads``
-  // numbers the requests, so an older answer that arrives late never replaces a newer one
-  const state = { action: "", after: null, cursors: [], loads: 0 };
+  // newest first; ``cursors`` holds the after_seq of each page before the current one
+  const state = { action: "", after: null, cursors: [] };
   const list = el("div");
   const head = el("p", { class: "audit-head" });
   const action = select("action", [["", "any action"], ...actionOptions()]);
@@ -358,11 +370,12 @@ export function renderRegistryAudit(root) {
     load();
   }
 
+  const loads = latest();
   async function load() {
-    const current = ++state.loads;
+    const current = loads();
     try {
       const page = await call("GET", `/admin/audit${query({ order: "desc", ...actionFilter(state.action), after_seq: state.after, limit: PAGE })}`);
-      if (current !== state.loads) return;
+      if (!current()) return;
       clear(head);
       if (page.head) {
         head.dataset.seq = String(page.head.seq);
@@ -397,7 +410,7 @@ export function renderRegistryAudit(root) {
         nav,
       );
     } catch (error) {
-      if (current === state.loads) clear(list).append(problem(error, "The registry audit trail"));
+      if (current()) clear(list).append(problem(error, "The registry audit trail"));
     }
   }
 
@@ -424,9 +437,12 @@ export function renderUsage(root) {
     load();
   });
 
+  const loads = latest();
   async function load() {
+    const current = loads();
     try {
       const page = await call("GET", `/admin/usage${query({ ...state, limit: PAGE })}`);
+      if (!current()) return;
       const rows = page.data.map((u) => [
         u.day,
         u.user_name ? `${u.user_name} (#${u.user_id})` : `#${u.user_id}`,
@@ -442,7 +458,7 @@ export function renderUsage(root) {
         pager(page, (offset) => { state.offset = offset; load(); }),
       );
     } catch (error) {
-      clear(list).append(problem(error, "Usage"));
+      if (current()) clear(list).append(problem(error, "Usage"));
     }
   }
 

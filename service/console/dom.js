@@ -5,6 +5,20 @@ import { ApiError } from "./api.js";
 /** Rows per page in every list of the console. */
 export const PAGE = 20;
 
+/**
+ * Numbers a view's loads so that an answer that arrives late never replaces a newer one (a search
+ * sent while the first page is still loading, a pager clicked twice): ``const loads = latest();``
+ * once per view; in each load ``const current = loads();`` before the request, then
+ * ``if (!current()) return;`` once it is answered, and its error shown only ``if (current())``.
+ */
+export function latest() {
+  let newest = 0;
+  return () => {
+    const mine = ++newest;
+    return () => mine === newest;
+  };
+}
+
 /** An element with class names, attributes and children (strings become text nodes). */
 export function el(tag, options = {}, ...children) {
   const node = document.createElement(tag);

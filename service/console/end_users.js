@@ -4,7 +4,7 @@
 // panel's DOM and memory only, never in the URL, web storage or the browser's form history.
 
 import { call, query } from "./api.js";
-import { PAGE, actionButton, clear, el, field, formatDate, message, pager, problem, select, table } from "./dom.js";
+import { PAGE, actionButton, clear, el, field, formatDate, latest, message, pager, problem, select, table } from "./dom.js";
 import { END_USER_LIMITS, limitText, limitsForm } from "./limits.js";
 
 // a search waits this long after the last keystroke, so typing an identifier asks the API once
@@ -49,8 +49,9 @@ function messageIdCount(endUser) {
 
 /** The panel of ``account``'s end users ({id, name}); ``onClose`` removes it. */
 export function endUsersPanel(account, onClose) {
-  // ``loads`` numbers the requests, so an older answer that arrives late never replaces a newer one
-  const state = { q: "", status: "", offset: 0, loads: 0 };
+  const state = { q: "", status: "", offset: 0 };
+  // an older answer that arrives late (typing goes on while a search is answered) never replaces a newer one
+  const loads = latest();
   const base = `/admin/users/${encodeURIComponent(account.id)}/end-users`;
   const status = el("div", { class: "status-line" });
   const list = el("div");
@@ -139,10 +140,10 @@ export function endUsersPanel(account, onClose) {
   }
 
   async function load() {
-    const current = ++state.loads;
+    const current = loads();
     try {
       const page = await call("GET", `${base}${query({ q: state.q, status: state.status, limit: PAGE, offset: state.offset })}`);
-      if (current !== state.loads) return;
+      if (!current()) return;
       const extras = EXTRA_FIELDS.filter(([name]) => page.data.some((e) => e[name] !== undefined && e[name] !== null));
       const rows = page.data.map((e) => [
         String(e.id),
@@ -164,7 +165,7 @@ export function endUsersPanel(account, onClose) {
         }),
       );
     } catch (error) {
-      if (current === state.loads) clear(list).append(problem(error, "The end-user list"));
+      if (current()) clear(list).append(problem(error, "The end-user list"));
     }
   }
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Browser, Page, Route, expect
 
 from service.routers.console import CONSOLE_CSP
 from service.services.reports import decode_public_key, text_sha256, verify_report
@@ -29,6 +29,7 @@ PROMPTS = (
     "Write a detailed, multi-paragraph essay about the history of lighthouses and their keepers.",
     "Explain in depth how bees build honeycombs and organise their hive through the seasons.",
 )
+USER_LIST = re.compile(r"/admin/users(\?|$)")
 HOSTILE = 'Before <script>window.__pwned=1</script> and <img src=x onerror="window.__pwned=1"> after.'
 
 
@@ -201,6 +202,42 @@ def test_admin_issues_and_revokes_keys_and_disables_users(live_server: Any, chro
     row.get_by_role("button", name="Enable").click()
     expect(row).to_contain_text("active")
     assert _status_of(live_server, user_key) == 200
+    page.close()
+
+
+def test_a_late_answer_never_replaces_a_newer_search(live_server: Any, chromium: Browser) -> None:
+    """The Users view's first page, answered after the admin's search was (a busy gateway answers
+    in any order), is dropped: the table keeps the search's one row. Seen in a loaded suite run, where
+    the late first page replaced a search's result under the test's click."""
+    create_user(live_server, "console-late-answer", "user")
+    page = new_page(chromium, live_server)
+    held: list[Route] = []
+
+    def hold_unfiltered_lists(route: Route) -> None:
+        if "q=" in route.request.url:
+            route.continue_()
+        else:
+            held.append(route)  # answered below, once the search's answer is shown
+
+    page.route(USER_LIST, hold_unfiltered_lists)
+    sign_in(page, live_server.admin_key)
+    page.goto("/console#/users")
+    page.locator("form.filters input[name=q]").fill("console-late-answer")
+    page.get_by_role("button", name="Search").click()
+    rows = page.locator("table.users tbody tr")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text("console-late-answer")
+    assert held, "the view asked for no unfiltered first page"
+    for route in held:
+        url = route.request.url
+        with page.expect_response(lambda response, url=url: response.url == url) as answer:
+            route.continue_()
+        assert answer.value.ok
+        answer.value.finished()
+    # the page's own turn to read the late answers (what showed them before the fix)
+    page.evaluate("() => new Promise((resolve) => setTimeout(resolve, 500))")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text("console-late-answer")
     page.close()
 
 
