@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.model]
 MODEL = "smollm2-135m-instruct"
 ALPHA = 1e-3
 MAX_TOKENS = 256
+# the sampling seeds of the batch of four answers (test_two_users_in_one_vllm_batch_...)
+BATCH_SEEDS = (7101, 7102, 7103, 7104)
 TOPICS = ["a lighthouse keeper", "a desert caravan", "a robot gardener", "a mountain village"]
 
 
@@ -54,7 +56,9 @@ async def complete(client: httpx.AsyncClient, api_key: str, topic: str, **extra:
     return body["choices"][0]["message"]["content"], body["usage"]
 
 
-async def complete_streamed(client: httpx.AsyncClient, api_key: str, topic: str) -> tuple[str, dict[str, Any]]:
+async def complete_streamed(
+    client: httpx.AsyncClient, api_key: str, topic: str, **extra: Any
+) -> tuple[str, dict[str, Any]]:
     """Streamed completion: (text assembled from the SSE deltas, usage from the last chunk)."""
     pieces: list[str] = []
     usage: dict[str, Any] = {}
@@ -67,6 +71,7 @@ async def complete_streamed(client: httpx.AsyncClient, api_key: str, topic: str)
             "max_tokens": MAX_TOKENS,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **extra,
         },
         headers={"Authorization": f"Bearer {api_key}"},
     ) as response:
@@ -164,11 +169,13 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
         )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "vllm_xargs", refused.text
         poller = asyncio.create_task(running_requests(worker_base(vllm_worker), stop))
+        # seeded, so that each answer is the same draw every run (an unseeded one ended after 25
+        # tokens in a loaded run: too little to trace)
         results = await asyncio.gather(
-            complete(client, alice["api_key"], TOPICS[0]),
-            complete_streamed(client, alice["api_key"], TOPICS[1]),
-            complete(client, bob["api_key"], TOPICS[2]),
-            complete_streamed(client, bob["api_key"], TOPICS[3]),
+            complete(client, alice["api_key"], TOPICS[0], seed=BATCH_SEEDS[0]),
+            complete_streamed(client, alice["api_key"], TOPICS[1], seed=BATCH_SEEDS[1]),
+            complete(client, bob["api_key"], TOPICS[2], seed=BATCH_SEEDS[2]),
+            complete_streamed(client, bob["api_key"], TOPICS[3], seed=BATCH_SEEDS[3]),
         )
         stop.set()
         most_running = await poller
@@ -181,7 +188,7 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
             report = await trace(client, auditor["api_key"], completion)
             # The requirement is attribution (p < 1e-3 against the registry). The detection verdict
             # tests against all 2**b messages and needs more text than a short answer may give.
-            # Each answer is a draw (unseeded sampling; the registry is seeded, conftest.py): up to
+            # Each answer is a seeded draw (BATCH_SEEDS; the registry is seeded, conftest.py): up to
             # 256 tokens at temperature 1; their p-values here were 4e-24 to 8e-31. The forensic
             # evaluation names 98-99 % of single 150-300 token answers among 10,000 IDs, a bar near
             # 1e-7 (docs/results/FORENSIC.md); among the few IDs here a miss is far rarer, but its
