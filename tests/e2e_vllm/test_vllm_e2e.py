@@ -189,7 +189,7 @@ async def test_two_users_in_one_vllm_batch_are_each_traced_to_themselves(
             # The requirement is attribution (p < 1e-3 against the registry). The detection verdict
             # tests against all 2**b messages and needs more text than a short answer may give.
             # Each answer is a seeded draw (BATCH_SEEDS; the registry is seeded, conftest.py): up to
-            # 256 tokens at temperature 1; their p-values here were 4e-24 to 8e-31. The forensic
+            # 256 tokens at temperature 1 (unseeded answers' p-values here were 4e-24 to 8e-31). The forensic
             # evaluation names 98-99 % of single 150-300 token answers among 10,000 IDs, a bar near
             # 1e-7 (docs/results/FORENSIC.md); among the few IDs here a miss is far rarer, but its
             # rate is not established below 1e-6.
