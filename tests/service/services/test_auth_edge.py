@@ -319,7 +319,9 @@ async def test_the_back_off_grows_and_expires(tmp_path: Path, database: str, adm
         auth_edge_failures=2,
         auth_edge_backoff_s=0.4,
         auth_edge_backoff_max_s=10.0,
-        auth_edge_window_s=1.0,
+        # the first two failures must fall in one window: 5 s, over 300x the 0.015 s a request took
+        # here (1 s expired between them once in a CI run with both tiers side by side)
+        auth_edge_window_s=5.0,
         auth_edge_probe_interval_s=0.4,
     )
     with serve(settings) as gateway:
