@@ -26,6 +26,7 @@ from transformers import (
 )
 from transformers import __version__ as transformers_version
 
+from service.backends.attention import use_grouped_sdpa
 from xmark_core import Message, WatermarkKey
 from xmark_core.hf import XMarkLogitsProcessor
 
@@ -71,6 +72,7 @@ def load_model(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     model.eval()
+    use_grouped_sdpa(model)  # the KV cache read in place, not copied per step (service.backends.attention)
     return model, tokenizer
 
 
@@ -180,6 +182,8 @@ def generate_rows(
             top_k=0,
             top_p=1.0,
             max_new_tokens=max_new_tokens,
+            # every row runs to max_new_tokens: one cache allocated up front, not grown each step
+            cache_implementation="static",
             logits_processor=LogitsProcessorList([mixer]),
             pad_token_id=tokenizer.pad_token_id,
         )

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.backends.attention import use_grouped_sdpa
 from service.backends.base import (
     LOAD_LOCK,
     BackendError,
@@ -245,6 +246,7 @@ class LocalBackend:
         self._tokenizer = tokenizer
         model = AutoModelForCausalLM.from_pretrained(self._model_path, local_files_only=True, dtype=torch.float32)
         model.eval()
+        use_grouped_sdpa(model)  # the KV cache read in place, not copied per step (backends.attention)
         eos = model.generation_config.eos_token_id
         eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         if tokenizer.eos_token_id is not None:
