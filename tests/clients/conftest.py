@@ -2,9 +2,11 @@
 
 * ``gateway`` (package) — one ``xmark serve`` process on a free loopback port: the real model on the
   local backend, a SQLite database of its own built by the migrations, and otherwise the product's
-  defaults (the watermark secrets and the key pepper it generates in its own var folder, the default
-  key version), but for a batch large enough for every call of the matrix and bounds for a busy
-  machine. An admin key is given to it at start-up; an auditor is made through the admin API.
+  defaults (the key pepper it generates in its own var folder, the default key version), but for the
+  tests' fixed watermark secret, message IDs and salts drawn from seeded generators
+  (tests/clients/seeded_serve.py: the answers are the same on every run), a batch large enough for
+  every call of the matrix and bounds for a busy machine. An admin key is given to it at start-up;
+  an auditor is made through the admin API.
 * ``matrix`` (package) — at its first use, every selected row (a module with a ``CLIENT``) gets a user
   of its own and starts; once every row has built its client, all make their calls at once, so the
   gateway answers them in one batched generate call rather than one generation per call.
@@ -45,7 +47,7 @@ from tests.clients.harness import (
     RowAnswers,
     create_user,
 )
-from tests.conftest import SHARED_DATABASE_TIMEOUT_S, checkpoint_path
+from tests.conftest import SHARED_DATABASE_TIMEOUT_S, TEST_WATERMARK_SECRETS, checkpoint_path
 
 # the model loads in the gateway process after it starts listening: on 2 busy cores, minutes; 5x
 # margin and more: the gateway was ready 70 s after its start here, on two busy cores
@@ -100,6 +102,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
             "XMARK_VAR_DIR": str(var_dir),
             "XMARK_MODEL_PATH": str(model_path),
             "XMARK_BOOTSTRAP_ADMIN_KEY": admin_key,
+            # a fixed secret: with the launcher's seeded IDs and salts, the same answers every run
+            "XMARK_WATERMARK_SECRETS": ",".join(f"{k}:{v}" for k, v in TEST_WATERMARK_SECRETS.items()),
             # every row's calls in one batched generate call, whatever their number (the local
             # backend starts a batch when the one before it ends), and bounds that hold while the
             # rest of the suite loads the 2 cores: the request deadline covers the wait for a batch
@@ -110,7 +114,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
             "TRANSFORMERS_OFFLINE": "1",
         }
     )
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    # the CLI through a launcher that seeds the message IDs and salts (tests/clients/seeded_serve.py)
+    command = [sys.executable, "-m", "tests.clients.seeded_serve", "serve", "--host", "127.0.0.1", "--port", str(port)]
     log = var_dir / "gateway.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(

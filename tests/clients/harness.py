@@ -189,11 +189,12 @@ def check_answer(auditor: Auditor, caller: Caller, call: Call, answer: Answer) -
         assert answer.pieces > 1, f"{call.name}: the text came in {answer.pieces} piece(s), not as a stream"
     if answer.output_tokens is not None:
         assert answer.output_tokens > 0
-    # a draw: the answer is sampled unseeded (the rows' calls share batched generate calls, which a
-    # seeded request leaves) at the client's default temperature, 1. The forensic evaluation names
-    # 99 % of single 150-token answers at temperature 1 among 10,000 IDs, a bar near 1e-7
-    # (docs/results/FORENSIC.md); among the matrix's few IDs a miss is far rarer, but its rate is
-    # not established below 1e-6
+    # the answer is sampled at the client's default temperature, 1, by the distortion-free encoder,
+    # a function of the key, the caller's ID and salt and the prompt, all fixed for the matrix
+    # (tests/clients/seeded_serve.py): the same answers every run, but where a batch's make-up moves
+    # a near-tie. Drawn afresh, a miss would be rare: the forensic evaluation names 99 % of single
+    # 150-token answers at temperature 1 among 10,000 IDs (docs/results/FORENSIC.md), and the
+    # matrix has a few IDs
     report = auditor.trace(answer.text)
     attribution = report["attribution"]
     assert attribution is not None and attribution["user_id"] == caller.user_id, (

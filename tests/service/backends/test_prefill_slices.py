@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from service.backends.attention import GROUPED_SDPA
 from service.backends.base import ChatTurn, GenerationRequest, WatermarkStamp, collect
 from service.backends.local import LocalBackend, LocalStream
 from service.vocabulary import FinishReason
@@ -92,6 +93,24 @@ async def test_a_prompt_read_in_slices_gives_the_same_tokens(backend: LocalBacke
     assert sliced == whole
     assert all(text for texts in sliced for text in texts)
     assert sliced[0][0] == sliced[2][0]  # alone or left-padded beside a shorter prompt: the same
+
+
+async def test_grouped_attention_gives_the_tokens_of_transformers_own(
+    backend: LocalBackend, stamp: WatermarkStamp
+) -> None:
+    """The backend's model reads its KV cache in place (``service.backends.attention``): read in
+    slices or at once, alone, seeded or left-padded in a shared batch, the tokens are those of
+    transformers' own ``sdpa`` attention."""
+    model = backend._model
+    assert model is not None and model.config._attn_implementation == GROUPED_SDPA
+    grouped = [await _texts(backend, stamp, budget) for budget in (16, UNCHUNKED)]
+    model.set_attn_implementation("sdpa")  # between requests: the worker thread is idle
+    try:
+        plain = [await _texts(backend, stamp, budget) for budget in (16, UNCHUNKED)]
+    finally:
+        model.set_attn_implementation(GROUPED_SDPA)
+        backend.prefill_chunk_tokens = 512
+    assert grouped == plain
 
 
 async def test_a_running_request_keeps_decoding_between_a_long_prompts_slices(
