@@ -4,7 +4,7 @@
   local backend, a SQLite database of its own built by the migrations, and otherwise the product's
   defaults (the key pepper it generates in its own var folder, the default key version), but for the
   tests' fixed watermark secret, message IDs and salts drawn from seeded generators
-  (tests/clients/seeded_serve.py: the answers are the same on every run), a batch large enough for
+  (tests/clients/seeded_serve.py: the answers start alike on every run), a batch large enough for
   every call of the matrix and bounds for a busy machine. An admin key is given to it at start-up;
   an auditor is made through the admin API.
 * ``matrix`` (package) — at its first use, every selected row (a module with a ``CLIENT``) gets a user

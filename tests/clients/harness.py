@@ -191,8 +191,8 @@ def check_answer(auditor: Auditor, caller: Caller, call: Call, answer: Answer) -
         assert answer.output_tokens > 0
     # the answer is sampled at the client's default temperature, 1, by the distortion-free encoder,
     # a function of the key, the caller's ID and salt and the prompt, all fixed for the matrix
-    # (tests/clients/seeded_serve.py): the same answers every run, but where a batch's make-up moves
-    # a near-tie. Drawn afresh, a miss would be rare: the forensic evaluation names 99 % of single
+    # (tests/clients/seeded_serve.py): answers that start alike on every run, until a batch's make-up
+    # moves a near-tie. Drawn afresh, a miss would be rare: the forensic evaluation names 99 % of single
     # 150-token answers at temperature 1 among 10,000 IDs (docs/results/FORENSIC.md), and the
     # matrix has a few IDs
     report = auditor.trace(answer.text)
