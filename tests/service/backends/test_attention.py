@@ -4,6 +4,8 @@ cache, and static-cache generation as the evaluation runs it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +20,16 @@ PROMPTS = (
     "Write two sentences about a lighthouse keeper who collects letters.",
     "Continue the following text: The old railway station had been closed for twenty years.",
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread, as the local backend runs beside the suite's other worker (every core but
+    one): a second thread spins at its barriers while the other worker holds the core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
