@@ -102,7 +102,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
             "XMARK_VAR_DIR": str(var_dir),
             "XMARK_MODEL_PATH": str(model_path),
             "XMARK_BOOTSTRAP_ADMIN_KEY": admin_key,
-            # a fixed secret: with the launcher's seeded IDs and salts, the same answers every run
+            # a fixed secret: with the launcher's seeded IDs and salts, answers that start alike every run
             "XMARK_WATERMARK_SECRETS": ",".join(f"{k}:{v}" for k, v in TEST_WATERMARK_SECRETS.items()),
             # every row's calls in one batched generate call, whatever their number (the local
             # backend starts a batch when the one before it ends), and bounds that hold while the
