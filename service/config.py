@@ -542,6 +542,31 @@ class Settings(BaseSettings):
             "`end_user_limit_exceeded`."
         ),
     )
+    end_users_refusal_delay_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=30,
+        description=(
+            "A request refused for an account's end-user caps (429 `end_user_limit_exceeded`) is answered this "
+            "many seconds late (0: at once), so that an account flooding new identifiers over a few connections "
+            "sends a few a second and leaves the gateway to the others. Once an account is found at a cap, its "
+            "new identifiers are refused without a count for `XMARK_AUTH_CACHE_TTL_S` seconds."
+        ),
+    )
+    end_users_ids_ahead: int = Field(
+        default=16,
+        ge=0,
+        le=1024,
+        description=(
+            "Message IDs each process draws ahead, per length in use, for end users' first sights (0: each first "
+            "sight draws its own, reading every registered ID of the length below 10^5 of them)."
+        ),
+    )
+    end_users_max_held_back: int = Field(
+        default=256,
+        ge=0,
+        description="The most end-user cap refusals a process holds back at once; the others are answered at once.",
+    )
     end_user_requests_per_minute: int = Field(
         default=60,
         description=(

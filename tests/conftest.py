@@ -179,6 +179,10 @@ def make_test_settings(var_dir: Path, **overrides: Any) -> Settings:
         "keyring_refresh_seconds": 0,
         "database_pool_size": 5,
         "trace_warm_row_tokens": 0,  # tests that need it switch it on
+        # the IDs drawn ahead are read in the background, in a unit of work of their own: the shared
+        # app's sessions all join one test's transaction, so its first sights draw their own
+        # (tests/service/end_users/test_first_sight.py tests the pool on databases of its own)
+        "end_users_ids_ahead": 0,
     }
     values.update(overrides)
     return Settings(**values)

@@ -9,14 +9,21 @@
   written when the last write is more than a minute old. An end user without an ID of the length the
   request is encoded with (a key version of a new length) gets one there, unless the background
   backfill (``backfill``, run at start-up and after an activation) gave it one first.
-* **First sight**: under the account's end-user lock (``EndUserRepository.lock_account``) the end
-  user is read again (a concurrent first sight may have created it), the account's caps are checked
-  (its ``end_users_max`` and ``end_users_new_per_minute`` where set, else the settings
-  ``end_users_max_per_account`` and ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``,
-  nothing allocated), and the end user is inserted with ``ON CONFLICT DO NOTHING`` on (account,
-  identifier) with one new message ID per length in use, drawn by the registry's allocation rule
-  (``services/users.choose_message_ids``). The creation is recorded in the audit trail as made by the
-  account (actor ``api``). Two first sights racing for one identifier end with one end user.
+* **First sight**: the account's caps are checked first (its ``end_users_max`` and
+  ``end_users_new_per_minute`` where set, else the settings ``end_users_max_per_account`` and
+  ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``, nothing allocated) under the
+  account's end-user lock (``EndUserRepository.lock_account``), where the end user is read again if
+  a cap would refuse it (a concurrent first sight may have created it). An account found at a cap
+  is remembered for ``cache.ttl`` seconds (while its caps stay the same): its new identifiers are
+  then refused without the lock and the count; and every cap refusal is answered
+  ``end_users_refusal_delay_s`` late (``_hold_back``), so a flood of invented identifiers costs the
+  database one read per request, a few requests a second. The end user is inserted with
+  ``ON CONFLICT DO NOTHING`` on (account, identifier) with one new message ID per length in use
+  (the lengths read at most once per ``cache.ttl``), taken from the IDs drawn ahead by the
+  registry's allocation rule (``IdPool``; drawn here when it is empty), inserted with
+  ``ON CONFLICT DO NOTHING``: an ID another transaction took first rolls the first sight back and it
+  starts over. The creation is recorded in the audit trail as made by the account (actor
+  ``api``). Two first sights racing for one identifier end with one end user.
 * **Bursts**: the requests of one end user that miss the cache together share one look-up in
   this process (the first does it; the others await its answer or its error), so a burst of a new
   identifier's requests takes the account's lock once per replica, not once per request; and at
@@ -38,11 +45,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import event
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
 from service.db import session_scope
+from service.end_users.id_pool import IdPool
 from service.end_users.repository import EndUserRepository, FoundEndUser
 from service.errors import ConflictError, DatabaseUnavailableError, PermissionDeniedError, RateLimitError
 from service.models import EndUser, MessageId
@@ -52,13 +60,14 @@ from service.services.audit import SYSTEM_ACTOR, Actor, AuditTrail, Change
 from service.services.message_ids import (
     MessageLength,
     backfill_end_user_message_ids,
+    length_of,
     lengths_in_use,
     message_ids_out,
 )
 from service.services.reports import ReportSigner
 from service.services.users import MAX_ALLOCATION_ATTEMPTS, Allocator, allocate_one, choose_message_ids
 from service.vocabulary import AuditAction, AuditTarget, EndUserStatus
-from xmark_core import WatermarkParams
+from xmark_core import Message, WatermarkParams
 from xmark_core.encoders import KeyVersionSpec
 
 logger = logging.getLogger("xmark.end_users")
@@ -67,6 +76,10 @@ SEEN_RESOLUTION = timedelta(minutes=1)
 # how long a look-up waits for its turn among this process's look-ups in progress (see ``resolve``)
 LOOKUP_QUEUE_TIMEOUT_S = 30.0
 LIMIT_CODE = "end_user_limit_exceeded"
+
+
+class _IdTaken(Exception):
+    """A drawn message ID was inserted by another transaction first: the first sight starts over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,17 @@ class Cap:
         if override is None:
             return cls(default, setting)
         return cls(override, f"this account's {field}")
+
+
+@dataclass(frozen=True, slots=True)
+class _AtCap:
+    """An account found at one of its caps: new identifiers are refused without the lock and the
+    count until ``until`` (monotonic), while its caps stay ``caps``."""
+
+    caps: tuple[Cap, Cap]
+    cap: Cap
+    what: str
+    until: float
 
 
 @dataclass(slots=True)
@@ -141,6 +165,14 @@ def end_user_created(row: EndUser, message_ids: Sequence[MessageId]) -> Change:
         "message_ids": [m.model_dump() for m in message_ids_out(message_ids)],
     }
     return Change(AuditAction.END_USER_CREATE, AuditTarget.END_USER, row.id, None, after)
+
+
+def _limit_exceeded(cap: Cap, what: str) -> RateLimitError:
+    return RateLimitError(
+        f"This account has reached its limit of {cap.value} {what} ({cap.name}); no new end user was created",
+        retry_after_s=60,
+        code=LIMIT_CODE,
+    )
 
 
 class EndUserCache:
@@ -217,6 +249,13 @@ class EndUserDirectory:
         self._turns = asyncio.Semaphore(max(1, settings.database_pool_size // 2))
         # the backfills of end users' IDs of a length that became usable (``backfill``)
         self._backfills: set[asyncio.Task[None]] = set()
+        # message IDs drawn ahead for first sights
+        self.ids = IdPool(sessionmaker, allocator, size=settings.end_users_ids_ahead)
+        # the lengths in use, read at most once per ``cache.ttl`` (monotonic time read, lengths)
+        self._lengths: tuple[float, tuple[WatermarkParams, ...]] | None = None
+        # accounts found at a cap (``_AtCap``), and the cap refusals being held back now
+        self._at_cap: dict[int, _AtCap] = {}
+        self._held_back = 0
 
     def ids_added(self, more: bool) -> None:
         """End users were given IDs of a new length outside this directory (an activation's first
@@ -227,6 +266,8 @@ class EndUserDirectory:
 
     def _batch_done(self) -> None:
         self.cache.clear()  # cached identities lack the new IDs
+        self._lengths = None
+        self.ids.clear()  # drawn for the lengths in use before
         if self._on_change is not None:
             self._on_change()
 
@@ -261,6 +302,7 @@ class EndUserDirectory:
         for task in list(self._backfills):
             task.cancel()
         await asyncio.gather(*self._backfills, return_exceptions=True)
+        await self.ids.aclose()
 
     async def resolve(
         self, principal: Principal, identifier: str, length: MessageLength, *, request_id: str | None = None
@@ -271,6 +313,30 @@ class EndUserDirectory:
         Requests of one end user that miss the cache together share one database look-up in this
         process (the first does it, the others await its result, or its error): a burst of a new
         identifier's requests takes the account's end-user lock once, not once per request."""
+        try:
+            return await self._resolve(principal, identifier, length, request_id)
+        except RateLimitError as refused:
+            if refused.code == LIMIT_CODE:
+                await self._hold_back()
+            raise
+
+    async def _hold_back(self) -> None:
+        """Answer a cap refusal ``end_users_refusal_delay_s`` late (at once when
+        ``end_users_max_held_back`` refusals are waiting already): an account flooding new
+        identifiers over a few connections then sends a few a second, and leaves the gateway to the
+        other accounts (the failed-authentication budget holds its refusals back alike)."""
+        delay = self._settings.end_users_refusal_delay_s
+        if delay <= 0 or self._held_back >= self._settings.end_users_max_held_back:
+            return
+        self._held_back += 1
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._held_back -= 1
+
+    async def _resolve(
+        self, principal: Principal, identifier: str, length: MessageLength, request_id: str | None
+    ) -> EndUserIdentity:
         key = (principal.user_id, identifier)
         while True:
             entry = self.cache.get(key)
@@ -331,72 +397,121 @@ class EndUserDirectory:
                 "Too many new end users are being looked up at once; retry shortly", retry_after_s=1.0
             ) from None
         try:
-            epoch = self.cache.epoch
-            async with session_scope(self._sessionmaker) as session:
-                repo = EndUserRepository(session)
-                found = await repo.find(principal.user_id, identifier)
-                if found is None:
-                    audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
-                    found = await self._first_sight(session, repo, principal, identifier, audit)
-                elif not any((m.bits, m.block_bits) == length for m in found.message_ids):
-                    found = await self._fill(session, repo, found)
-                else:
-                    now = datetime.now(UTC)
-                    if now - found.row.last_seen_at >= SEEN_RESOLUTION:
-                        await repo.seen(found.row.id, now)
-                identity, status = identity_of(found.row, found.message_ids), found.row.status
-            self.cache.put(key, identity, status, epoch=epoch)
-            return identity, status
+            for _ in range(MAX_ALLOCATION_ATTEMPTS):
+                epoch = self.cache.epoch
+                try:
+                    async with session_scope(self._sessionmaker) as session:
+                        found = await self._read_or_create(session, principal, identifier, length, request_id)
+                        identity, status = identity_of(found.row, found.message_ids), found.row.status
+                except _IdTaken:
+                    logger.info("message ID taken concurrently; allocating again")
+                    continue
+                self.cache.put(key, identity, status, epoch=epoch)
+                return identity, status
+            raise ConflictError("Could not allocate a unique message ID; retry the request", code="message_id_conflict")
         finally:
             self._turns.release()
 
-    async def _first_sight(
-        self, session: AsyncSession, repo: EndUserRepository, principal: Principal, identifier: str, audit: AuditTrail
+    async def _read_or_create(
+        self,
+        session: AsyncSession,
+        principal: Principal,
+        identifier: str,
+        length: MessageLength,
+        request_id: str | None,
     ) -> FoundEndUser:
-        user_id = principal.user_id
-        await repo.lock_account(user_id)
-        found = await repo.find(user_id, identifier)
-        if found is not None:  # a concurrent first sight created it while this one waited
-            return found
+        repo = EndUserRepository(session)
+        found = await repo.find(principal.user_id, identifier)
+        if found is None:
+            audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
+            return await self._first_sight(session, repo, principal, identifier, length, audit)
+        if not any((m.bits, m.block_bits) == length for m in found.message_ids):
+            return await self._fill(session, repo, found)
         now = datetime.now(UTC)
+        if now - found.row.last_seen_at >= SEEN_RESOLUTION:
+            await repo.seen(found.row.id, now)
+        return found
+
+    async def _lengths_in_use(self, session: AsyncSession, length: MessageLength) -> tuple[WatermarkParams, ...]:
+        """The lengths in use (``lengths_in_use``), read at most once per ``cache.ttl``, and again
+        when ``length`` (the request's) is not among them: a key version of a new length."""
+        now = time.monotonic()
+        if self._lengths is not None:
+            read_at, params = self._lengths
+            if now - read_at < self.cache.ttl and any(length_of(p) == length for p in params):
+                return params
+        params = (await lengths_in_use(session, self._configured)).params
+        if self._lengths is not None and {length_of(p) for p in params} != {length_of(p) for p in self._lengths[1]}:
+            self.ids.clear()  # drawn for other lengths
+        self._lengths = (now, params)
+        return params
+
+    async def _first_sight(
+        self,
+        session: AsyncSession,
+        repo: EndUserRepository,
+        principal: Principal,
+        identifier: str,
+        length: MessageLength,
+        audit: AuditTrail,
+    ) -> FoundEndUser:
+        """Create the end user (``found`` was None in this transaction): the caps, the message IDs
+        (drawn ahead by ``ids``, else drawn here), the rows and the audit entry. Raises ``_IdTaken``
+        when another transaction inserted a drawn ID first (the caller starts over)."""
+        user_id = principal.user_id
         caps = self.caps(principal)
+        self._refuse_if_at_cap(user_id, caps)
+        now = datetime.now(UTC)
         if caps[0].value or caps[1].value:
+            await repo.lock_account(user_id)
             total, recent = await repo.counts(user_id, since=now - timedelta(minutes=1))
-            self._check_caps(caps, total=total, recent=recent)
-        lengths = (await lengths_in_use(session, self._configured)).params
-        ids = MessageIdRepository(session)
-        for _ in range(MAX_ALLOCATION_ATTEMPTS):
-            messages = await choose_message_ids(ids, lengths, self._allocator)
             try:
-                async with session.begin_nested():
-                    end_user_id = await repo.insert(user_id, identifier, now)
-                    if end_user_id is None:  # the unique constraint: it exists after all
-                        break
-                    rows = [
-                        MessageId(
-                            end_user_id=end_user_id,
-                            bits=m.params.bits,
-                            block_bits=m.params.block_bits,
-                            message_id=m.bits,
-                            created_at=now,
-                        )
-                        for m in messages
-                    ]
-                    await repo.add_message_ids(rows)
-            except IntegrityError:
-                logger.info("message ID taken concurrently; allocating again")
-                continue
-            # the rows as inserted (read back they are the same): no statement more
-            found = FoundEndUser(_created(end_user_id, user_id, identifier, now), tuple(rows))
-            await audit.record(session, end_user_created(found.row, found.message_ids))
-            if self._on_change is not None:
-                self._on_change()
-            logger.info("end user created", extra={"user_id": user_id, "end_user_id": end_user_id})
+                self._check_caps(user_id, caps, total=total, recent=recent)
+            except RateLimitError:
+                # a concurrent first sight may have created it while this one waited for the lock
+                found = await repo.find(user_id, identifier)
+                if found is not None:
+                    return found
+                raise
+        lengths = await self._lengths_in_use(session, length)
+        messages: list[Message] | None = self.ids.take(lengths)
+        if messages is None:
+            messages = await choose_message_ids(MessageIdRepository(session), lengths, self._allocator)
+        end_user_id = await repo.insert(user_id, identifier, now)
+        if end_user_id is None:  # the unique constraint: a concurrent first sight created it
+            found = await repo.find(user_id, identifier)
+            assert found is not None
             return found
-        else:
-            raise ConflictError("Could not allocate a unique message ID; retry the request", code="message_id_conflict")
-        found = await repo.find(user_id, identifier)
-        assert found is not None
+        rows = [
+            MessageId(
+                end_user_id=end_user_id,
+                bits=m.params.bits,
+                block_bits=m.params.block_bits,
+                message_id=m.bits,
+                created_at=now,
+            )
+            for m in messages
+        ]
+        inserted = await MessageIdRepository(session).insert_if_free(
+            [
+                {
+                    "end_user_id": end_user_id,
+                    "bits": r.bits,
+                    "block_bits": r.block_bits,
+                    "message_id": r.message_id,
+                    "created_at": now,
+                }
+                for r in rows
+            ]
+        )
+        if inserted != len(rows):
+            raise _IdTaken  # rolls the end user back with it
+        # the rows as inserted (read back they are the same): no statement more
+        found = FoundEndUser(_created(end_user_id, user_id, identifier, now), tuple(rows))
+        await audit.record(session, end_user_created(found.row, found.message_ids))
+        if self._on_change is not None:
+            self._on_change()
+        logger.info("end user created", extra={"user_id": user_id, "end_user_id": end_user_id})
         return found
 
     def caps(self, principal: Principal) -> tuple[Cap, Cap]:
@@ -413,15 +528,23 @@ class EndUserDirectory:
             ),
         )
 
-    def _check_caps(self, caps: tuple[Cap, Cap], *, total: int, recent: int) -> None:
+    def _check_caps(self, user_id: int, caps: tuple[Cap, Cap], *, total: int, recent: int) -> None:
         for cap, count, what in zip(caps, (total, recent), ("end users", "new end users per minute"), strict=True):
             if cap.value and count >= cap.value:
-                raise RateLimitError(
-                    f"This account has reached its limit of {cap.value} {what} ({cap.name}); "
-                    "no new end user was created",
-                    retry_after_s=60,
-                    code=LIMIT_CODE,
-                )
+                if self.cache.ttl > 0:
+                    self._at_cap[user_id] = _AtCap(caps, cap, what, time.monotonic() + self.cache.ttl)
+                raise _limit_exceeded(cap, what)
+
+    def _refuse_if_at_cap(self, user_id: int, caps: tuple[Cap, Cap]) -> None:
+        """Refuse a new identifier of an account found at a cap within the last ``cache.ttl``
+        seconds (and whose caps are the same), without the account's lock or its count: a flood of
+        invented identifiers costs the database one read each, not a locked count."""
+        at_cap = self._at_cap.get(user_id)
+        if at_cap is None:
+            return
+        if at_cap.caps == caps and time.monotonic() < at_cap.until:
+            raise _limit_exceeded(at_cap.cap, at_cap.what)
+        del self._at_cap[user_id]
 
     async def _fill(self, session: AsyncSession, repo: EndUserRepository, found: FoundEndUser) -> FoundEndUser:
         """Give a known end user an ID of every length in use it lacks (a key version of a new length)."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, select, update
+from sqlalchemy import ColumnElement, insert, inspect, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import RegistryAuditEntry, RegistryAuditHead
@@ -48,8 +48,9 @@ class AuditRepository:
 
     async def append(self, entry: RegistryAuditEntry) -> None:
         """Insert the entry and point the head at it (after :meth:`advance_head`, same unit of work)."""
-        self._session.add(entry)
-        await self._session.flush()
+        # a Core INSERT of the entry's columns: one cached statement, without the ORM's flush
+        values = {attr.key: getattr(entry, attr.key) for attr in inspect(RegistryAuditEntry).column_attrs}
+        await self._session.execute(insert(RegistryAuditEntry), [values])
         await self._session.execute(
             update(RegistryAuditHead)
             .where(RegistryAuditHead.id == HEAD_ID)

@@ -95,10 +95,12 @@ class MessageIdRepository:
             return 0
         dialect = self._session.get_bind().dialect.name
         if dialect == "postgresql":
-            stmt: Any = postgresql.insert(MessageId).values(list(rows)).on_conflict_do_nothing()
+            stmt: Any = postgresql.insert(MessageId).on_conflict_do_nothing()
         elif dialect == "sqlite":
-            stmt = sqlite.insert(MessageId).values(list(rows)).on_conflict_do_nothing()
+            stmt = sqlite.insert(MessageId).on_conflict_do_nothing()
         else:  # pragma: no cover - the gateway runs on PostgreSQL or SQLite only
             raise NotImplementedError(f"no INSERT … ON CONFLICT for {dialect}")
-        result = await self._session.execute(stmt.returning(MessageId.id))
+        # the rows as parameters of one cached statement (SQLAlchemy's "insertmanyvalues"), not
+        # a statement compiled for these values
+        result = await self._session.execute(stmt.returning(MessageId.id), [dict(row) for row in rows])
         return len(result.all())
