@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import httpx
 import psutil
 import pytest
 
+from benchmarks.end_users_bench import access_counts
 from benchmarks.launch import free_port
+from service.logging import RedactingFormatter
 
 BODY = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
 
@@ -221,3 +224,30 @@ def test_the_difference_of_two_rates_has_newcombes_interval() -> None:
     assert difference_ci95(56, 70, 48, 80) == pytest.approx([0.0524, 0.3339], abs=1e-4)
     assert difference_ci95(9, 10, 3, 10) == pytest.approx([0.1705, 0.8090], abs=1e-4)
     assert difference_ci95(5, 56, 0, 29) == pytest.approx([-0.0381, 0.1926], abs=1e-4)
+
+
+def test_the_end_user_race_counts_the_gateways_answers_from_its_access_log(tmp_path: Path) -> None:
+    """``access_counts`` reads the lines the gateway's own formatter writes (``xmark.access``) and
+    counts one account's answers on one route by status; other accounts, routes, loggers and a
+    line cut short are not counted."""
+    formatter = RedactingFormatter()
+    log = tmp_path / "gateway.log"
+
+    def line(logger: str, **extra: Any) -> str:
+        record = logging.LogRecord(logger, logging.INFO, __file__, 1, "request", None, None)
+        record.__dict__.update(extra)
+        return formatter.format(record)
+
+    chat = "/v1/chat/completions"
+    lines = [
+        *(line("xmark.access", route=chat, status=200, user_id=3) for _ in range(4)),
+        line("xmark.access", route=chat, status=503, user_id=3),
+        line("xmark.access", route=chat, status=200, user_id=4),
+        line("xmark.access", route="/v1/completions", status=200, user_id=3),
+        line("xmark.end_users", route=chat, status=200, user_id=3),
+        line("xmark.access", route=chat, status=200, user_id=3)[:40],
+    ]
+    log.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert access_counts(log, 3) == {"200": 4, "503": 1}
+    assert access_counts(log, 4) == {"200": 1}
+    assert access_counts(log, 3, "/v1/completions") == {"200": 1}
