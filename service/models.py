@@ -165,6 +165,17 @@ class EndUser(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
+class EndUserTally(Base):
+    """How many end users an account has ever had, deleted ones included (migration 0015): the
+    row a first sight locks and counts one more on, so checking ``end_users_max`` costs one row
+    however many end users the account has (counting them cost 40 ms at 10^6)."""
+
+    __tablename__ = "end_user_tallies"
+
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"), primary_key=True)
+    total: Mapped[int] = mapped_column(BigInteger)
+
+
 class MessageId(Base):
     """A message ID of one message length (bits, block_bits), of a user or of an end user; never
     reused, never deleted.

@@ -12,8 +12,10 @@
 * **First sight**: the account's caps are checked first (its ``end_users_max`` and
   ``end_users_new_per_minute`` where set, else the settings ``end_users_max_per_account`` and
   ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``, nothing allocated) under the
-  account's end-user lock (``EndUserRepository.lock_account``), where the end user is read again if
-  a cap would refuse it (a concurrent first sight may have created it). An account found at a cap
+  account's end-user lock: its row of ``end_user_tallies``, counted one more
+  (``EndUserRepository.count_one_more``: the total is one row, not a count of the account's end
+  users); the end user is read again if a cap would refuse it (a concurrent first sight may have
+  created it). An account found at a cap
   is remembered for ``cache.ttl`` seconds (while its caps stay the same): its new identifiers are
   then refused without the lock and the count; and every cap refusal is answered
   ``end_users_refusal_delay_s`` late (``_hold_back``), so a flood of invented identifiers costs the
@@ -462,23 +464,25 @@ class EndUserDirectory:
         caps = self.caps(principal)
         self._refuse_if_at_cap(user_id, caps)
         now = datetime.now(UTC)
-        if caps[0].value or caps[1].value:
-            await repo.lock_account(user_id)
-            total, recent = await repo.counts(user_id, since=now - timedelta(minutes=1))
-            try:
-                self._check_caps(user_id, caps, total=total, recent=recent)
-            except RateLimitError:
-                # a concurrent first sight may have created it while this one waited for the lock
-                found = await repo.find(user_id, identifier)
-                if found is not None:
-                    return found
-                raise
+        # the account's lock, and its end users before this one
+        total = await repo.count_one_more(user_id)
+        recent = await repo.count(user_id, since=now - timedelta(minutes=1)) if caps[1].value else 0
+        try:
+            self._check_caps(user_id, caps, total=total, recent=recent)
+        except RateLimitError:
+            # a concurrent first sight may have created it while this one waited for the lock
+            found = await repo.find(user_id, identifier)
+            if found is not None:
+                await repo.count_one_less(user_id)
+                return found
+            raise  # the tally's count is rolled back with the rest
         lengths = await self._lengths_in_use(session, length)
         messages: list[Message] | None = self.ids.take(lengths)
         if messages is None:
             messages = await choose_message_ids(MessageIdRepository(session), lengths, self._allocator)
         end_user_id = await repo.insert(user_id, identifier, now)
         if end_user_id is None:  # the unique constraint: a concurrent first sight created it
+            await repo.count_one_less(user_id)
             found = await repo.find(user_id, identifier)
             assert found is not None
             return found

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func, select, text, update
+from sqlalchemy import ColumnElement, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.models import EndUser, Generation, MessageId
+from service.models import EndUser, EndUserTally, Generation, MessageId
 from service.repositories.like import escape_like
 
 
@@ -54,14 +54,41 @@ class EndUserRepository:
             stmt = stmt.with_for_update()
         return (await self._session.execute(stmt)).scalar_one_or_none()
 
-    async def lock_account(self, user_id: int) -> None:
-        """Hold the account's end-user lock until the transaction ends, so first sights of its end
-        users (and the caps they count) are decided one after the other: PostgreSQL, the account's
-        row lock; SQLite, the database's write lock (a write that changes nothing)."""
-        if self._dialect == "postgresql":
-            await self._session.execute(text("SELECT id FROM users WHERE id = :id FOR UPDATE"), {"id": user_id})
-        else:
-            await self._session.execute(text("UPDATE end_users SET id = id WHERE 1 = 0"))
+    async def count_one_more(self, user_id: int) -> int:
+        """Lock the account's tally (``end_user_tallies``) until the transaction ends and count one
+        end user more on it; the account's end users before this one (deleted ones included).
+
+        The lock decides the account's first sights one after the other (and the caps they check);
+        the tally is one row however many end users the account has. An account without a row yet
+        gets one from a count of its end users (once)."""
+        add_one = (
+            update(EndUserTally)
+            .where(EndUserTally.user_id == user_id)
+            .values(total=EndUserTally.total + 1)
+            .returning(EndUserTally.total)
+            .execution_options(synchronize_session=False)
+        )
+        total = await self._session.scalar(add_one)
+        if total is None:
+            counted = select(func.count()).select_from(EndUser).where(EndUser.user_id == user_id).scalar_subquery()
+            first = (
+                _insert(self._dialect)(EndUserTally)
+                .values(user_id=user_id, total=counted)
+                .on_conflict_do_nothing(index_elements=["user_id"])
+            )
+            await self._session.execute(first)
+            total = await self._session.scalar(add_one)
+            assert total is not None
+        return int(total) - 1
+
+    async def count_one_less(self, user_id: int) -> None:
+        """Take back ``count_one_more`` (the end user was there after all), in the same transaction."""
+        await self._session.execute(
+            update(EndUserTally)
+            .where(EndUserTally.user_id == user_id)
+            .values(total=EndUserTally.total - 1)
+            .execution_options(synchronize_session=False)
+        )
 
     async def count(self, user_id: int, *, since: datetime | None = None) -> int:
         """The account's end users (deleted ones included), or those created at or after ``since``."""
@@ -69,13 +96,6 @@ class EndUserRepository:
         if since is not None:
             filters.append(EndUser.created_at >= since)
         return int(await self._session.scalar(select(func.count()).select_from(EndUser).where(*filters)) or 0)
-
-    async def counts(self, user_id: int, *, since: datetime) -> tuple[int, int]:
-        """The account's end users (deleted ones included) and those created at or after ``since``,
-        in one statement."""
-        stmt = select(func.count(), func.count().filter(EndUser.created_at >= since)).where(EndUser.user_id == user_id)
-        total, recent = (await self._session.execute(stmt)).one()
-        return int(total), int(recent)
 
     async def insert(self, user_id: int, identifier: str, now: datetime) -> int | None:
         """Insert the end user unless the account already has one with ``identifier`` (the unique

@@ -32,6 +32,7 @@ TABLES = {
     "registry_audit",
     "registry_audit_head",
     "end_users",
+    "end_user_tallies",
 }
 
 
@@ -447,3 +448,42 @@ async def test_sqlite_end_user_limits(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_postgres_end_user_limits(scratch_postgres: str) -> None:
     await _end_user_limits(scratch_postgres)
+
+
+async def _end_user_tallies(url: str) -> None:
+    """0015 fills ``end_user_tallies`` with each account's end users (deleted ones included; an
+    account without any gets no row); its downgrade drops the table and keeps the end users."""
+    await asyncio.to_thread(upgrade_database, url, "0014")
+    now = datetime.now(UTC).replace(tzinfo=None)
+    await _execute(
+        url,
+        "INSERT INTO users (name, role, status, message_id, created_at, updated_at) "
+        "VALUES (:name, 'user', 'active', :id, :now, :now)",
+        [{"name": name, "id": message_id, "now": now} for name, message_id in (("a", "01"), ("b", "10"), ("c", "11"))],
+    )
+    await _execute(
+        url,
+        "INSERT INTO end_users (user_id, identifier, status, created_at, last_seen_at) "
+        "VALUES (:user_id, :identifier, :status, :now, :now)",
+        [
+            {"user_id": user_id, "identifier": f"eu-{i}", "status": "deleted" if i == 0 else "active", "now": now}
+            for user_id, count in ((1, 3), (2, 1))
+            for i in range(count)
+        ],
+    )
+    await asyncio.to_thread(upgrade_database, url, "0015")
+    rows = await _execute(url, "SELECT user_id, total FROM end_user_tallies ORDER BY user_id")
+    assert [tuple(r) for r in rows] == [(1, 3), (2, 1)]
+    await asyncio.to_thread(downgrade_database, url, "0014")
+    assert "end_user_tallies" not in (await _inspect(url))[0]
+    assert len(await _execute(url, "SELECT id FROM end_users")) == 4
+    await asyncio.to_thread(upgrade_database, url)
+
+
+async def test_sqlite_end_user_tallies(tmp_path: Path) -> None:
+    await _end_user_tallies(f"sqlite+aiosqlite:///{tmp_path / 't.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_end_user_tallies(scratch_postgres: str) -> None:
+    await _end_user_tallies(scratch_postgres)

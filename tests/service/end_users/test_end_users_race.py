@@ -14,7 +14,7 @@ from service.config import Settings
 from service.db import session_scope
 from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.end_users.repository import EndUserRepository
-from service.models import EndUser, MessageId, RegistryAuditEntry
+from service.models import EndUser, EndUserTally, MessageId, RegistryAuditEntry
 from service.repositories.unit import Repositories
 from service.schemas.common import Principal
 from service.services.users import UserService
@@ -72,6 +72,9 @@ async def test_many_concurrent_first_sights_of_few_identifiers_create_exactly_th
                     )
                 )
             assert sorted(r.identifier for r in rows) == sorted(set(identifiers))
+            async with session_scope(resources.sessionmaker) as session:
+                tally = await session.scalar(select(EndUserTally.total).where(EndUserTally.user_id == account.id))
+            assert tally == IDENTIFIERS  # each end user counted once on the account's tally
             per_end_user = Counter((m.end_user_id, m.bits, m.block_bits) for m in ids)
             assert set(per_end_user.values()) == {1}
             assert {(m.end_user_id, (m.bits, m.block_bits)) for m in ids} == {
@@ -113,6 +116,9 @@ async def test_two_replicas_racing_for_new_identifiers_create_one_end_user_each(
             async with session_scope(resources.sessionmaker) as session:
                 rows = (await session.scalars(select(EndUser).where(EndUser.user_id == account.id))).all()
             assert sorted(r.identifier for r in rows) == sorted(names)
+            async with session_scope(resources.sessionmaker) as session:
+                tally = await session.scalar(select(EndUserTally.total).where(EndUserTally.user_id == account.id))
+            assert tally == len(names)  # a first sight that lost its race took its count back
             by_name = {r.identifier: r.id for r in rows}
             for i, identity in enumerate(resolved):
                 assert identity.id == by_name[names[i // 6]]
@@ -125,14 +131,14 @@ async def test_a_burst_of_one_new_identifier_takes_the_account_lock_once(
     """50 requests naming one new identifier at once in one process: one of them looks it up (one
     first sight, one lock of the account), the others await its answer; all are generated for it."""
     locks = 0
-    lock_account = EndUserRepository.lock_account
+    count_one_more = EndUserRepository.count_one_more
 
-    async def counted(self: EndUserRepository, user_id: int) -> None:
+    async def counted(self: EndUserRepository, user_id: int) -> int:
         nonlocal locks
         locks += 1
-        await lock_account(self, user_id)
+        return await count_one_more(self, user_id)
 
-    monkeypatch.setattr(EndUserRepository, "lock_account", counted)
+    monkeypatch.setattr(EndUserRepository, "count_one_more", counted)
     async with own_database(settings, "xmark_end_users_burst") as url:
         unlimited = {
             "database_url": url,

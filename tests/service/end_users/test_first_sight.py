@@ -22,7 +22,7 @@ from service.db import create_engine, create_sessionmaker, session_scope, upgrad
 from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.end_users.repository import EndUserRepository
 from service.errors import RateLimitError
-from service.models import EndUser, MessageId, RegistryAuditEntry
+from service.models import EndUser, EndUserTally, MessageId, RegistryAuditEntry
 from service.repositories.unit import Repositories
 from service.schemas.common import Principal
 from service.security import ApiKeyHasher
@@ -219,6 +219,56 @@ async def test_cap_refusals_are_held_back_up_to_a_bound(scratch_url: str, tmp_pa
         started = time.perf_counter()
         await directory.resolve(principal, "a", LENGTH)
         assert time.perf_counter() - started < delay / 2
+    finally:
+        await directory.aclose()
+        await engine.dispose()
+
+
+async def _tally(sessionmaker: async_sessionmaker[AsyncSession], account_id: int) -> tuple[int | None, int]:
+    """The account's tally and its end users counted."""
+    async with sessionmaker() as session:
+        tally = await session.scalar(select(EndUserTally.total).where(EndUserTally.user_id == account_id))
+        counted = await session.scalar(select(func.count()).select_from(EndUser).where(EndUser.user_id == account_id))
+    return tally, int(counted or 0)
+
+
+async def test_the_tally_counts_each_end_user_once_and_decides_the_cap(scratch_url: str, tmp_path: Path) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(
+        scratch_url, tmp_path, end_users_max_per_account=4, end_users_refusal_delay_s=0
+    )
+    try:
+        # two end users from before the account had a tally row (as after migration 0015, which
+        # fills it; or rows written around the directory)
+        async with session_scope(sessionmaker) as session:
+            repo = EndUserRepository(session)
+            for name in ("old-1", "old-2"):
+                assert await repo.insert(principal.user_id, name, datetime.now(UTC)) is not None
+        assert await _tally(sessionmaker, principal.user_id) == (None, 2)
+        await directory.resolve(principal, "new-1", LENGTH)
+        assert await _tally(sessionmaker, principal.user_id) == (3, 3)  # the count, then one more
+        # a known end user read by another replica (its cache is cold) counts nothing
+        replica = EndUserDirectory(
+            sessionmaker=sessionmaker,
+            settings=directory._settings,
+            configured=PARAMS,
+            signer=ReportSigner.from_secret(b"first sight test"),
+            cache=EndUserCache(60.0),
+        )
+        await replica.resolve(principal, "new-1", LENGTH)
+        await directory.resolve(principal, "new-2", LENGTH)
+        assert await _tally(sessionmaker, principal.user_id) == (4, 4)
+        # at the cap: refused, and the tally's count was rolled back with it
+        with pytest.raises(RateLimitError):
+            await replica.resolve(principal, "new-3", LENGTH)
+        assert await _tally(sessionmaker, principal.user_id) == (4, 4)
+        # deleting an end user frees nothing: deleted ones count (the row stays a tombstone)
+        async with session_scope(sessionmaker) as session:
+            row = await session.scalar(select(EndUser).where(EndUser.identifier == "old-1"))
+            assert row is not None
+            row.status = "deleted"
+        with pytest.raises(RateLimitError):
+            await directory.resolve(principal.model_copy(update={"end_users_max": 4}), "new-4", LENGTH)
+        assert await _tally(sessionmaker, principal.user_id) == (4, 4)
     finally:
         await directory.aclose()
         await engine.dispose()
