@@ -466,7 +466,11 @@ class EndUserDirectory:
         now = datetime.now(UTC)
         # the account's lock, and its end users before this one
         total = await repo.count_one_more(user_id)
-        recent = await repo.count(user_id, since=now - timedelta(minutes=1)) if caps[1].value else 0
+        # the new end users of the last minute are at most all of them: counted only when those reach
+        # the per-minute cap
+        recent = total
+        if caps[1].value and total >= caps[1].value:
+            recent = await repo.count(user_id, since=now - timedelta(minutes=1))
         try:
             self._check_caps(user_id, caps, total=total, recent=recent)
         except RateLimitError:

@@ -272,3 +272,34 @@ async def test_the_tally_counts_each_end_user_once_and_decides_the_cap(scratch_u
     finally:
         await directory.aclose()
         await engine.dispose()
+
+
+async def test_the_last_minute_is_counted_only_once_the_account_has_that_many(scratch_url: str, tmp_path: Path) -> None:
+    """New end users of the last minute are at most all of the account's: below the per-minute cap
+    in all, the first sight reads no count; at it, the count decides."""
+    engine, sessionmaker, directory, principal, _ = await _setup(
+        scratch_url, tmp_path, end_users_new_per_minute=2, end_users_refusal_delay_s=0
+    )
+    counts: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "count(" in statement.lower() and "created_at >=" in statement:  # the last minute's count
+            counts.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", seen)
+    try:
+        for name in ("a", "b"):
+            await directory.resolve(principal, name, LENGTH)
+        assert counts == []
+        with pytest.raises(RateLimitError) as refused:
+            await directory.resolve(principal, "c", LENGTH)
+        assert "limit of 2 new end users per minute (end_users_new_per_minute)" in refused.value.message
+        assert len(counts) == 1
+        # the same account with the minute's cap lifted: counted again, and created
+        lifted = principal.model_copy(update={"end_users_new_per_minute": 0})
+        assert (await directory.resolve(lifted, "c", LENGTH)).identifier == "c"
+        assert await _tally(sessionmaker, principal.user_id) == (3, 3)
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", seen)
+        await directory.aclose()
+        await engine.dispose()
