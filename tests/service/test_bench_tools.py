@@ -21,7 +21,10 @@ import pytest
 
 from benchmarks.end_users_bench import access_counts
 from benchmarks.launch import free_port
+from benchmarks.registry_memory import measure, rows
 from service.logging import RedactingFormatter
+from service.services.registry_cache import build_snapshot
+from xmark_core import WatermarkParams
 
 BODY = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
 
@@ -251,3 +254,17 @@ def test_the_end_user_race_counts_the_gateways_answers_from_its_access_log(tmp_p
     assert access_counts(log, 3) == {"200": 4, "503": 1}
     assert access_counts(log, 4) == {"200": 1}
     assert access_counts(log, 3, "/v1/completions") == {"200": 1}
+
+
+def test_the_registry_memory_benchmark_builds_the_caches_snapshot_of_its_rows() -> None:
+    """``benchmarks.registry_memory`` measures the snapshot ``/trace`` scores against, built by the
+    cache's own builder: every row's ID is a candidate, held by the end user it was read for."""
+    params = WatermarkParams(bits=32, block_bits=2)
+    entries = rows(3, 4, params.bits)
+    snapshot = build_snapshot(entries, params)
+    assert len(snapshot) == 12 and len({e.message_id for e in entries}) == 12
+    holders = {user.end_user_id: (user.user_id, user.name, user.identifier) for user in snapshot.users.values()}
+    assert holders == {e.end_user_id: (e.user_id, f"platform-{e.user_id}", e.identifier) for e in entries}
+    assert sorted(snapshot.candidates.ids) == sorted(-e.end_user_id for e in entries)
+    measured = measure(5, 20, params)
+    assert measured["ids"] == 100 and measured["accounts"] == 5 and measured["end_users_per_account"] == 20
