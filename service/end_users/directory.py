@@ -15,9 +15,9 @@
   account's end-user lock: its row of ``end_user_tallies``, counted one more
   (``EndUserRepository.count_one_more``: the total is one row, not a count of the account's end
   users); the end user is read again if a cap would refuse it (a concurrent first sight may have
-  created it). An account found at a cap
-  is remembered for ``cache.ttl`` seconds (while its caps stay the same): its new identifiers are
-  then refused without the lock and the count; and every cap refusal is answered
+  created it). An account found at a cap is remembered for ``cache.ttl`` seconds (while its caps
+  stay the same): its new identifiers are then refused without the lock and the count; and every
+  cap refusal is answered
   ``end_users_refusal_delay_s`` late (``_hold_back``), so a flood of invented identifiers costs the
   database one read per request, a few requests a second. The end user is inserted with
   ``ON CONFLICT DO NOTHING`` on (account, identifier) with one new message ID per length in use
@@ -78,6 +78,8 @@ SEEN_RESOLUTION = timedelta(minutes=1)
 # how long a look-up waits for its turn among this process's look-ups in progress (see ``resolve``)
 LOOKUP_QUEUE_TIMEOUT_S = 30.0
 LIMIT_CODE = "end_user_limit_exceeded"
+# accounts remembered at a cap before those whose time is up are forgotten
+AT_CAP_ACCOUNTS = 10_000
 
 
 class _IdTaken(Exception):
@@ -540,7 +542,10 @@ class EndUserDirectory:
         for cap, count, what in zip(caps, (total, recent), ("end users", "new end users per minute"), strict=True):
             if cap.value and count >= cap.value:
                 if self.cache.ttl > 0:
-                    self._at_cap[user_id] = _AtCap(caps, cap, what, time.monotonic() + self.cache.ttl)
+                    now = time.monotonic()
+                    if len(self._at_cap) >= AT_CAP_ACCOUNTS:  # forget the accounts whose time is up
+                        self._at_cap = {k: v for k, v in self._at_cap.items() if v.until > now}
+                    self._at_cap[user_id] = _AtCap(caps, cap, what, now + self.cache.ttl)
                 raise _limit_exceeded(cap, what)
 
     def _refuse_if_at_cap(self, user_id: int, caps: tuple[Cap, Cap]) -> None:

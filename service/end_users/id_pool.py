@@ -62,6 +62,9 @@ class IdPool:
         self._drawn_at: float | None = None
         self._generation = 0  # bumped by ``clear``: a refill under way then keeps nothing
         self._refill: asyncio.Task[None] | None = None
+        # the IDs taken lately: a refill draws away from them too (the first sight that took one may
+        # not have committed it when the refill reads the registry)
+        self._taken: deque[str] = deque(maxlen=4 * size + 64)
 
     def held(self, length: MessageLength) -> int:
         return len(self._ready.get(length, ()))
@@ -75,6 +78,7 @@ class IdPool:
         taken: list[Message] | None = None
         if all(queues):
             taken = [q.popleft() for q in queues if q]
+            self._taken.extend(m.bits for m in taken)
         if any(len(q or ()) <= self.low_water for q in queues):
             self.refill(lengths)
         return taken
@@ -107,7 +111,8 @@ class IdPool:
                     else:
                         registered.append(await ids.existing(params.bits, params.block_bits))
             held = [list(self._ready.get(length_of(p), ())) for p in lengths]
-            drawn = await asyncio.to_thread(self._draw_all, lengths, registered, held)
+            taken = list(self._taken)
+            drawn = await asyncio.to_thread(self._draw_all, lengths, registered, held, taken)
         except (SQLAlchemyError, OSError, TimeoutError, MessageSpaceExhausted) as exc:
             logger.warning(
                 "message IDs were not drawn ahead; first sights draw their own", extra={"error": type(exc).__name__}
@@ -121,11 +126,16 @@ class IdPool:
             self._drawn_at = self._clock()
 
     def _draw_all(
-        self, lengths: Sequence[WatermarkParams], registered: list[list[str]], held: list[list[Message]]
+        self,
+        lengths: Sequence[WatermarkParams],
+        registered: list[list[str]],
+        held: list[list[Message]],
+        taken_lately: list[str],
     ) -> list[list[Message]]:
         drawn: list[list[Message]] = []
         for params, existing, mine in zip(lengths, registered, held, strict=True):
-            taken = existing + [m.bits for m in mine]
+            lately = [bits for bits in taken_lately if len(bits) == params.bits]
+            taken = existing + [m.bits for m in mine] + lately
             more: list[Message] = []
             for _ in range(max(0, self.size - len(mine))):
                 message = self._allocator(taken, params)

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
 from service.end_users.directory import EndUserCache, EndUserDirectory
+from service.end_users.id_pool import IdPool
 from service.end_users.repository import EndUserRepository
 from service.errors import RateLimitError
 from service.models import EndUser, EndUserTally, MessageId, RegistryAuditEntry
@@ -302,4 +303,34 @@ async def test_the_last_minute_is_counted_only_once_the_account_has_that_many(sc
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", seen)
         await directory.aclose()
+        await engine.dispose()
+
+
+def _lowest_free(existing: Iterable[str], params: WatermarkParams) -> Message:
+    """An allocation rule that draws the lowest ID not taken: what a refill draws is then known."""
+    taken = set(existing)
+    value = next(v for v in range(1 << params.bits) if format(v, f"0{params.bits}b") not in taken)
+    return Message(format(value, f"0{params.bits}b"), params)
+
+
+async def test_a_refill_draws_away_from_the_ids_taken_while_it_read_the_registry(tmp_path: Path) -> None:
+    """IDs are drawn away from every registered ID, from those held, and from those taken lately (a
+    first sight may not have committed one when the refill reads the registry)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'pool.db'}"
+    await asyncio.to_thread(upgrade_database, url)
+    engine = create_engine(make_test_settings(tmp_path, database_url=url))
+    try:
+        params = WatermarkParams(bits=4, block_bits=2)
+        pool = IdPool(create_sessionmaker(engine), _lowest_free, size=3, low_water=0)
+        refill = pool.refill([params])
+        assert refill is not None
+        await refill
+        assert [m.bits for m in pool._ready[(4, 2)]] == ["0000", "0001", "0010"]
+        first = pool.take([params])  # taken, not yet in the registry
+        assert first is not None and first[0].bits == "0000"
+        refill = pool.refill([params])  # tops the pool up to 3 again
+        assert refill is not None
+        await refill
+        assert [m.bits for m in pool._ready[(4, 2)]] == ["0001", "0010", "0011"]
+    finally:
         await engine.dispose()
