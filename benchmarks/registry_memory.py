@@ -21,26 +21,28 @@ import json
 import platform
 import random
 import time
+from collections.abc import Iterator
 
 import psutil
 
-from service.repositories.registry import RegistryEntry
-from service.services.registry_cache import build_snapshot
+from service.repositories.registry import LOAD_SLICE, RegistryEntry
+from service.services.registry_cache import SnapshotBuilder
 from xmark_core import WatermarkParams
 
 MIB = 2**20
 
 
-def rows(accounts: int, end_users: int, bits: int, seed: int = 0) -> list[RegistryEntry]:
-    """The registry's rows of one length: each account's end users, each with one random ID (IDs
-    drawn uniformly, as the allocation rule draws them past 10^5 registered)."""
+def rows(accounts: int, end_users: int, bits: int, seed: int = 0) -> Iterator[list[RegistryEntry]]:
+    """The registry's rows of one length in slices of ``LOAD_SLICE``, as the cache reads them: each
+    account's end users, each with one random ID (drawn uniformly, as the allocation rule draws them
+    past 10^5 registered)."""
     rng = random.Random(seed)
-    found: list[RegistryEntry] = []
+    piece: list[RegistryEntry] = []
     end_user_id = 0
     for account in range(1, accounts + 1):
         for _ in range(end_users):
             end_user_id += 1
-            found.append(
+            piece.append(
                 RegistryEntry(
                     account,
                     # a string of its own per row, as the database driver returns each row's
@@ -51,7 +53,11 @@ def rows(accounts: int, end_users: int, bits: int, seed: int = 0) -> list[Regist
                     f"{rng.getrandbits(64):016x}",
                 )
             )
-    return found
+            if len(piece) == LOAD_SLICE:
+                yield piece
+                piece = []
+    if piece:
+        yield piece
 
 
 def measure(accounts: int, end_users: int, params: WatermarkParams) -> dict[str, object]:
@@ -59,14 +65,11 @@ def measure(accounts: int, end_users: int, params: WatermarkParams) -> dict[str,
     gc.collect()
     base = process.memory_info().rss
     started = time.perf_counter()
-    entries = rows(accounts, end_users, params.bits)
-    read_s = time.perf_counter() - started
-    as_read = process.memory_info().rss - base
-    started = time.perf_counter()
-    snapshot = build_snapshot(entries, params)
+    builder = SnapshotBuilder(params)
+    for piece in rows(accounts, end_users, params.bits):
+        builder.add(piece)
+    snapshot = builder.finish()
     build_s = time.perf_counter() - started
-    peak = process.memory_info().rss - base
-    del entries
     gc.collect()
     held = process.memory_info().rss - base
     ids = len(snapshot)
@@ -76,10 +79,7 @@ def measure(accounts: int, end_users: int, params: WatermarkParams) -> dict[str,
         "end_users_per_account": end_users,
         "bits": params.bits,
         "block_bits": params.block_bits,
-        "rows_as_read_mib": round(as_read / MIB),
-        "rows_made_s": round(read_s, 1),
         "build_s": round(build_s, 1),
-        "peak_mib": round(peak / MIB),
         "held_mib": round(held / MIB),
         "held_bytes_per_id": round(held / ids),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},

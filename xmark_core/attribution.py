@@ -47,6 +47,16 @@ class CandidateSet:
             raise ArgumentError(f"got {len(bits)} messages but {len(ids)} ids")
         self._pack(bits_to_blocks(list(bits), params).astype(np.uint8), list(ids), params)  # blocks [C, r]
 
+    @classmethod
+    def from_blocks(cls, blocks: np.ndarray, ids: Sequence[object], params: WatermarkParams) -> CandidateSet:
+        """Candidates from their block values already computed (``bits_to_blocks``, uint8 [C, r]):
+        a registry read in slices packs each slice as it comes."""
+        if len(blocks) != len(ids):
+            raise ArgumentError(f"got {len(blocks)} messages but {len(ids)} ids")
+        made = cls.__new__(cls)
+        made._pack(np.asarray(blocks, dtype=np.uint8).reshape(len(ids), params.num_blocks), list(ids), params)
+        return made
+
     def _pack(self, blocks: np.ndarray, ids: list[object], params: WatermarkParams) -> None:
         self.params = params
         self.ids = ids

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -80,15 +80,19 @@ class RegistryRepository:
 
     async def entries(self, bits: int, block_bits: int) -> Sequence[RegistryEntry]:
         """Every registered message ID of this length with its owner, deleted users included, in
-        the order the IDs were allocated; read in slices of ``LOAD_SLICE`` rows, each a statement of
-        its own (so each stays within the request's statement bound however large the registry)."""
-        entries: list[RegistryEntry] = []
+        the order the IDs were allocated (``slices``, gathered)."""
+        return [entry async for piece in self.slices(bits, block_bits) for entry in piece]
+
+    async def slices(self, bits: int, block_bits: int) -> AsyncIterator[list[RegistryEntry]]:
+        """``entries`` in slices of ``LOAD_SLICE`` rows, each read by a statement of its own (so each
+        stays within the request's statement bound however large the registry), for a reader that
+        keeps what it needs of a slice before the next is read."""
         after = 0
         while True:
             rows = await self.entries_after(bits, block_bits, after, limit=LOAD_SLICE)
-            entries.extend(entry for _, entry in rows)
+            yield [entry for _, entry in rows]
             if len(rows) < LOAD_SLICE:
-                return entries
+                return
             after = rows[-1][0]
 
     async def entries_after(

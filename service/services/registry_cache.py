@@ -22,15 +22,17 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TypeVar
 
+import numpy as np
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from service.parties import end_user_of
 from service.repositories.registry import RegistryEntry, RegistryFingerprint, RegistryRepository
-from xmark_core import CandidateSet, WatermarkParams
+from xmark_core import CandidateSet, WatermarkParams, bits_to_blocks
 
 logger = logging.getLogger("xmark.registry")
 
@@ -53,8 +55,176 @@ class RegisteredUser:
     identifier: str | None = None
 
 
-def _registered(entry: RegistryEntry) -> RegisteredUser:
-    return RegisteredUser(entry.user_id, entry.name, entry.status, entry.end_user_id, entry.identifier)
+class Owners(Mapping[int, RegisteredUser]):
+    """Who holds each registered ID of one length, by holder number (``service.parties``): the
+    accounts in a mapping (a few per 10^3 end users), their end users packed in arrays sorted by
+    end-user id (id, account, identifier as UTF-8 in one buffer): about 40 bytes per end user where a
+    ``RegisteredUser`` each took about 400 (``benchmarks/registry_memory.py``). End users added by a
+    refresh wait in a small mapping until ``REPACK_AT`` of them are packed in.
+
+    An end user's account name and status are its account's as this snapshot last read them
+    (``update_account``), like the account's own."""
+
+    REPACK_AT = 65_536
+
+    def __init__(self) -> None:
+        self._accounts: dict[int, tuple[str, str]] = {}  # every account seen: (name, status)
+        self._holding: set[int] = set()  # accounts that hold an ID of this length themselves
+        # end users in the order they were packed: account, and identifier i as
+        # text[offsets[i]:offsets[i + 1]]; found through their ids in ascending order and, for each,
+        # its place in that order
+        self._accounts_of = np.zeros(0, dtype=np.int64)
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._text = b""
+        self._sorted_ids = np.zeros(0, dtype=np.int64)
+        self._places = np.zeros(0, dtype=np.int64)
+        self._recent: dict[int, tuple[int, str]] = {}  # end-user id -> (account, identifier)
+        # slices of a load not packed yet (``add_slice``): ids, accounts, identifiers' lengths, text
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, bytes]] = []
+
+    @classmethod
+    def of(cls, entries: Sequence[RegistryEntry]) -> Owners:
+        owners = cls()
+        owners.add_slice(entries)
+        owners.pack()
+        return owners
+
+    def add_slice(self, entries: Sequence[RegistryEntry]) -> None:
+        """Hold the holders of one slice of a load (each holder once in the whole load: one ID of a
+        length each), packed as arrays at once; they are found once ``pack`` has run."""
+        end_users = []
+        for entry in entries:
+            self._accounts[entry.user_id] = (entry.name, entry.status)
+            if entry.end_user_id is None:
+                self._holding.add(entry.user_id)
+            else:
+                end_users.append(entry)
+        if not end_users:
+            return
+        count = len(end_users)
+        texts = [(e.identifier or "").encode() for e in end_users]
+        self._pending.append(
+            (
+                np.fromiter((e.end_user_id for e in end_users), dtype=np.int64, count=count),
+                np.fromiter((e.user_id for e in end_users), dtype=np.int64, count=count),
+                np.fromiter((len(t) for t in texts), dtype=np.int64, count=count),
+                b"".join(texts),
+            )
+        )
+
+    def add(self, entries: Iterable[RegistryEntry]) -> None:
+        """Hold these entries' holders too (an entry whose holder is held already changes nothing
+        but its account's name and status)."""
+        for entry in entries:
+            self._accounts[entry.user_id] = (entry.name, entry.status)
+            if entry.end_user_id is None:
+                self._holding.add(entry.user_id)
+            elif -entry.end_user_id not in self:
+                self._recent[entry.end_user_id] = (entry.user_id, entry.identifier or "")
+        if len(self._recent) >= self.REPACK_AT:
+            self.pack()
+
+    def update_account(self, user_id: int, name: str, status: str) -> None:
+        if user_id in self._accounts:
+            self._accounts[user_id] = (name, status)
+
+    def pack(self) -> None:
+        """Append the end users added since the last pack to the arrays (and sort their ids in)."""
+        if self._recent:
+            count = len(self._recent)
+            texts = [identifier.encode() for _, identifier in self._recent.values()]
+            self._pending.append(
+                (
+                    np.fromiter(self._recent, dtype=np.int64, count=count),
+                    np.fromiter((a for a, _ in self._recent.values()), dtype=np.int64, count=count),
+                    np.fromiter((len(t) for t in texts), dtype=np.int64, count=count),
+                    b"".join(texts),
+                )
+            )
+            self._recent = {}
+        if not self._pending:
+            return
+        ids = np.concatenate([p[0] for p in self._pending])
+        lengths = np.concatenate([p[2] for p in self._pending])
+        places = np.arange(len(self._accounts_of), len(self._accounts_of) + len(ids), dtype=np.int64)
+        self._accounts_of = np.concatenate([self._accounts_of, *(p[1] for p in self._pending)])
+        self._offsets = np.concatenate([self._offsets, self._offsets[-1] + np.cumsum(lengths)])
+        self._text = b"".join([self._text, *(p[3] for p in self._pending)])
+        self._pending = []
+        all_ids = np.concatenate([self._sorted_ids, ids])
+        order = np.argsort(all_ids, kind="stable")
+        self._sorted_ids = all_ids[order]
+        self._places = np.concatenate([self._places, places])[order]
+
+    def _end_user(self, end_user_id: int) -> tuple[int, str] | None:
+        recent = self._recent.get(end_user_id)
+        if recent is not None:
+            return recent
+        i = int(np.searchsorted(self._sorted_ids, end_user_id))
+        if i == len(self._sorted_ids) or int(self._sorted_ids[i]) != end_user_id:
+            return None
+        place = int(self._places[i])
+        start, end = int(self._offsets[place]), int(self._offsets[place + 1])
+        return int(self._accounts_of[place]), self._text[start:end].decode()
+
+    def __getitem__(self, key: int) -> RegisteredUser:
+        end_user_id = end_user_of(key)
+        if end_user_id is None:
+            if key not in self._holding:
+                raise KeyError(key)
+            name, status = self._accounts[key]
+            return RegisteredUser(key, name, status)
+        found = self._end_user(end_user_id)
+        if found is None:
+            raise KeyError(key)
+        account, identifier = found
+        name, status = self._accounts[account]
+        return RegisteredUser(account, name, status, end_user_id, identifier)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, int):
+            return False
+        end_user_id = end_user_of(key)
+        return key in self._holding if end_user_id is None else self._end_user(end_user_id) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._holding
+        for end_user_id in self._sorted_ids.tolist():
+            yield -end_user_id
+        for end_user_id in self._recent:
+            yield -end_user_id
+
+    def __len__(self) -> int:
+        return len(self._holding) + len(self._sorted_ids) + len(self._recent)
+
+
+class SnapshotBuilder:
+    """Builds the snapshot of one length slice by slice (``RegistryRepository.slices``): each slice's
+    IDs are packed into blocks and its holders into ``Owners`` as it comes, so a load holds the
+    snapshot and one slice of rows, not every row at once."""
+
+    def __init__(self, params: WatermarkParams) -> None:
+        self.params = params
+        self._blocks: list[np.ndarray] = []
+        self._ids: list[int] = []
+        self._owners = Owners()
+        self._skipped = 0
+
+    def add(self, entries: Sequence[RegistryEntry]) -> None:
+        kept = [entry for entry in entries if _well_formed(entry.message_id, self.params)]
+        self._skipped += len(entries) - len(kept)
+        if not kept:
+            return
+        self._blocks.append(bits_to_blocks([e.message_id for e in kept], self.params).astype(np.uint8))
+        self._ids.extend(e.key for e in kept)
+        self._owners.add_slice(kept)
+
+    def finish(self, fingerprint: RegistryFingerprint | None = None) -> RegistrySnapshot:
+        if self._skipped:
+            logger.warning("malformed message IDs are not attributable", extra={"count": self._skipped})
+        self._owners.pack()
+        blocks = np.concatenate(self._blocks) if self._blocks else np.zeros((0, self.params.num_blocks), dtype=np.uint8)
+        return RegistrySnapshot(CandidateSet.from_blocks(blocks, self._ids, self.params), self._owners, fingerprint)
 
 
 def build_snapshot(
@@ -62,26 +232,9 @@ def build_snapshot(
 ) -> RegistrySnapshot:
     """The snapshot of every registered ID of one length (``entries``, as the registry reads them);
     a malformed ID is left out (logged)."""
-    bits: list[str] = []
-    ids: list[int] = []
-    users: dict[int, RegisteredUser] = {}
-    # an account's name and status once, not once per row of its end users (the driver returns a
-    # string of its own per row: 110 bytes per ID at 10^7 end users)
-    shared: dict[str, str] = {}
-    skipped = 0
-    for entry in entries:
-        if not _well_formed(entry.message_id, params):
-            skipped += 1
-            continue
-        key = entry.key  # one int object for the list and the mapping
-        bits.append(entry.message_id)
-        ids.append(key)
-        name = shared.setdefault(entry.name, entry.name)
-        status = shared.setdefault(entry.status, entry.status)
-        users[key] = RegisteredUser(entry.user_id, name, status, entry.end_user_id, entry.identifier)
-    if skipped:
-        logger.warning("malformed message IDs are not attributable", extra={"count": skipped})
-    return RegistrySnapshot(CandidateSet(bits, ids, params), users, fingerprint)
+    builder = SnapshotBuilder(params)
+    builder.add(entries)
+    return builder.finish(fingerprint)
 
 
 @dataclass(frozen=True)
@@ -89,8 +242,9 @@ class RegistrySnapshot:
     """Every registered message ID of one length, packed for scoring, and who owns it."""
 
     candidates: CandidateSet
-    # by the holder's number in the registry (``service.parties``: accounts' and end users')
-    users: dict[int, RegisteredUser] = field(repr=False)
+    # by the holder's number in the registry (``service.parties``: accounts' and end users'); the
+    # cache's snapshots hold ``Owners``
+    users: Mapping[int, RegisteredUser] = field(repr=False)
     fingerprint: RegistryFingerprint | None = None
 
     def __len__(self) -> int:
@@ -106,10 +260,8 @@ class RegistrySnapshot:
         are left out): the candidates a content search led to."""
         index = self._index_of
         positions = [index[u] for u in dict.fromkeys(user_ids) if u in index]
-        kept = {self.candidates.ids[i] for i in positions}
-        return RegistrySnapshot(
-            self.candidates.subset(positions), {u: user for u, user in self.users.items() if u in kept}, None
-        )
+        kept = [key for key in (self.candidates.ids[i] for i in positions) if isinstance(key, int)]
+        return RegistrySnapshot(self.candidates.subset(positions), {u: self.users[u] for u in kept if u in self.users})
 
 
 @dataclass
@@ -195,9 +347,11 @@ class RegistryCache:
             grown = await self._grow(repo, params, current, current.fingerprint, fingerprint)
             if grown is not None:
                 return grown
-        entries = await repo.entries(params.bits, params.block_bits)
+        builder = SnapshotBuilder(params)
+        async for piece in repo.slices(params.bits, params.block_bits):
+            builder.add(piece)
         self.reloads += 1
-        return build_snapshot(entries, params, fingerprint)
+        return builder.finish(fingerprint)
 
     async def _grow(
         self,
@@ -219,18 +373,18 @@ class RegistryCache:
         after = (seen.max_message_id_row or 0) - ROW_WINDOW
         added = [e for _, e in await repo.entries_after(params.bits, params.block_bits, after)]
         known = current.users
+        if not isinstance(known, Owners):  # a snapshot the cache did not build: reload it
+            return None
         new = [e for e in added if e.key not in known and _well_formed(e.message_id, params)]
         changed = (
             await repo.users_updated_since(seen.max_updated_at - TIME_WINDOW) if seen.max_updated_at is not None else []
         )
         # users already registered keep their packed ID (IDs never change); names and statuses are
-        # updated in place, so a snapshot in use by a request reads the newer values at worst
-        # (an end user keeps its account's name and status as they were when its ID was read)
+        # updated in place (an account's end users' with it), so a snapshot in use by a request
+        # reads the newer values at worst
         for user_id, name, status in changed:
-            if user_id in known:
-                known[user_id] = RegisteredUser(user_id, name, status)
-        for entry in new:
-            known[entry.key] = _registered(entry)
+            known.update_account(user_id, name, status)
+        known.add(new)
         candidates = current.candidates.extended([e.message_id for e in new], [e.key for e in new])
         self.refreshes += 1
         return RegistrySnapshot(candidates, known, now)
