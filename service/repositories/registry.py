@@ -78,15 +78,11 @@ class RegistryRepository:
         count, max_id, max_updated, max_id_row, id_count = (await self._session.execute(stmt)).one()
         return RegistryFingerprint(int(count or 0), max_id, max_updated, int(id_count or 0), max_id_row)
 
-    async def entries(self, bits: int, block_bits: int) -> Sequence[RegistryEntry]:
-        """Every registered message ID of this length with its owner, deleted users included, in
-        the order the IDs were allocated (``slices``, gathered)."""
-        return [entry async for piece in self.slices(bits, block_bits) for entry in piece]
-
     async def slices(self, bits: int, block_bits: int) -> AsyncIterator[list[RegistryEntry]]:
-        """``entries`` in slices of ``LOAD_SLICE`` rows, each read by a statement of its own (so each
-        stays within the request's statement bound however large the registry), for a reader that
-        keeps what it needs of a slice before the next is read."""
+        """Every registered message ID of this length with its owner, deleted users included, in the
+        order the IDs were allocated, in slices of ``LOAD_SLICE`` rows, each read by a statement of its
+        own (so each stays within the request's statement bound however large the registry), for a
+        reader that keeps what it needs of a slice before the next is read."""
         after = 0
         while True:
             rows = await self.entries_after(bits, block_bits, after, limit=LOAD_SLICE)
