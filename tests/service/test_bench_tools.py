@@ -260,7 +260,7 @@ def test_the_registry_memory_benchmark_builds_the_caches_snapshot_of_its_rows() 
     """``benchmarks.registry_memory`` measures the snapshot ``/trace`` scores against, built by the
     cache's own builder: every row's ID is a candidate, held by the end user it was read for."""
     params = WatermarkParams(bits=32, block_bits=2)
-    entries = rows(3, 4, params.bits)
+    entries = [entry for piece in rows(3, 4, params.bits) for entry in piece]  # one slice: 12 < LOAD_SLICE
     snapshot = build_snapshot(entries, params)
     assert len(snapshot) == 12 and len({e.message_id for e in entries}) == 12
     holders = {user.end_user_id: (user.user_id, user.name, user.identifier) for user in snapshot.users.values()}
