@@ -41,6 +41,25 @@ async def own_database(settings: Settings, prefix: str) -> AsyncIterator[str]:
         await drop_database(url)
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def scratch_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A migrated database of the test's own, committed for real: a SQLite file, or a throw-away
+    PostgreSQL database beside the test database (``indirect`` parametrization picks one)."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'scratch.db'}"
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+        return
+    settings = request.getfixturevalue("settings")
+    url = sibling_url(settings.database_url, f"xmark_scratch_{uuid.uuid4().hex[:10]}")
+    try:
+        await create_database(url)
+        await asyncio.to_thread(upgrade_database, url)
+        yield url
+    finally:
+        await drop_database(url)
+
+
 @pytest.fixture
 def seeded_message_ids(monkeypatch: pytest.MonkeyPatch) -> random.Random:
     """The users this test creates get their message IDs from a generator seeded here instead of

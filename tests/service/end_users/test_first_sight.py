@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ import pytest
 from sqlalchemy import event, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.db import create_engine, create_sessionmaker, session_scope, upgrade_database
 from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.end_users.id_pool import IdPool
@@ -35,23 +33,6 @@ from xmark_core import Message, WatermarkParams
 
 PARAMS = WatermarkParams(bits=32, block_bits=2)
 LENGTH = (PARAMS.bits, PARAMS.block_bits)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def scratch_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path / 'first_sight.db'}"
-        await asyncio.to_thread(upgrade_database, url)
-        yield url
-        return
-    settings = request.getfixturevalue("settings")
-    url = sibling_url(settings.database_url, f"xmark_first_{uuid.uuid4().hex[:10]}")
-    try:
-        await create_database(url)
-        await asyncio.to_thread(upgrade_database, url)
-        yield url
-    finally:
-        await drop_database(url)
 
 
 class Counting:

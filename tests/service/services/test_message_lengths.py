@@ -11,9 +11,7 @@ import contextlib
 import functools
 import random
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,10 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import service.resources
 import service.services.message_ids
-from benchmarks.pg_admin import create_database, drop_database, sibling_url
 from service.app import create_app
 from service.config import ConfigurationError
-from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker, session_scope, upgrade_database
+from service.db import MAINTENANCE_TIMEOUT_S, create_engine, create_sessionmaker, session_scope
 from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.errors import ServiceUnavailableError
 from service.keyring import Keyring
@@ -289,24 +286,6 @@ async def test_the_backfill_keeps_the_id_a_user_was_created_with(app: Any, db_se
 
 
 # -- start-up registration and racing backfills, on databases of their own -------------------------
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def scratch_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """A migrated database of the test's own (SQLite file, or a throw-away PostgreSQL database)."""
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path / 'lengths.db'}"
-        await asyncio.to_thread(upgrade_database, url)
-        yield url
-        return
-    settings = request.getfixturevalue("settings")
-    url = sibling_url(settings.database_url, f"xmark_len_{uuid.uuid4().hex[:10]}")
-    try:
-        await create_database(url)
-        await asyncio.to_thread(upgrade_database, url)
-        yield url
-    finally:
-        await drop_database(url)
 
 
 async def _engines(tmp_path: Path, url: str, count: int) -> list[Any]:
