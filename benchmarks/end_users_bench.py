@@ -357,21 +357,23 @@ def access_counts(log: Path, user_id: int, route: str = "/v1/chat/completions") 
     return dict(sorted(counts.items()))
 
 
-async def registry_counts(database_url: str, account_id: int, lengths: int) -> dict[str, int]:
+async def registry_counts(database_url: str, account_id: int, lengths: int) -> dict[str, Any]:
     """The account's end users, their message IDs, end users without exactly one ID of each of the
-    ``lengths`` lengths in use, and the audit trail's creations of its end users: read by PostgreSQL."""
+    ``lengths`` lengths in use, the audit trail's creations of its end users, and its slot rows
+    (``end_users`` rows with no identifier: reserved ahead, merged, given back) with their IDs:
+    read by PostgreSQL."""
     connection = await asyncpg.connect(_dsn(database_url), timeout=ADMIN_TIMEOUT_S)
+    own = "e.user_id = $1 AND e.identifier IS NOT NULL"
     try:
-        end_users = await connection.fetchval("SELECT count(*) FROM end_users WHERE user_id = $1", account_id)
+        end_users = await connection.fetchval(f"SELECT count(*) FROM end_users e WHERE {own}", account_id)
         message_ids = await connection.fetchval(
-            "SELECT count(*) FROM message_ids m JOIN end_users e ON e.id = m.end_user_id WHERE e.user_id = $1",
-            account_id,
+            f"SELECT count(*) FROM message_ids m JOIN end_users e ON e.id = m.end_user_id WHERE {own}", account_id
         )
         lacking = await connection.fetchval(
-            """
+            f"""
             SELECT count(*) FROM end_users e
-            WHERE e.user_id = $1 AND (SELECT count(DISTINCT (m.bits, m.block_bits)) FROM message_ids m
-                                      WHERE m.end_user_id = e.id) <> $2
+            WHERE {own} AND (SELECT count(DISTINCT (m.bits, m.block_bits)) FROM message_ids m
+                             WHERE m.end_user_id = e.id) <> $2
             """,
             account_id,
             lengths,
@@ -381,6 +383,10 @@ async def registry_counts(database_url: str, account_id: int, lengths: int) -> d
             "WHERE a.action = 'end_user.create' AND a.target_type = 'end_user' AND e.user_id = $1",
             account_id,
         )
+        slots = await connection.fetch(
+            "SELECT status, count(*) AS n FROM end_users WHERE user_id = $1 AND identifier IS NULL GROUP BY status",
+            account_id,
+        )
     finally:
         await connection.close()
     return {
@@ -388,6 +394,7 @@ async def registry_counts(database_url: str, account_id: int, lengths: int) -> d
         "message_ids": int(message_ids),
         "end_users_without_one_id_per_length": int(lacking),
         "audit_creations": int(audited),
+        "slots": {row["status"]: int(row["n"]) for row in slots},
     }
 
 

@@ -562,6 +562,17 @@ class Settings(BaseSettings):
             "sight draws its own, reading every registered ID of the length below 10^5 of them)."
         ),
     )
+    end_users_reserve: int = Field(
+        default=8,
+        ge=0,
+        le=256,
+        description=(
+            "End-user slots each process reserves ahead per account with first sights (rows with their message "
+            "IDs, counted within the account's caps): a first sight takes one without a statement and is claimed "
+            "for its identifier in the background, so it costs a request one read (0: each first sight creates "
+            "its end user on the request path). Unused slots are given back when the process stops."
+        ),
+    )
     end_users_max_held_back: int = Field(
         default=256,
         ge=0,

@@ -27,7 +27,15 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeEngine
 
-from service.vocabulary import AuditActorKind, EndUserStatus, KeyVersionStatus, Role, TraceDecoder, UserStatus
+from service.vocabulary import (
+    AuditActorKind,
+    EndUserSlot,
+    EndUserStatus,
+    KeyVersionStatus,
+    Role,
+    TraceDecoder,
+    UserStatus,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -40,6 +48,7 @@ NAMING_CONVENTION = {
 USER_ROLES = tuple(role.value for role in Role)
 USER_STATUSES = tuple(status.value for status in UserStatus)
 END_USER_STATUSES = tuple(status.value for status in EndUserStatus)
+END_USER_ROW_STATUSES = END_USER_STATUSES + tuple(slot.value for slot in EndUserSlot)
 KEY_VERSION_STATUSES = tuple(status.value for status in KeyVersionStatus)
 AUDIT_ACTOR_KINDS = tuple(kind.value for kind in AuditActorKind)
 
@@ -146,7 +155,7 @@ class EndUser(Base):
 
     __tablename__ = "end_users"
     __table_args__ = (
-        CheckConstraint(_in("status", END_USER_STATUSES), name="status"),
+        CheckConstraint(_in("status", END_USER_ROW_STATUSES), name="status"),
         UniqueConstraint("user_id", "identifier", name="uq_end_users_user_id_identifier"),
         Index("ix_end_users_user_id_created_at", "user_id", "created_at"),
     )
@@ -154,8 +163,12 @@ class EndUser(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     # the account (the API key's owner) whose end user this is
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="RESTRICT"))
-    identifier: Mapped[str] = mapped_column(String(256))
+    # NULL only in a row that is not an end user of its own (``EndUserSlot``: reserved, void, merged),
+    # which no reader of end users sees
+    identifier: Mapped[str | None] = mapped_column(String(256), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default=EndUserStatus.ACTIVE.value)
+    # a merged row (``EndUserSlot.MERGED``, migration 0016): the end user its texts name
+    merged_into: Mapped[int | None] = mapped_column(ForeignKey("end_users.id", ondelete="RESTRICT"), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     # a minute's resolution: written when a process reads the end user and the last write is older
     last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -29,6 +29,21 @@ class EndUserStatus(StrEnum):
     DELETED = "deleted"
 
 
+class EndUserSlot(StrEnum):
+    """A row of ``end_users`` that is not (yet, or any more) an end user of its own (migration 0016):
+    never listed, counted or named as one.
+
+    * ``reserved``: drawn ahead with its message IDs and no identifier, for a first sight to take
+      without a statement (``service.end_users.reserve``); the account's tally counts it.
+    * ``void``: a reserved row given back unused (its process stopped): its IDs stay reserved.
+    * ``merged``: a reserved row whose first sight lost a race for its identifier to another
+      replica: its texts name the winner (``merged_into``)."""
+
+    RESERVED = "reserved"
+    VOID = "void"
+    MERGED = "merged"
+
+
 class KeyVersionStatus(StrEnum):
     ACTIVE = "active"  # encodes new generations; /trace tries it
     PENDING = "pending"  # configured, not yet activated; /trace tries it
@@ -87,6 +102,8 @@ class AuditAction(StrEnum):
     END_USER_DISABLE = "end_user.disable"
     END_USER_ENABLE = "end_user.enable"
     END_USER_DELETE = "end_user.delete"
+    # a reserved slot whose first sight another replica's beat for the identifier: its IDs name that end user
+    END_USER_MERGE = "end_user.merge"
 
 
 class AuditTarget(StrEnum):

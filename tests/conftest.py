@@ -183,6 +183,8 @@ def make_test_settings(var_dir: Path, **overrides: Any) -> Settings:
         # app's sessions all join one test's transaction, so its first sights draw their own
         # (tests/service/end_users/test_first_sight.py tests the pool on databases of its own)
         "end_users_ids_ahead": 0,
+        # slots are reserved and claimed in units of work of their own too (tests/service/end_users/test_reserve.py)
+        "end_users_reserve": 0,
     }
     values.update(overrides)
     return Settings(**values)

@@ -141,6 +141,7 @@ GROUPS: tuple[Group, ...] = (
             "end_users_refusal_delay_s",
             "end_users_max_held_back",
             "end_users_ids_ahead",
+            "end_users_reserve",
             "end_user_requests_per_minute",
             "end_user_tokens_per_minute",
             "redis_url",

@@ -9,7 +9,17 @@
   written when the last write is more than a minute old. An end user without an ID of the length the
   request is encoded with (a key version of a new length) gets one there, unless the background
   backfill (``backfill``, run at start-up and after an activation) gave it one first.
-* **First sight**: the account's caps are checked first (its ``end_users_max`` and
+* **Cache miss with slots** (``end_users_reserve`` > 0, the default): one statement outside a
+  transaction reads the end user (``_probe``). A known one (with an ID of the request's length,
+  seen within a minute) is cached and answered. A new one takes one of the account's slots reserved
+  ahead (``service.end_users.reserve``: rows with their message IDs, counted within the caps when
+  reserved) and is answered with the slot's IDs at once; the slot is claimed for the identifier,
+  with its audit entry, in the background, when the request's record is written (after the answer)
+  or a second later (``_claim``); a record waits for its claim (``settled``). A claim that finds
+  the identifier taken by another replica's first sight meanwhile merges the slot into that end
+  user (``end_user.merge``): the texts of either ID name it. Otherwise (no slot held yet, the
+  lengths in use not read within ``cache.ttl``), the session path below.
+* **First sight** (session path): the account's caps are checked first (its ``end_users_max`` and
   ``end_users_new_per_minute`` where set, else the settings ``end_users_max_per_account`` and
   ``end_users_new_per_minute``: 429 ``end_user_limit_exceeded``, nothing allocated) under the
   account's end-user lock: its row of ``end_user_tallies``, counted one more
@@ -39,6 +49,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -46,18 +57,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import event
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy import bindparam, event, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from service.config import Settings
 from service.db import session_scope
 from service.end_users.id_pool import IdPool
 from service.end_users.repository import EndUserRepository, FoundEndUser
+from service.end_users.reserve import Reserve, Slot
 from service.errors import ConflictError, DatabaseUnavailableError, PermissionDeniedError, RateLimitError
 from service.models import EndUser, MessageId
 from service.repositories.message_ids import MessageIdRepository
-from service.schemas.common import EndUserIdentity, Principal
+from service.schemas.common import EndUserIdentity, MessageIdOut, Principal
 from service.services.audit import SYSTEM_ACTOR, Actor, AuditTrail, Change
 from service.services.message_ids import (
     MessageLength,
@@ -80,6 +92,12 @@ LOOKUP_QUEUE_TIMEOUT_S = 30.0
 LIMIT_CODE = "end_user_limit_exceeded"
 # accounts remembered at a cap before those whose time is up are forgotten
 AT_CAP_ACCOUNTS = 10_000
+# a claim of a slot (``_claim``) is retried this long while the database is unreachable
+CLAIM_RETRY_S = 300.0
+# a claim starts at the latest this long after its first sight (else when its first record is written)
+CLAIM_DELAY_S = 1.0
+# merged slots remembered (slot id -> the end user it was merged into) for records still to be written
+MERGED_REMEMBERED = 10_000
 
 
 class _IdTaken(Exception):
@@ -119,6 +137,23 @@ class _Entry:
     expires_at: float
 
 
+# the probe of a cache miss (``_probe``): the end user's row with its message IDs, one statement
+_PROBE = (
+    select(
+        EndUser.id,
+        EndUser.status,
+        EndUser.last_seen_at,
+        EndUser.requests_per_minute,
+        EndUser.tokens_per_minute,
+        MessageId.bits,
+        MessageId.block_bits,
+        MessageId.message_id,
+    )
+    .outerjoin(MessageId, MessageId.end_user_id == EndUser.id)
+    .where(EndUser.user_id == bindparam("user_id"), EndUser.identifier == bindparam("identifier"))
+)
+
+
 class _LeaderGone(Exception):
     """The request doing a shared look-up was cancelled: the requests awaiting it look again."""
 
@@ -131,6 +166,7 @@ def _retrieved(future: asyncio.Future[tuple[EndUserIdentity, str]]) -> None:
 
 def identity_of(row: EndUser, message_ids: Sequence[MessageId]) -> EndUserIdentity:
     ids = message_ids_out(message_ids)
+    assert row.identifier is not None, "a slot row is not an end user"
     return EndUserIdentity(
         id=row.id,
         identifier=row.identifier,
@@ -255,6 +291,19 @@ class EndUserDirectory:
         self._backfills: set[asyncio.Task[None]] = set()
         # message IDs drawn ahead for first sights
         self.ids = IdPool(sessionmaker, allocator, size=settings.end_users_ids_ahead)
+        # end-user slots reserved ahead for first sights (``service.end_users.reserve``), the claims
+        # of taken slots in progress (slot id -> the end user its texts name once claimed), and the
+        # merged slots' end users
+        self.reserve = Reserve(sessionmaker, self.ids, allocator, size=settings.end_users_reserve)
+        self._claims: dict[int, asyncio.Future[int]] = {}
+        self._claim_wanted: dict[int, asyncio.Event] = {}
+        self._claiming: set[asyncio.Task[None]] = set()
+        self._merged: OrderedDict[int, int] = OrderedDict()
+        bind = sessionmaker.kw.get("bind")
+        # the probe of a cache miss reads outside a transaction (no BEGIN, no COMMIT)
+        self._probe_engine: AsyncEngine | None = (
+            bind.execution_options(isolation_level="AUTOCOMMIT") if isinstance(bind, AsyncEngine) else None
+        )
         # the lengths in use, read at most once per ``cache.ttl`` (monotonic time read, lengths)
         self._lengths: tuple[float, tuple[WatermarkParams, ...]] | None = None
         # accounts found at a cap (``_AtCap``), and the cap refusals being held back now
@@ -272,6 +321,7 @@ class EndUserDirectory:
         self.cache.clear()  # cached identities lack the new IDs
         self._lengths = None
         self.ids.clear()  # drawn for the lengths in use before
+        self.reserve.clear()
         if self._on_change is not None:
             self._on_change()
 
@@ -306,6 +356,12 @@ class EndUserDirectory:
         for task in list(self._backfills):
             task.cancel()
         await asyncio.gather(*self._backfills, return_exceptions=True)
+        # the claims of slots already answered with are finished (retried up to their bound)
+        for wanted in self._claim_wanted.values():
+            wanted.set()
+        if self._claiming:
+            await asyncio.wait(set(self._claiming), timeout=self._settings.database_timeout_s)
+        await self.reserve.aclose()
         await self.ids.aclose()
 
     async def resolve(
@@ -401,6 +457,10 @@ class EndUserDirectory:
                 "Too many new end users are being looked up at once; retry shortly", retry_after_s=1.0
             ) from None
         try:
+            if self.reserve.size > 0 and self._probe_engine is not None:
+                fast = await self._probe(principal, identifier, length, key, request_id)
+                if fast is not None:
+                    return fast
             for _ in range(MAX_ALLOCATION_ATTEMPTS):
                 epoch = self.cache.epoch
                 try:
@@ -415,6 +475,184 @@ class EndUserDirectory:
             raise ConflictError("Could not allocate a unique message ID; retry the request", code="message_id_conflict")
         finally:
             self._turns.release()
+
+    async def _probe(
+        self,
+        principal: Principal,
+        identifier: str,
+        length: MessageLength,
+        key: tuple[int, str],
+        request_id: str | None,
+    ) -> tuple[EndUserIdentity, str] | None:
+        """The cache miss of a process holding slots: one statement outside a transaction reads the
+        end user. Known (with an ID of ``length``, seen within ``SEEN_RESOLUTION``): its identity.
+        New: a reserved slot of the account (``Reserve.take``), claimed in the background
+        (``_claim``), when the account is within its caps (checked when the slot was reserved) and
+        the lengths in use are known; else None, and the request takes the session path."""
+        assert self._probe_engine is not None
+        epoch = self.cache.epoch
+        async with self._probe_engine.connect() as connection:
+            rows = (await connection.execute(_PROBE, {"user_id": principal.user_id, "identifier": identifier})).all()
+        if rows:
+            first = rows[0]
+            if datetime.now(UTC) - first.last_seen_at >= SEEN_RESOLUTION:
+                return None  # the session path writes last_seen_at
+            identity = EndUserIdentity(
+                id=first.id,
+                identifier=identifier,
+                message_ids=tuple(
+                    MessageIdOut(bits=r.bits, block_bits=r.block_bits, message_id=r.message_id)
+                    for r in sorted(rows, key=lambda r: (r.bits or 0, r.block_bits or 0))
+                    if r.message_id is not None
+                ),
+                requests_per_minute=first.requests_per_minute,
+                tokens_per_minute=first.tokens_per_minute,
+            )
+            if identity.message_id_for(*length) is None:
+                return None  # the session path gives it an ID of this length
+            self.cache.put(key, identity, first.status, epoch=epoch)
+            return identity, first.status
+        caps = self.caps(principal)
+        lengths = self._fresh_lengths(length)
+        slot = None
+        if lengths is not None:
+            # a slot held is within the caps (counted when it was reserved), even at a cap now
+            slot = self.reserve.take(principal.user_id, (caps[0].value, caps[1].value), lengths, length)
+        if slot is None:
+            self._refuse_if_at_cap(principal.user_id, caps)
+            return None
+        identity = EndUserIdentity(id=slot.id, identifier=identifier, message_ids=slot.message_ids)
+        self.cache.put(key, identity, EndUserStatus.ACTIVE.value, epoch=epoch)
+        self._claim_later(slot, principal, identifier, key, request_id)
+        return identity, EndUserStatus.ACTIVE.value
+
+    def _fresh_lengths(self, length: MessageLength) -> tuple[WatermarkParams, ...] | None:
+        """The lengths in use as read within ``cache.ttl``, when ``length`` is among them."""
+        if self._lengths is None:
+            return None
+        read_at, params = self._lengths
+        if time.monotonic() - read_at < self.cache.ttl and any(length_of(p) == length for p in params):
+            return params
+        return None
+
+    def _claim_later(
+        self, slot: Slot, principal: Principal, identifier: str, key: tuple[int, str], request_id: str | None
+    ) -> None:
+        settled: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._claims[slot.id] = settled
+        wanted = self._claim_wanted[slot.id] = asyncio.Event()
+        task = asyncio.create_task(self._claim(slot, principal, identifier, key, request_id, settled, wanted))
+        self._claiming.add(task)
+        task.add_done_callback(self._claiming.discard)
+
+    async def _claim(
+        self,
+        slot: Slot,
+        principal: Principal,
+        identifier: str,
+        key: tuple[int, str],
+        request_id: str | None,
+        settled: asyncio.Future[int],
+        wanted: asyncio.Event,
+    ) -> None:
+        """Make the taken slot the end user ``identifier`` with its audit entry, in one transaction;
+        when another replica's first sight created that end user first, merge the slot into it (its
+        texts name that end user, ``end_user.merge`` in the audit trail) and cache that one. Retried
+        while the database is unreachable, up to ``CLAIM_RETRY_S``.
+
+        It starts when the first generation record of the end user is written (``settled``: after
+        the answer, so the claim's statements are not on the request's path, and no later than the
+        record), or ``CLAIM_DELAY_S`` after the first sight, whichever comes first."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLAIM_DELAY_S):
+                await wanted.wait()
+        audit = AuditTrail(self._signer, Actor.api(principal.user_id, principal.name), request_id)
+        final = slot.id
+        delay, give_up = 0.05, time.monotonic() + CLAIM_RETRY_S
+        try:
+            while True:
+                try:
+                    # claims take turns with the look-ups (half the pool's connections at once), so
+                    # a burst of first sights leaves the pool to the records and the rest
+                    async with asyncio.timeout(LOOKUP_QUEUE_TIMEOUT_S):
+                        await self._turns.acquire()
+                    try:
+                        final = await self._claim_once(slot, principal.user_id, identifier, key, audit)
+                    finally:
+                        self._turns.release()
+                    break
+                except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                    if time.monotonic() + delay > give_up:
+                        logger.error(
+                            "an end user's first sight was not recorded: its texts name the account only",
+                            extra={"user_id": principal.user_id, "end_user_id": slot.id, "error": type(exc).__name__},
+                        )
+                        break
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            settled.set_result(final)
+            self._claims.pop(slot.id, None)
+            self._claim_wanted.pop(slot.id, None)
+            if final != slot.id:
+                self._merged[slot.id] = final
+                while len(self._merged) > MERGED_REMEMBERED:
+                    self._merged.popitem(last=False)
+        if self._on_change is not None:
+            self._on_change()
+
+    async def _claim_once(
+        self, slot: Slot, user_id: int, identifier: str, key: tuple[int, str], audit: AuditTrail
+    ) -> int:
+        now = datetime.now(UTC)
+        async with session_scope(self._sessionmaker) as session:
+            repo = EndUserRepository(session)
+            try:
+                async with session.begin_nested():
+                    claimed = await repo.claim(slot.id, identifier, now)
+            except IntegrityError:  # the unique constraint: another replica created it first
+                winner = await repo.find(user_id, identifier)
+                if winner is None:
+                    raise  # not that constraint: retried
+                if await repo.merge(slot.id, winner.row.id):
+                    after = {"merged_into": winner.row.id, "identifier": identifier}
+                    change = Change(AuditAction.END_USER_MERGE, AuditTarget.END_USER, slot.id, None, after)
+                    await audit.record(session, change)
+                epoch = self.cache.epoch
+                found = winner
+            else:
+                if not claimed:
+                    logger.error("a taken end-user slot was no longer reserved", extra={"end_user_id": slot.id})
+                    return slot.id
+                await repo.renumber_message_ids(slot.id)
+                rows = [
+                    MessageId(end_user_id=slot.id, bits=m.bits, block_bits=m.block_bits, message_id=m.message_id)
+                    for m in slot.message_ids
+                ]
+                await audit.record(session, end_user_created(_created(slot.id, user_id, identifier, now), rows))
+                logger.info("end user created", extra={"user_id": user_id, "end_user_id": slot.id})
+                return slot.id
+        self.cache.put(key, identity_of(found.row, found.message_ids), found.row.status, epoch=epoch)
+        logger.info("end user merged", extra={"user_id": user_id, "end_user_id": found.row.id})
+        return found.row.id
+
+    async def settled(self, end_user_id: int) -> int:
+        """The end user a generation of ``end_user_id`` is recorded for: itself, or, for a slot taken
+        by a first sight, the end user its claim settles on (waited for up to the database bound)."""
+        merged = self._merged.get(end_user_id)
+        if merged is not None:
+            return merged
+        pending = self._claims.get(end_user_id)
+        if pending is None:
+            return end_user_id
+        wanted = self._claim_wanted.get(end_user_id)
+        if wanted is not None:
+            wanted.set()
+        try:
+            async with asyncio.timeout(self._settings.database_timeout_s):
+                return await asyncio.shield(pending)
+        except TimeoutError:
+            return end_user_id
 
     async def _read_or_create(
         self,
@@ -466,6 +704,8 @@ class EndUserDirectory:
         caps = self.caps(principal)
         self._refuse_if_at_cap(user_id, caps)
         now = datetime.now(UTC)
+        if self.reserve.size > 0:  # the account's next first sights take slots
+            self.reserve.want(user_id, (caps[0].value, caps[1].value), await self._lengths_in_use(session, length))
         # the account's lock, and its end users before this one
         total = await repo.count_one_more(user_id)
         # the new end users of the last minute are at most all of them: counted only when those reach
@@ -580,6 +820,7 @@ class EndUserDirectory:
                 for m in messages
             ]
             await ids.insert_if_free(rows)
+            assert found.row.identifier is not None  # found by its identifier
             refreshed = await repo.find(found.row.user_id, found.row.identifier)
             assert refreshed is not None
             if all(

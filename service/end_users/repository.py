@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func, select, update
+from sqlalchemy import ColumnElement, case, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import EndUser, EndUserTally, Generation, MessageId
 from service.repositories.like import escape_like
+from service.vocabulary import EndUserSlot, EndUserStatus
+
+# an end user of its own (a slot row, ``EndUserSlot``, has no identifier): what every reader lists
+IS_END_USER = EndUser.identifier.is_not(None)
+# what an account's tally counts: its end users and its reserved slots (not the void or merged rows)
+COUNTED = EndUser.status.not_in((EndUserSlot.VOID.value, EndUserSlot.MERGED.value))
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,15 @@ class EndUserRepository:
         return FoundEndUser(rows[0][0], tuple(m for _, m in rows if m is not None))
 
     async def get(self, user_id: int, end_user_id: int, *, for_update: bool = False) -> EndUser | None:
-        stmt = select(EndUser).where(EndUser.id == end_user_id, EndUser.user_id == user_id)
+        stmt = select(EndUser).where(EndUser.id == end_user_id, EndUser.user_id == user_id, IS_END_USER)
         if for_update:
             stmt = stmt.with_for_update()
         return (await self._session.execute(stmt)).scalar_one_or_none()
 
-    async def count_one_more(self, user_id: int) -> int:
+    async def count_one_more(self, user_id: int, more: int = 1) -> int:
         """Lock the account's tally (``end_user_tallies``) until the transaction ends and count one
-        end user more on it; the account's end users before this one (deleted ones included).
+        end user (or ``more``) more on it; the account's end users before these (deleted ones and
+        reserved slots included).
 
         The lock decides the account's first sights one after the other (and the caps they check);
         the tally is one row however many end users the account has. An account without a row yet
@@ -64,13 +71,15 @@ class EndUserRepository:
         add_one = (
             update(EndUserTally)
             .where(EndUserTally.user_id == user_id)
-            .values(total=EndUserTally.total + 1)
+            .values(total=EndUserTally.total + more)
             .returning(EndUserTally.total)
             .execution_options(synchronize_session=False)
         )
         total = await self._session.scalar(add_one)
         if total is None:
-            counted = select(func.count()).select_from(EndUser).where(EndUser.user_id == user_id).scalar_subquery()
+            counted = (
+                select(func.count()).select_from(EndUser).where(EndUser.user_id == user_id, COUNTED).scalar_subquery()
+            )
             first = (
                 _insert(self._dialect)(EndUserTally)
                 .values(user_id=user_id, total=counted)
@@ -79,20 +88,21 @@ class EndUserRepository:
             await self._session.execute(first)
             total = await self._session.scalar(add_one)
             assert total is not None
-        return int(total) - 1
+        return int(total) - more
 
-    async def count_one_less(self, user_id: int) -> None:
-        """Take back ``count_one_more`` (the end user was there after all), in the same transaction."""
+    async def count_one_less(self, user_id: int, less: int = 1) -> None:
+        """Take back ``count_one_more`` (the end user was there after all; slots given back)."""
         await self._session.execute(
             update(EndUserTally)
             .where(EndUserTally.user_id == user_id)
-            .values(total=EndUserTally.total - 1)
+            .values(total=EndUserTally.total - less)
             .execution_options(synchronize_session=False)
         )
 
     async def count(self, user_id: int, *, since: datetime | None = None) -> int:
-        """The account's end users (deleted ones included), or those created at or after ``since``."""
-        filters: list[ColumnElement[bool]] = [EndUser.user_id == user_id]
+        """The account's end users (deleted ones and reserved slots included), or those created at or
+        after ``since``."""
+        filters: list[ColumnElement[bool]] = [EndUser.user_id == user_id, COUNTED]
         if since is not None:
             filters.append(EndUser.created_at >= since)
         return int(await self._session.scalar(select(func.count()).select_from(EndUser).where(*filters)) or 0)
@@ -115,6 +125,92 @@ class EndUserRepository:
         )
         return await self._session.scalar(stmt)
 
+    async def insert_slots(self, user_id: int, n: int, now: datetime) -> list[int]:
+        """Insert ``n`` reserved slots of the account (``EndUserSlot.RESERVED``: no identifier); their ids."""
+        values = [
+            {
+                "user_id": user_id,
+                "identifier": None,
+                "status": EndUserSlot.RESERVED.value,
+                "created_at": now,
+                "last_seen_at": now,
+            }
+            for _ in range(n)
+        ]
+        stmt = _insert(self._dialect)(EndUser).returning(EndUser.id, sort_by_parameter_order=True)
+        return list((await self._session.scalars(stmt, values)).all())
+
+    async def claim(self, slot_id: int, identifier: str, now: datetime) -> bool:
+        """Make the reserved slot the end user named ``identifier`` (first seen ``now``); False when
+        it is no longer reserved. Raises ``IntegrityError`` when the account already has an end user
+        of that identifier (another replica's first sight won: ``merge``)."""
+        stmt = (
+            update(EndUser)
+            .where(EndUser.id == slot_id, EndUser.status == EndUserSlot.RESERVED.value)
+            .values(identifier=identifier, status=EndUserStatus.ACTIVE.value, created_at=now, last_seen_at=now)
+            .returning(EndUser.id)
+            .execution_options(synchronize_session=False)
+        )
+        return await self._session.scalar(stmt) is not None
+
+    async def merge(self, slot_id: int, into: int) -> bool:
+        """Turn the reserved slot into a merged row naming the end user ``into``; False when it is
+        no longer reserved."""
+        stmt = (
+            update(EndUser)
+            .where(EndUser.id == slot_id, EndUser.status == EndUserSlot.RESERVED.value)
+            .values(status=EndUserSlot.MERGED.value, merged_into=into)
+            .returning(EndUser.id)
+            .execution_options(synchronize_session=False)
+        )
+        return await self._session.scalar(stmt) is not None
+
+    async def void(self, user_id: int, slot_ids: Sequence[int]) -> int:
+        """Give the account's reserved slots back unused (``EndUserSlot.VOID``: their message IDs
+        stay reserved) and off its tally; how many were still reserved."""
+        stmt = (
+            update(EndUser)
+            .where(
+                EndUser.id.in_(list(slot_ids)),
+                EndUser.user_id == user_id,
+                EndUser.status == EndUserSlot.RESERVED.value,
+            )
+            .values(status=EndUserSlot.VOID.value)
+            .returning(EndUser.id)
+            .execution_options(synchronize_session=False)
+        )
+        voided = len((await self._session.scalars(stmt)).all())
+        if voided:
+            await self.count_one_less(user_id, voided)
+        return voided
+
+    async def renumber_message_ids(self, end_user_id: int) -> None:
+        """Write the end user's message ID rows again, the same values under new row ids: the trace
+        registry's snapshots, which read the rows after the newest they hold, then read them with
+        the end user a claimed slot has become."""
+        rows = (
+            await self._session.execute(
+                delete(MessageId)
+                .where(MessageId.end_user_id == end_user_id)
+                .returning(MessageId.bits, MessageId.block_bits, MessageId.message_id, MessageId.created_at)
+                .execution_options(synchronize_session=False)
+            )
+        ).all()
+        if rows:
+            await self._session.execute(
+                _insert(self._dialect)(MessageId),
+                [
+                    {
+                        "end_user_id": end_user_id,
+                        "bits": r.bits,
+                        "block_bits": r.block_bits,
+                        "message_id": r.message_id,
+                        "created_at": r.created_at,
+                    }
+                    for r in rows
+                ],
+            )
+
     async def add_message_ids(self, rows: Sequence[MessageId]) -> None:
         self._session.add_all(rows)
         await self._session.flush()
@@ -127,7 +223,7 @@ class EndUserRepository:
     ) -> tuple[Sequence[EndUser], int]:
         """A page of the account's end users by id, and how many match (``q``: a case-insensitive
         substring of the identifier)."""
-        filters: list[ColumnElement[bool]] = [EndUser.user_id == user_id]
+        filters: list[ColumnElement[bool]] = [EndUser.user_id == user_id, IS_END_USER]
         if q:
             filters.append(EndUser.identifier.ilike(f"%{escape_like(q)}%", escape="\\"))
         if status is not None:

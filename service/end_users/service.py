@@ -52,6 +52,7 @@ def effective_limits(row: EndUser, account: User, settings: Settings) -> EndUser
 def end_user_out(
     row: EndUser, message_ids: Sequence[MessageId], limits: EndUserLimits, usage: EndUserUsage
 ) -> EndUserOut:
+    assert row.identifier is not None, "the repository lists end users, not slot rows"
     return EndUserOut(
         id=row.id,
         user_id=row.user_id,

@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.models import EndUser, MessageId, User
+from service.vocabulary import EndUserSlot
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,9 @@ class MessageIdRepository:
         has_one = exists().where(
             MessageId.end_user_id == EndUser.id, MessageId.bits == bits, MessageId.block_bits == block_bits
         )
-        stmt = select(EndUser.id).where(~has_one).order_by(EndUser.id).limit(limit)
+        # a reserved slot gets one too (a first sight may take it); void and merged rows never generate
+        gone = EndUser.status.in_((EndUserSlot.VOID.value, EndUserSlot.MERGED.value))
+        stmt = select(EndUser.id).where(~has_one, ~gone).order_by(EndUser.id).limit(limit)
         return list((await self._session.scalars(stmt)).all())
 
     async def insert_if_free(self, rows: Sequence[Mapping[str, Any]]) -> int:

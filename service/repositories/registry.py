@@ -7,11 +7,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
 from service.models import EndUser, MessageId, User
 from service.parties import party_key
+from service.vocabulary import EndUserSlot
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class RegistryFingerprint:
         return None in (self.count, other.count) or (self.count, self.ids) == (other.count, other.ids)
 
 
+# slot rows whose message IDs name nobody: reserved (not claimed yet) and void (given back unused)
+UNNAMED = (EndUserSlot.RESERVED.value, EndUserSlot.VOID.value)
+
 # rows per statement of a whole load (10^6 IDs: ten statements of ~0.1-0.3 s each)
 LOAD_SLICE = 100_000
 
@@ -96,6 +101,8 @@ class RegistryRepository:
     ) -> Sequence[tuple[int, RegistryEntry]]:
         """The message IDs of this length in rows after ``row`` (row id, entry), oldest first."""
         account = func.coalesce(MessageId.user_id, EndUser.user_id)
+        # a merged slot's IDs name the end user it was merged into
+        into = aliased(EndUser)
         stmt = (
             select(
                 MessageId.id.label("row"),
@@ -103,13 +110,20 @@ class RegistryRepository:
                 User.name,
                 User.status,
                 MessageId.message_id,
-                EndUser.id.label("end_user_id"),
-                EndUser.identifier,
+                func.coalesce(into.id, EndUser.id).label("end_user_id"),
+                func.coalesce(into.identifier, EndUser.identifier).label("identifier"),
             )
             .select_from(MessageId)
             .outerjoin(EndUser, MessageId.end_user_id == EndUser.id)
+            .outerjoin(into, into.id == EndUser.merged_into)
             .join(User, User.id == account)
-            .where(MessageId.bits == bits, MessageId.block_bits == block_bits, MessageId.id > row)
+            .where(
+                MessageId.bits == bits,
+                MessageId.block_bits == block_bits,
+                MessageId.id > row,
+                # a reserved or void slot names nobody (a claim writes its rows again, as an end user's)
+                or_(EndUser.id.is_(None), EndUser.status.not_in(UNNAMED)),
+            )
             .order_by(MessageId.id)
             .limit(limit)
         )

@@ -174,6 +174,7 @@ async def _generation(resources: ResourcesDep) -> GenerationService:
         telemetry=resources.telemetry,
         sketcher=resources.sketcher,
         salt_rotation=resources.salt_rotation,
+        end_users=resources.end_users,
     )
 
 

@@ -92,6 +92,7 @@ from xmark_core import Message
 if TYPE_CHECKING:
     from service.backends import Backend
     from service.config import Settings
+    from service.end_users.directory import EndUserDirectory
     from service.keyring import Keyring
     from service.metrics import Metrics
     from service.provenance.sketch import Sketcher
@@ -243,8 +244,11 @@ class GenerationService:
         telemetry: Telemetry | None = None,
         sketcher: Sketcher | None = None,
         salt_rotation: SaltRotation | None = None,
+        end_users: EndUserDirectory | None = None,
     ) -> None:
         self._telemetry = telemetry if telemetry is not None else Telemetry()
+        # where a first sight's end user is settled before its record (None: ids are recorded as given)
+        self._end_users = end_users
         # the content sketch logged with each record (service.provenance); None: none is stored
         self._sketcher = sketcher
         self._records = records
@@ -455,12 +459,16 @@ class GenerationService:
         """
         retain = self._settings.retain_completions
         created_at = utcnow()
+        end_user = prepared.principal.end_user
+        end_user_id = None
+        if end_user is not None:  # a first sight's slot: the end user its claim settles on
+            end_user_id = end_user.id if self._end_users is None else await self._end_users.settled(end_user.id)
         rows = [
             {
                 "request_id": prepared.request_id,
                 "choice_index": choice.index,
                 "user_id": prepared.principal.user_id,
-                "end_user_id": None if prepared.principal.end_user is None else prepared.principal.end_user.id,
+                "end_user_id": end_user_id,
                 "key_version_id": prepared.key_version_id,
                 "encoder": prepared.stamp.key.params.scheme,
                 "model": prepared.model,
@@ -484,7 +492,7 @@ class GenerationService:
                 extra={
                     "request_id": prepared.request_id,
                     "user_id": prepared.principal.user_id,
-                    "end_user_id": None if prepared.principal.end_user is None else prepared.principal.end_user.id,
+                    "end_user_id": end_user_id,
                     "key_version_id": prepared.key_version_id,
                     "model": prepared.model,
                     "streamed": streamed,

@@ -15,6 +15,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -487,3 +488,49 @@ async def test_sqlite_end_user_tallies(tmp_path: Path) -> None:
 @pytest.mark.postgres
 async def test_postgres_end_user_tallies(scratch_postgres: str) -> None:
     await _end_user_tallies(scratch_postgres)
+
+
+async def _end_user_reserve(url: str) -> None:
+    """0016 lets a slot row (no identifier; reserved, void or merged into an end user) in beside the
+    end users, which keep their rows; its downgrade refuses while a slot row holds message IDs, and
+    goes through once none does."""
+    await asyncio.to_thread(upgrade_database, url, "0015")
+    now = datetime.now(UTC).replace(tzinfo=None)
+    await _execute(
+        url,
+        "INSERT INTO users (name, role, status, message_id, created_at, updated_at) "
+        "VALUES ('a', 'user', 'active', '01', :now, :now)",
+        [{"now": now}],
+    )
+    insert = (
+        "INSERT INTO end_users (user_id, identifier, status, created_at, last_seen_at) "
+        "VALUES (1, :identifier, :status, :now, :now)"
+    )
+    await _execute(url, insert, [{"identifier": "eu-0", "status": "active", "now": now}])
+    with pytest.raises(IntegrityError):  # before 0016: no slot
+        await _execute(url, insert, [{"identifier": None, "status": "reserved", "now": now}])
+    await asyncio.to_thread(upgrade_database, url, "0016")
+    await _execute(url, insert, [{"identifier": None, "status": s, "now": now} for s in ("reserved", "void")])
+    await _execute(url, "UPDATE end_users SET status = 'merged', merged_into = 1 WHERE status = 'void'")
+    with pytest.raises(IntegrityError):
+        await _execute(url, insert, [{"identifier": None, "status": "lost", "now": now}])
+    if url.startswith("postgresql"):  # this bare SQLite connection does not enforce foreign keys
+        with pytest.raises(IntegrityError):  # merged into an end user that does not exist
+            await _execute(url, "UPDATE end_users SET merged_into = 99 WHERE status = 'merged'")
+    rows = await _execute(url, "SELECT identifier, status, merged_into FROM end_users ORDER BY id")
+    assert [tuple(r) for r in rows] == [("eu-0", "active", None), (None, "reserved", None), (None, "merged", 1)]
+    with pytest.raises(RuntimeError, match="2 end-user slot rows"):
+        await asyncio.to_thread(downgrade_database, url, "0015")
+    await _execute(url, "DELETE FROM end_users WHERE identifier IS NULL")
+    await asyncio.to_thread(downgrade_database, url, "0015")
+    assert [tuple(r) for r in await _execute(url, "SELECT identifier FROM end_users")] == [("eu-0",)]
+    await asyncio.to_thread(upgrade_database, url)
+
+
+async def test_sqlite_end_user_reserve(tmp_path: Path) -> None:
+    await _end_user_reserve(f"sqlite+aiosqlite:///{tmp_path / 'r.db'}")
+
+
+@pytest.mark.postgres
+async def test_postgres_end_user_reserve(scratch_postgres: str) -> None:
+    await _end_user_reserve(scratch_postgres)

@@ -1,0 +1,219 @@
+"""End-user slots reserved ahead (``service.end_users.reserve``) on databases of the test's own
+(SQLite and PostgreSQL), through the directory the gateway uses: a first sight takes a slot with
+one statement on the request path and is claimed in the background, with its audit entry; a slot
+names nobody in the registry until it is claimed; a first sight another replica won first is merged
+into its end user; the caps count slots; unused slots are given back when the process stops."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, func, select
+
+from service.db import session_scope
+from service.end_users.repository import EndUserRepository
+from service.errors import RateLimitError
+from service.models import EndUser, EndUserTally, MessageId, RegistryAuditEntry
+from service.repositories.registry import RegistryRepository
+from tests.service.end_users.test_first_sight import LENGTH, PARAMS, _setup
+
+
+async def _rows(sessionmaker: Any, account_id: int) -> list[tuple[int, str | None, str, int | None]]:
+    async with sessionmaker() as session:
+        rows = await session.execute(
+            select(EndUser.id, EndUser.identifier, EndUser.status, EndUser.merged_into)
+            .where(EndUser.user_id == account_id)
+            .order_by(EndUser.id)
+        )
+        return [tuple(r) for r in rows.all()]
+
+
+async def _tally(sessionmaker: Any, account_id: int) -> int:
+    async with sessionmaker() as session:
+        return int(await session.scalar(select(EndUserTally.total).where(EndUserTally.user_id == account_id)) or 0)
+
+
+async def _named(sessionmaker: Any) -> dict[str, tuple[int | None, str | None]]:
+    """Each registered end-user ID of ``PARAMS``'s length -> the end user the registry names."""
+    async with sessionmaker() as session:
+        entries = await RegistryRepository(session).entries_after(PARAMS.bits, PARAMS.block_bits, 0)
+    return {e.message_id: (e.end_user_id, e.identifier) for _, e in entries if e.end_user_id is not None}
+
+
+async def test_a_first_sight_takes_a_slot_with_one_statement_and_is_claimed_after(
+    scratch_url: str, tmp_path: Path
+) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=4)
+    try:
+        # the process's first first sight: the session path, which reserves the account's slots
+        first = await directory.resolve(principal, "eu-0", LENGTH, request_id="req-0")
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        assert directory.reserve.held(principal.user_id) == 4
+        rows = await _rows(sessionmaker, principal.user_id)
+        slots = [r for r in rows if r[2] == "reserved"]
+        assert len(slots) == 4 and all(r[1] is None for r in slots)
+        assert await _tally(sessionmaker, principal.user_id) == 1 + 4
+        # a reserved slot's ID names nobody yet
+        named = await _named(sessionmaker)
+        assert set(named) == {first.message_id_for(*LENGTH)}
+
+        statements: list[str] = []
+
+        def executed(*args: Any) -> None:
+            statements.append(args[2])
+
+        event.listen(engine.sync_engine, "before_cursor_execute", executed)
+        second = await directory.resolve(principal, "eu-1", LENGTH, request_id="req-1")
+        on_path = list(statements)
+        event.remove(engine.sync_engine, "before_cursor_execute", executed)
+        # one statement on the request path: the probe; the answer is the first slot's
+        assert len(on_path) == 1 and on_path[0].lstrip().upper().startswith("SELECT"), on_path
+        assert second.id == slots[0][0]
+        assert await directory.settled(second.id) == second.id  # waits for the claim
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert (second.id, "eu-1", "active", None) in rows
+        # claimed: its ID now names the end user (its rows written again, the same values)
+        named = await _named(sessionmaker)
+        assert named[second.message_id_for(*LENGTH)] == (second.id, "eu-1")
+        async with sessionmaker() as session:
+            entry = (
+                await session.execute(
+                    select(RegistryAuditEntry).where(
+                        RegistryAuditEntry.action == "end_user.create", RegistryAuditEntry.target_id == str(second.id)
+                    )
+                )
+            ).scalar_one()
+        assert entry.request_id == "req-1" and entry.actor_kind == "api"
+        assert entry.changes["after"]["identifier"] == "eu-1"
+        assert entry.changes["after"]["message_ids"][0]["message_id"] == second.message_id_for(*LENGTH)
+        # known now: the cache answers with no statement, the same end user
+        assert await directory.resolve(principal, "eu-1", LENGTH) == second
+        # the admin's listing shows end users, never slots
+        async with sessionmaker() as session:
+            page, total = await EndUserRepository(session).page(principal.user_id, limit=50, offset=0)
+        assert [r.identifier for r in page] == ["eu-0", "eu-1"] and total == 2
+    finally:
+        await directory.aclose()
+        await engine.dispose()
+
+
+async def test_a_first_sight_another_replica_won_is_merged_into_its_end_user(scratch_url: str, tmp_path: Path) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=2)
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        claim_once = directory._claim_once
+        winner: list[int] = []
+
+        async def other_replica_first(*args: Any) -> int:
+            # another replica's first sight of the same identifier commits between this process's
+            # probe (which found nothing) and its claim
+            async with session_scope(sessionmaker) as session:
+                repo = EndUserRepository(session)
+                won = await repo.insert(principal.user_id, "eu-raced", datetime.now(UTC))
+                assert won is not None
+                session.add(
+                    MessageId(end_user_id=won, bits=PARAMS.bits, block_bits=PARAMS.block_bits, message_id="1" * 32)
+                )
+                winner.append(won)
+            return await claim_once(*args)
+
+        directory._claim_once = other_replica_first  # type: ignore[method-assign]
+        raced = await directory.resolve(principal, "eu-raced", LENGTH, request_id="req-raced")
+        settled = await directory.settled(raced.id)
+        assert settled == winner[0] != raced.id
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert (raced.id, None, "merged", winner[0]) in rows
+        # the texts encoded with the slot's ID name the end user it was merged into
+        named = await _named(sessionmaker)
+        assert named[raced.message_id_for(*LENGTH)] == (winner[0], "eu-raced")
+        assert named["1" * 32] == (winner[0], "eu-raced")
+        async with sessionmaker() as session:
+            merges = (
+                await session.scalars(select(RegistryAuditEntry).where(RegistryAuditEntry.action == "end_user.merge"))
+            ).all()
+        assert [(m.target_id, m.changes["after"]["merged_into"], m.request_id) for m in merges] == [
+            (str(raced.id), winner[0], "req-raced")
+        ]
+        # this process now answers with the winner
+        directory._claim_once = claim_once  # type: ignore[method-assign]
+        again = await directory.resolve(principal, "eu-raced", LENGTH)
+        assert again.id == winner[0] and again.message_id_for(*LENGTH) == "1" * 32
+    finally:
+        await directory.aclose()
+        await engine.dispose()
+
+
+async def test_slots_count_within_the_caps_and_are_given_back_unused(scratch_url: str, tmp_path: Path) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(
+        scratch_url, tmp_path, end_users_reserve=8, end_users_max_per_account=3, end_users_refusal_delay_s=0
+    )
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        # room for two more under the cap of 3: two slots, not eight
+        assert directory.reserve.held(principal.user_id) == 2
+        assert await _tally(sessionmaker, principal.user_id) == 3
+        taken = [await directory.resolve(principal, f"eu-{i}", LENGTH) for i in (1, 2)]
+        assert all([await directory.settled(t.id) == t.id for t in taken])
+        try:
+            await directory.resolve(principal, "eu-3", LENGTH)
+        except RateLimitError as refused:
+            assert refused.code == "end_user_limit_exceeded"
+        else:
+            raise AssertionError("a fourth end user passed a cap of 3")
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert [r[1] for r in rows] == ["eu-0", "eu-1", "eu-2"]
+    finally:
+        await directory.aclose()
+        await engine.dispose()
+
+    # a process stopping gives its unused slots back: off the tally, their IDs kept
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=3)
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        assert await _tally(sessionmaker, principal.user_id) == 4
+    finally:
+        await directory.aclose()
+    rows = await _rows(sessionmaker, principal.user_id)
+    assert [r[2] for r in rows] == ["active", "void", "void", "void"]
+    assert await _tally(sessionmaker, principal.user_id) == 1
+    async with sessionmaker() as session:
+        kept = await session.scalar(
+            select(func.count())
+            .select_from(MessageId)
+            .join(EndUser, EndUser.id == MessageId.end_user_id)
+            .where(EndUser.user_id == principal.user_id)
+        )
+    assert kept == 4
+    await engine.dispose()
+
+
+async def test_concurrent_first_sights_of_one_identifier_take_one_slot(scratch_url: str, tmp_path: Path) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=4)
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        burst = await asyncio.gather(*(directory.resolve(principal, f"eu-{i % 3 + 1}", LENGTH) for i in range(30)))
+        assert len({b.id for b in burst}) == 3
+        for b in burst:
+            assert await directory.settled(b.id) == b.id
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert sorted(r[1] for r in rows if r[1] is not None) == ["eu-0", "eu-1", "eu-2", "eu-3"]
+    finally:
+        await directory.aclose()
+        await engine.dispose()
