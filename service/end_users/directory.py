@@ -64,6 +64,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from service.config import Settings
 from service.db import session_scope
 from service.end_users.id_pool import IdPool
+from service.end_users.known import KnownIdentifiers
 from service.end_users.repository import EndUserRepository, FoundEndUser
 from service.end_users.reserve import Reserve, Slot
 from service.errors import ConflictError, DatabaseUnavailableError, PermissionDeniedError, RateLimitError
@@ -295,6 +296,8 @@ class EndUserDirectory:
         # of taken slots in progress (slot id -> the end user its texts name once claimed), and the
         # merged slots' end users
         self.reserve = Reserve(sessionmaker, self.ids, allocator, size=settings.end_users_reserve)
+        # the identifiers of the accounts holding slots: a first sight surely new reads nothing
+        self.known = KnownIdentifiers(sessionmaker, refresh_s=cache.ttl if settings.end_users_reserve > 0 else 0.0)
         self._claims: dict[int, asyncio.Future[int]] = {}
         self._claim_wanted: dict[int, asyncio.Event] = {}
         self._claiming: set[asyncio.Task[None]] = set()
@@ -491,6 +494,14 @@ class EndUserDirectory:
         the lengths in use are known; else None, and the request takes the session path."""
         assert self._probe_engine is not None
         epoch = self.cache.epoch
+        user_id = principal.user_id
+        caps = self.caps(principal)
+        lengths = self._fresh_lengths(length)
+        if lengths is not None and self.known.surely_new(user_id, identifier):
+            # no statement: the account's identifiers are known, and this one is not among them
+            slot = self.reserve.take(user_id, (caps[0].value, caps[1].value), lengths, length)
+            if slot is not None:
+                return self._took(slot, principal, identifier, key, request_id, epoch)
         async with self._probe_engine.connect() as connection:
             rows = (await connection.execute(_PROBE, {"user_id": principal.user_id, "identifier": identifier})).all()
         if rows:
@@ -512,17 +523,29 @@ class EndUserDirectory:
                 return None  # the session path gives it an ID of this length
             self.cache.put(key, identity, first.status, epoch=epoch)
             return identity, first.status
-        caps = self.caps(principal)
-        lengths = self._fresh_lengths(length)
         slot = None
         if lengths is not None:
             # a slot held is within the caps (counted when it was reserved), even at a cap now
-            slot = self.reserve.take(principal.user_id, (caps[0].value, caps[1].value), lengths, length)
+            slot = self.reserve.take(user_id, (caps[0].value, caps[1].value), lengths, length)
+            self.known.want(user_id)
         if slot is None:
-            self._refuse_if_at_cap(principal.user_id, caps)
+            self._refuse_if_at_cap(user_id, caps)
             return None
+        return self._took(slot, principal, identifier, key, request_id, epoch)
+
+    def _took(
+        self,
+        slot: Slot,
+        principal: Principal,
+        identifier: str,
+        key: tuple[int, str],
+        request_id: str | None,
+        epoch: int,
+    ) -> tuple[EndUserIdentity, str]:
+        """A first sight answered with ``slot``: cached, known, and claimed in the background."""
         identity = EndUserIdentity(id=slot.id, identifier=identifier, message_ids=slot.message_ids)
         self.cache.put(key, identity, EndUserStatus.ACTIVE.value, epoch=epoch)
+        self.known.add(principal.user_id, identifier)
         self._claim_later(slot, principal, identifier, key, request_id)
         return identity, EndUserStatus.ACTIVE.value
 
@@ -636,6 +659,11 @@ class EndUserDirectory:
         logger.info("end user merged", extra={"user_id": user_id, "end_user_id": found.row.id})
         return found.row.id
 
+    def claiming(self, end_user_id: int) -> bool:
+        """Whether ``end_user_id`` is a slot taken by a first sight whose claim has not settled, or
+        one merged into another end user (``settled`` then answers which)."""
+        return end_user_id in self._claims or end_user_id in self._merged
+
     async def settled(self, end_user_id: int) -> int:
         """The end user a generation of ``end_user_id`` is recorded for: itself, or, for a slot taken
         by a first sight, the end user its claim settles on (waited for up to the database bound)."""
@@ -706,6 +734,7 @@ class EndUserDirectory:
         now = datetime.now(UTC)
         if self.reserve.size > 0:  # the account's next first sights take slots
             self.reserve.want(user_id, (caps[0].value, caps[1].value), await self._lengths_in_use(session, length))
+            self.known.want(user_id)
         # the account's lock, and its end users before this one
         total = await repo.count_one_more(user_id)
         # the new end users of the last minute are at most all of them: counted only when those reach
@@ -762,6 +791,7 @@ class EndUserDirectory:
         if self._on_change is not None:
             self._on_change()
         logger.info("end user created", extra={"user_id": user_id, "end_user_id": end_user_id})
+        self.known.add(user_id, identifier)  # a roll-back leaves a hash of nobody: read, not trusted
         return found
 
     def caps(self, principal: Principal) -> tuple[Cap, Cap]:

@@ -118,7 +118,7 @@ class Reserve:
         self, user_id: int, caps: CapValues, lengths: tuple[WatermarkParams, ...], length: MessageLength
     ) -> Slot | None:
         """A slot of the account holding an ID of ``length``, or None; a refill starts when the
-        account holds fewer than ``size``."""
+        account holds half ``size`` or fewer."""
         account = self._account(user_id, caps, lengths)
         if account is None:
             return None
@@ -135,8 +135,10 @@ class Reserve:
             self._top_up(user_id, account)
 
     def _top_up(self, user_id: int, account: _Account) -> None:
+        """Refill the account's slots to ``size`` once it holds half of them or fewer: one refill's
+        unit of work serves half ``size`` first sights."""
         if (
-            len(account.slots) < self.size
+            len(account.slots) <= self.size // 2
             and time.monotonic() >= account.full_until
             and (account.refill is None or account.refill.done())
         ):

@@ -460,9 +460,14 @@ class GenerationService:
         retain = self._settings.retain_completions
         created_at = utcnow()
         end_user = prepared.principal.end_user
-        end_user_id = None
-        if end_user is not None:  # a first sight's slot: the end user its claim settles on
-            end_user_id = end_user.id if self._end_users is None else await self._end_users.settled(end_user.id)
+        end_user_id = None if end_user is None else end_user.id
+        if end_user_id is not None and self._end_users is not None and self._end_users.claiming(end_user_id):
+            # a first sight's slot, claimed as its record is written: after the linger, off the
+            # busy moment after the response, like the write; the end user the claim settles on
+            if linger_s > 0:
+                await asyncio.sleep(linger_s)
+                linger_s = 0.0
+            end_user_id = await self._end_users.settled(end_user_id)
         rows = [
             {
                 "request_id": prepared.request_id,

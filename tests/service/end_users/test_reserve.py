@@ -50,9 +50,9 @@ async def test_a_first_sight_takes_a_slot_with_one_statement_and_is_claimed_afte
     try:
         # the process's first first sight: the session path, which reserves the account's slots
         first = await directory.resolve(principal, "eu-0", LENGTH, request_id="req-0")
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        refill, reading = directory.reserve.refilling(principal.user_id), directory.known.reading(principal.user_id)
+        assert refill is not None and reading is not None
+        await asyncio.gather(refill, reading)
         assert directory.reserve.held(principal.user_id) == 4
         rows = await _rows(sessionmaker, principal.user_id)
         slots = [r for r in rows if r[2] == "reserved"]
@@ -71,8 +71,9 @@ async def test_a_first_sight_takes_a_slot_with_one_statement_and_is_claimed_afte
         second = await directory.resolve(principal, "eu-1", LENGTH, request_id="req-1")
         on_path = list(statements)
         event.remove(engine.sync_engine, "before_cursor_execute", executed)
-        # one statement on the request path: the probe; the answer is the first slot's
-        assert len(on_path) == 1 and on_path[0].lstrip().upper().startswith("SELECT"), on_path
+        # no statement on the request path (the account's identifiers are known, this one is not
+        # among them); the answer is the first slot's
+        assert on_path == []
         assert second.id == slots[0][0]
         assert await directory.settled(second.id) == second.id  # waits for the claim
         rows = await _rows(sessionmaker, principal.user_id)
@@ -93,6 +94,15 @@ async def test_a_first_sight_takes_a_slot_with_one_statement_and_is_claimed_afte
         assert entry.changes["after"]["message_ids"][0]["message_id"] == second.message_id_for(*LENGTH)
         # known now: the cache answers with no statement, the same end user
         assert await directory.resolve(principal, "eu-1", LENGTH) == second
+        # not cached, but known: one read outside a transaction, the same end user, no slot taken
+        directory.cache.clear()
+        held = directory.reserve.held(principal.user_id)
+        event.listen(engine.sync_engine, "before_cursor_execute", executed)
+        again = await directory.resolve(principal, "eu-0", LENGTH)
+        on_path = statements[len(on_path) :]
+        event.remove(engine.sync_engine, "before_cursor_execute", executed)
+        assert len(on_path) == 1 and on_path[0].lstrip().upper().startswith("SELECT"), on_path
+        assert again == first and directory.reserve.held(principal.user_id) == held
         # the admin's listing shows end users, never slots
         async with sessionmaker() as session:
             page, total = await EndUserRepository(session).page(principal.user_id, limit=50, offset=0)
@@ -214,6 +224,37 @@ async def test_concurrent_first_sights_of_one_identifier_take_one_slot(scratch_u
             assert await directory.settled(b.id) == b.id
         rows = await _rows(sessionmaker, principal.user_id)
         assert sorted(r[1] for r in rows if r[1] is not None) == ["eu-0", "eu-1", "eu-2", "eu-3"]
+    finally:
+        await directory.aclose()
+        await engine.dispose()
+
+
+async def test_another_replicas_end_user_is_read_once_the_knowledge_is_refreshed(
+    scratch_url: str, tmp_path: Path
+) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=2)
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill, reading = directory.reserve.refilling(principal.user_id), directory.known.reading(principal.user_id)
+        assert refill is not None and reading is not None
+        await asyncio.gather(refill, reading)
+        assert directory.known.surely_new(principal.user_id, "eu-other")
+        assert not directory.known.surely_new(principal.user_id, "eu-0")
+        # another replica creates an end user; this process's knowledge learns it on its next read
+        async with session_scope(sessionmaker) as session:
+            other = await EndUserRepository(session).insert(principal.user_id, "eu-other", datetime.now(UTC))
+            assert other is not None
+            session.add(
+                MessageId(end_user_id=other, bits=PARAMS.bits, block_bits=PARAMS.block_bits, message_id="1" * 32)
+            )
+        directory.known._accounts[principal.user_id].fresh_at = -1e9  # as if refresh_s had passed
+        assert not directory.known.surely_new(principal.user_id, "eu-other")  # stale: not trusted; a read starts
+        reading = directory.known.reading(principal.user_id)
+        assert reading is not None
+        await reading
+        assert not directory.known.surely_new(principal.user_id, "eu-other")
+        found = await directory.resolve(principal, "eu-other", LENGTH)
+        assert found.id == other and directory.reserve.held(principal.user_id) == 2  # read, no slot taken
     finally:
         await directory.aclose()
         await engine.dispose()
