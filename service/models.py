@@ -151,7 +151,8 @@ class User(Base):
 class EndUser(Base):
     """An account's end user (migration 0013): the platform's own user, named by the identifier the
     platform sends (``safety_identifier``, ``user``, Anthropic's ``metadata.user_id``), stored as sent.
-    It holds message IDs of its own (``message_ids.end_user_id``); deleting it is a tombstone."""
+    It holds message IDs of its own (``message_ids.end_user_id``); deleting it is a tombstone. A
+    row with no identifier is a slot (``EndUserSlot``, ``service.end_users.reserve``), not an end user."""
 
     __tablename__ = "end_users"
     __table_args__ = (
@@ -179,9 +180,10 @@ class EndUser(Base):
 
 
 class EndUserTally(Base):
-    """How many end users an account has ever had, deleted ones included (migration 0015): the
-    row a first sight locks and counts one more on, so checking ``end_users_max`` costs one row
-    however many end users the account has (counting them cost 40 ms at 10^6)."""
+    """How many end users an account has ever had, deleted ones and reserved slots included
+    (migration 0015; slots: 0016): the row a first sight or a reservation of slots locks and counts
+    on, so checking ``end_users_max`` costs one row however many end users the account has
+    (counting them cost 40 ms at 10^6)."""
 
     __tablename__ = "end_user_tallies"
 

@@ -71,7 +71,7 @@ from service.errors import ConflictError, DatabaseUnavailableError, PermissionDe
 from service.models import EndUser, MessageId
 from service.repositories.message_ids import MessageIdRepository
 from service.schemas.common import EndUserIdentity, MessageIdOut, Principal
-from service.services.audit import SYSTEM_ACTOR, Actor, AuditTrail, Change
+from service.services.audit import SYSTEM_ACTOR, Actor, AuditTrail, AuditTrailError, Change
 from service.services.message_ids import (
     MessageLength,
     backfill_end_user_message_ids,
@@ -365,6 +365,7 @@ class EndUserDirectory:
         if self._claiming:
             await asyncio.wait(set(self._claiming), timeout=self._settings.database_timeout_s)
         await self.reserve.aclose()
+        await self.known.aclose()
         await self.ids.aclose()
 
     async def resolve(
@@ -487,11 +488,13 @@ class EndUserDirectory:
         key: tuple[int, str],
         request_id: str | None,
     ) -> tuple[EndUserIdentity, str] | None:
-        """The cache miss of a process holding slots: one statement outside a transaction reads the
-        end user. Known (with an ID of ``length``, seen within ``SEEN_RESOLUTION``): its identity.
-        New: a reserved slot of the account (``Reserve.take``), claimed in the background
-        (``_claim``), when the account is within its caps (checked when the slot was reserved) and
-        the lengths in use are known; else None, and the request takes the session path."""
+        """The cache miss of a process holding slots. An identifier surely new to the account (its
+        identifiers known to this process, ``KnownIdentifiers``) takes a reserved slot of the
+        account (``Reserve.take``) with no statement. Otherwise one statement outside a transaction
+        reads the end user: known (with an ID of ``length``, seen within ``SEEN_RESOLUTION``), its
+        identity; new, a slot. A slot is within the account's caps (checked when it was reserved)
+        and claimed in the background (``_claim``). None (no slot held, the lengths in use not
+        read within ``cache.ttl``, a known end user to update): the request takes the session path."""
         assert self._probe_engine is not None
         epoch = self.cache.epoch
         user_id = principal.user_id
@@ -604,7 +607,7 @@ class EndUserDirectory:
                     finally:
                         self._turns.release()
                     break
-                except (SQLAlchemyError, OSError, TimeoutError) as exc:
+                except (SQLAlchemyError, OSError, TimeoutError, AuditTrailError) as exc:
                     if time.monotonic() + delay > give_up:
                         logger.error(
                             "an end user's first sight was not recorded: its texts name the account only",
@@ -638,6 +641,7 @@ class EndUserDirectory:
                 if winner is None:
                     raise  # not that constraint: retried
                 if await repo.merge(slot.id, winner.row.id):
+                    await repo.renumber_message_ids(slot.id)  # the registry's snapshots read them now
                     after = {"merged_into": winner.row.id, "identifier": identifier}
                     change = Change(AuditAction.END_USER_MERGE, AuditTarget.END_USER, slot.id, None, after)
                     await audit.record(session, change)

@@ -168,3 +168,9 @@ class KnownIdentifiers:
             return
         account.since = now - OVERLAP
         account.fresh_at = started
+
+    async def aclose(self) -> None:
+        reads = [a.reading for a in self._accounts.values() if a.reading is not None and not a.reading.done()]
+        for task in reads:
+            task.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)

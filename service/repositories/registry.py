@@ -26,6 +26,9 @@ class RegistryEntry:
     message_id: str
     end_user_id: int | None = None
     identifier: str | None = None  # the end user's identifier, as the platform sent it
+    # a merged slot's ID (``EndUserSlot.MERGED``): the end user it names (``identifier`` is that one's);
+    # the holder stays the slot row, so each ID of the registry has a holder of its own
+    merged_into: int | None = None
 
     @property
     def key(self) -> int:
@@ -110,8 +113,9 @@ class RegistryRepository:
                 User.name,
                 User.status,
                 MessageId.message_id,
-                func.coalesce(into.id, EndUser.id).label("end_user_id"),
+                EndUser.id.label("end_user_id"),
                 func.coalesce(into.identifier, EndUser.identifier).label("identifier"),
+                into.id.label("merged_into"),
             )
             .select_from(MessageId)
             .outerjoin(EndUser, MessageId.end_user_id == EndUser.id)
@@ -128,7 +132,10 @@ class RegistryRepository:
             .limit(limit)
         )
         rows = (await self._session.execute(stmt)).all()
-        return [(r.row, RegistryEntry(r.id, r.name, r.status, r.message_id, r.end_user_id, r.identifier)) for r in rows]
+        return [
+            (r.row, RegistryEntry(r.id, r.name, r.status, r.message_id, r.end_user_id, r.identifier, r.merged_into))
+            for r in rows
+        ]
 
     async def users_updated_since(self, since: datetime) -> Sequence[tuple[int, str, str]]:
         """(id, name, status) of the users changed at or after ``since`` (the ``updated_at`` index)."""

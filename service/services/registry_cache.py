@@ -80,6 +80,8 @@ class Owners(Mapping[int, RegisteredUser]):
         self._sorted_ids = np.zeros(0, dtype=np.int64)
         self._places = np.zeros(0, dtype=np.int64)
         self._recent: dict[int, tuple[int, str]] = {}  # end-user id -> (account, identifier)
+        # merged slots (few: a first sight that lost a race across replicas) -> the end user they name
+        self._merged: dict[int, int] = {}
         # slices of a load not packed yet (``add_slice``): ids, accounts, identifiers' lengths, text
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, bytes]] = []
 
@@ -100,6 +102,8 @@ class Owners(Mapping[int, RegisteredUser]):
                 self._holding.add(entry.user_id)
             else:
                 end_users.append(entry)
+                if entry.merged_into is not None:
+                    self._merged[entry.end_user_id] = entry.merged_into
         if not end_users:
             return
         count = len(end_users)
@@ -122,6 +126,8 @@ class Owners(Mapping[int, RegisteredUser]):
                 self._holding.add(entry.user_id)
             elif -entry.end_user_id not in self:
                 self._recent[entry.end_user_id] = (entry.user_id, entry.identifier or "")
+                if entry.merged_into is not None:
+                    self._merged[entry.end_user_id] = entry.merged_into
         if len(self._recent) >= self.REPACK_AT:
             self.pack()
 
@@ -180,7 +186,7 @@ class Owners(Mapping[int, RegisteredUser]):
             raise KeyError(key)
         account, identifier = found
         name, status = self._accounts[account]
-        return RegisteredUser(account, name, status, end_user_id, identifier)
+        return RegisteredUser(account, name, status, self._merged.get(end_user_id, end_user_id), identifier)
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, int):

@@ -18,6 +18,7 @@ from service.end_users.repository import EndUserRepository
 from service.errors import RateLimitError
 from service.models import EndUser, EndUserTally, MessageId, RegistryAuditEntry
 from service.repositories.registry import RegistryRepository
+from service.services.registry_cache import build_snapshot
 from tests.service.end_users.test_first_sight import LENGTH, PARAMS, _setup
 
 
@@ -141,10 +142,16 @@ async def test_a_first_sight_another_replica_won_is_merged_into_its_end_user(scr
         assert settled == winner[0] != raced.id
         rows = await _rows(sessionmaker, principal.user_id)
         assert (raced.id, None, "merged", winner[0]) in rows
-        # the texts encoded with the slot's ID name the end user it was merged into
+        # the texts encoded with the slot's ID name the end user it was merged into: the registry
+        # holds the slot's ID under the slot row (a holder per ID), named as that end user
         named = await _named(sessionmaker)
-        assert named[raced.message_id_for(*LENGTH)] == (winner[0], "eu-raced")
+        assert named[raced.message_id_for(*LENGTH)] == (raced.id, "eu-raced")
         assert named["1" * 32] == (winner[0], "eu-raced")
+        async with sessionmaker() as session:
+            entries = [e for _, e in await RegistryRepository(session).entries_after(PARAMS.bits, PARAMS.block_bits, 0)]
+        holders = build_snapshot(entries, PARAMS).users
+        assert holders[-raced.id].end_user_id == winner[0] and holders[-raced.id].identifier == "eu-raced"
+        assert holders[-winner[0]].end_user_id == winner[0]
         async with sessionmaker() as session:
             merges = (
                 await session.scalars(select(RegistryAuditEntry).where(RegistryAuditEntry.action == "end_user.merge"))
