@@ -568,9 +568,11 @@ class Settings(BaseSettings):
         le=256,
         description=(
             "End-user slots each process reserves ahead per account with first sights (rows with their message "
-            "IDs, counted within the account's caps): a first sight takes one without a statement and is claimed "
-            "for its identifier in the background, so it costs a request one read (0: each first sight creates "
-            "its end user on the request path). Unused slots are given back when the process stops."
+            "IDs, counted within the account's caps). A first sight takes one and is claimed for its identifier "
+            "in the background, after its answer; with the account's identifiers known to the process (read "
+            "every `XMARK_AUTH_CACHE_TTL_S`), an identifier surely new costs no statement on the request path "
+            "(0: each first sight creates its end user on the request path). Unused slots are given back when "
+            "the process stops."
         ),
     )
     end_users_max_held_back: int = Field(

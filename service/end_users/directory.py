@@ -288,6 +288,8 @@ class EndUserDirectory:
         self._pending: dict[tuple[int, str], asyncio.Future[tuple[EndUserIdentity, str]]] = {}
         # at most half the database pool's connections look end users up at once
         self._turns = asyncio.Semaphore(max(1, settings.database_pool_size // 2))
+        # and at most a quarter of them claim slots (``_claim``)
+        self._claim_turns = asyncio.Semaphore(max(1, settings.database_pool_size // 4))
         # the backfills of end users' IDs of a length that became usable (``backfill``)
         self._backfills: set[asyncio.Task[None]] = set()
         # message IDs drawn ahead for first sights
@@ -598,14 +600,10 @@ class EndUserDirectory:
         try:
             while True:
                 try:
-                    # claims take turns with the look-ups (half the pool's connections at once), so
-                    # a burst of first sights leaves the pool to the records and the rest
-                    async with asyncio.timeout(LOOKUP_QUEUE_TIMEOUT_S):
-                        await self._turns.acquire()
-                    try:
+                    # claims take turns of their own (a quarter of the pool's connections at once),
+                    # so a burst of first sights leaves the pool to the look-ups, the records and the rest
+                    async with self._claim_turns:
                         final = await self._claim_once(slot, principal.user_id, identifier, key, audit)
-                    finally:
-                        self._turns.release()
                     break
                 except (SQLAlchemyError, OSError, TimeoutError, AuditTrailError) as exc:
                     if time.monotonic() + delay > give_up:

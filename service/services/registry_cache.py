@@ -258,15 +258,23 @@ class RegistrySnapshot:
         return len(self.candidates)
 
     @functools.cached_property
-    def _index_of(self) -> dict[int, int]:
-        """Each user's position in ``candidates`` (built once per snapshot, on first use)."""
-        return {int(user_id): i for i, user_id in enumerate(self.candidates.ids)}  # type: ignore[call-overload]
+    def _positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """The holders' numbers in ascending order and each one's position in ``candidates`` (built
+        once per snapshot, on first use): 16 bytes per ID, where a dict took about 100."""
+        ids = self.candidates.ids
+        keys = np.fromiter((int(k) for k in ids), dtype=np.int64, count=len(ids))  # type: ignore[call-overload]
+        order = np.argsort(keys, kind="stable")
+        return keys[order], order
 
     def restricted(self, user_ids: Sequence[int]) -> RegistrySnapshot:
         """The snapshot of ``user_ids`` alone (in that order; users without an ID of this length
         are left out): the candidates a content search led to."""
-        index = self._index_of
-        positions = [index[u] for u in dict.fromkeys(user_ids) if u in index]
+        keys, order = self._positions
+        wanted = np.fromiter(dict.fromkeys(int(u) for u in user_ids), dtype=np.int64)
+        positions: list[int] = []
+        if len(keys) and len(wanted):
+            at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+            positions = order[at[keys[at] == wanted]].tolist()
         kept = [key for key in (self.candidates.ids[i] for i in positions) if isinstance(key, int)]
         return RegistrySnapshot(self.candidates.subset(positions), {u: self.users[u] for u in kept if u in self.users})
 

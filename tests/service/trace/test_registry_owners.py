@@ -82,7 +82,8 @@ def test_a_restricted_snapshot_keeps_the_chosen_holders_in_their_order() -> None
     rng = random.Random(9)
     entries = _entries(rng, range(1, 6), 10, 1)
     snapshot = build_snapshot(entries, PARAMS)
-    chosen = [entries[5].key, entries[0].key, 123_456, entries[5].key]
+    # unknown holders below, between and above every registered one are left out
+    chosen = [-(10**12), entries[5].key, entries[0].key, 123_456, entries[5].key, 10**12]
     restricted = snapshot.restricted(chosen)
     assert list(restricted.candidates.ids) == [entries[5].key, entries[0].key]
     assert restricted.users == {k: snapshot.users[k] for k in (entries[5].key, entries[0].key)}
