@@ -531,8 +531,12 @@ class EndUserDirectory:
         slot = None
         if lengths is not None:
             # a slot held is within the caps (counted when it was reserved), even at a cap now
-            slot = self.reserve.take(user_id, (caps[0].value, caps[1].value), lengths, length)
+            values = (caps[0].value, caps[1].value)
+            slot = self.reserve.take(user_id, values, lengths, length)
             self.known.want(user_id)
+            if slot is None:  # a burst: the refill in flight reserves for it too
+                timeout_s = self._settings.database_timeout_s
+                slot = await self.reserve.take_after_refill(user_id, values, lengths, length, timeout_s)
         if slot is None:
             self._refuse_if_at_cap(user_id, caps)
             return None

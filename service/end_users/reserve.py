@@ -25,6 +25,7 @@ identifier in the background, with its audit entry, in one transaction (``EndUse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -49,6 +50,8 @@ logger = logging.getLogger("xmark.end_users")
 
 # accounts a process keeps slots for; past it, new accounts' first sights take the request path
 MAX_ACCOUNTS = 1_000
+# the most slots one refill reserves (a burst of new identifiers sizes it beyond ``size``)
+MAX_REFILL = 256
 # an account a refill found at a cap is not refilled again for this long (the per-minute cap's window)
 FULL_FOR_S = 60.0
 
@@ -76,6 +79,8 @@ class _Account:
     refill: asyncio.Task[None] | None = None
     # the last refill found the account at a cap: no refill before this (monotonic), or until its caps change
     full_until: float = 0.0
+    # first sights that found no slot since the refill in flight started: the next one reserves for them too
+    missed: int = 0
 
 
 class Reserve:
@@ -125,8 +130,41 @@ class Reserve:
         slot = None
         if account.slots and account.slots[0].holds(length):
             slot = account.slots.popleft()
+        else:
+            account.missed += 1
         self._top_up(user_id, account)
         return slot
+
+    async def take_after_refill(
+        self,
+        user_id: int,
+        caps: CapValues,
+        lengths: tuple[WatermarkParams, ...],
+        length: MessageLength,
+        timeout_s: float,
+    ) -> Slot | None:
+        """``take`` once the account's refill in flight has ended (waited for up to ``timeout_s``):
+        a burst of new identifiers is served by refills sized to it (``missed``), one unit of work
+        per batch, instead of a first sight each under the account's lock. None when the account
+        is at a cap, or there is still no slot."""
+        account = self._account(user_id, caps, lengths)
+        if account is None or time.monotonic() < account.full_until:
+            return None
+        for _ in range(2):  # the refill in flight may have been sized before this first sight missed
+            refill = account.refill
+            if refill is None:
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(refill)
+            if self._accounts.get(user_id) is not account:
+                return None
+            if account.slots and account.slots[0].holds(length):
+                return account.slots.popleft()
+            if not refill.done() or time.monotonic() < account.full_until:
+                return None
+            self._top_up(user_id, account)
+        return None
 
     def want(self, user_id: int, caps: CapValues, lengths: tuple[WatermarkParams, ...]) -> None:
         """Reserve slots for the account (its first sights are coming through the request path)."""
@@ -149,7 +187,8 @@ class Reserve:
         return None if account is None else account.refill
 
     async def _refill(self, user_id: int, account: _Account) -> None:
-        want = self.size - len(account.slots)
+        want = min(MAX_REFILL, self.size - len(account.slots) + account.missed)
+        account.missed = 0
         try:
             for _ in range(MAX_ALLOCATION_ATTEMPTS):
                 try:

@@ -265,3 +265,32 @@ async def test_another_replicas_end_user_is_read_once_the_knowledge_is_refreshed
     finally:
         await directory.aclose()
         await engine.dispose()
+
+
+async def test_a_burst_of_new_identifiers_is_served_by_refills_sized_to_it(scratch_url: str, tmp_path: Path) -> None:
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=4)
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        first_sights = directory._first_sight
+        on_the_request_path: list[str] = []
+
+        async def counted(*args: Any) -> Any:
+            on_the_request_path.append(args[3])
+            return await first_sights(*args)
+
+        directory._first_sight = counted  # type: ignore[method-assign]
+        burst = await asyncio.gather(*(directory.resolve(principal, f"burst-{i}", LENGTH) for i in range(40)))
+        assert len({b.id for b in burst}) == 40
+        assert [await directory.settled(b.id) for b in burst] == [b.id for b in burst]
+        # the first sights that found no slot waited for a refill reserving for them: none (or a
+        # few, where a refill was cut short) took the account's lock on the request path
+        assert len(on_the_request_path) <= 4, on_the_request_path
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert sorted(r[1] for r in rows if r[1] is not None) == sorted(["eu-0", *(f"burst-{i}" for i in range(40))])
+        assert await _tally(sessionmaker, principal.user_id) == len([r for r in rows if r[2] in ("active", "reserved")])
+    finally:
+        await directory.aclose()
+        await engine.dispose()
