@@ -731,9 +731,10 @@ class EndUserDirectory:
         length: MessageLength,
         audit: AuditTrail,
     ) -> FoundEndUser:
-        """Create the end user (``found`` was None in this transaction): the caps, the message IDs
-        (drawn ahead by ``ids``, else drawn here), the rows and the audit entry. Raises ``_IdTaken``
-        when another transaction inserted a drawn ID first (the caller starts over)."""
+        """Create the end user (``found`` was None in this transaction): the message IDs (drawn ahead
+        by ``ids``, else drawn here, before the account's lock), then under the lock the caps, the
+        rows and the audit entry. Raises ``_IdTaken`` when another transaction inserted a drawn ID
+        first (the caller starts over)."""
         user_id = principal.user_id
         caps = self.caps(principal)
         self._refuse_if_at_cap(user_id, caps)
@@ -741,6 +742,11 @@ class EndUserDirectory:
         if self.reserve.size > 0:  # the account's next first sights take slots
             self.reserve.want(user_id, (caps[0].value, caps[1].value), await self._lengths_in_use(session, length))
             self.known.want(user_id)
+        # the message IDs, drawn before the account's lock is taken (its other first sights wait for it)
+        lengths = await self._lengths_in_use(session, length)
+        messages: list[Message] | None = self.ids.take(lengths)
+        if messages is None:
+            messages = await choose_message_ids(MessageIdRepository(session), lengths, self._allocator)
         # the account's lock, and its end users before this one
         total = await repo.count_one_more(user_id)
         # the new end users of the last minute are at most all of them: counted only when those reach
@@ -757,10 +763,6 @@ class EndUserDirectory:
                 await repo.count_one_less(user_id)
                 return found
             raise  # the tally's count is rolled back with the rest
-        lengths = await self._lengths_in_use(session, length)
-        messages: list[Message] | None = self.ids.take(lengths)
-        if messages is None:
-            messages = await choose_message_ids(MessageIdRepository(session), lengths, self._allocator)
         end_user_id = await repo.insert(user_id, identifier, now)
         if end_user_id is None:  # the unique constraint: a concurrent first sight created it
             await repo.count_one_less(user_id)

@@ -48,6 +48,11 @@ def identifier_hash(identifier: str) -> int:
     return int.from_bytes(hashlib.blake2b(identifier.encode(), digest_size=8).digest(), "little")
 
 
+def _in_sorted(values: np.ndarray, digest: int) -> bool:
+    i = int(np.searchsorted(values, np.uint64(digest)))
+    return i < len(values) and int(values[i]) == digest
+
+
 @dataclass(slots=True)
 class _Account:
     loaded: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))  # sorted
@@ -59,10 +64,7 @@ class _Account:
     too_large: bool = False
 
     def __contains__(self, digest: int) -> bool:
-        if digest in self.added:
-            return True
-        i = int(np.searchsorted(self.loaded, np.uint64(digest)))
-        return i < len(self.loaded) and int(self.loaded[i]) == digest
+        return digest in self.added or _in_sorted(self.loaded, digest)
 
     def __len__(self) -> int:
         return len(self.loaded) + len(self.added)
@@ -161,7 +163,9 @@ class KnownIdentifiers:
             self._total -= len(account)
             account.loaded = np.unique(np.fromiter(digests, dtype=np.uint64, count=len(digests)))
             self._total += len(account.loaded)
-            account.added = {d for d in account.added if d not in account}
+            loaded = account.loaded
+            # this process's own additions meanwhile (not committed when the read ran, perhaps)
+            account.added = {d for d in account.added if not _in_sorted(loaded, d)}
             self._total += len(account.added)
         self._add(account, digests)
         if account.too_large:

@@ -42,7 +42,7 @@ from service.end_users.repository import EndUserRepository
 from service.repositories.message_ids import MessageIdRepository
 from service.schemas.common import MessageIdOut
 from service.services.message_ids import MessageLength
-from service.services.users import MAX_ALLOCATION_ATTEMPTS, Allocator, choose_message_ids
+from service.services.users import MAX_ALLOCATION_ATTEMPTS, SPREAD_ALLOCATION_LIMIT, SPREAD_MIN_BITS, Allocator
 from xmark_core import Message, WatermarkParams
 from xmark_core.errors import MessageSpaceExhausted
 
@@ -215,8 +215,11 @@ class Reserve:
             self._on_change()
 
     async def _reserve(self, session: AsyncSession, user_id: int, account: _Account, want: int) -> list[Slot]:
-        """Up to ``want`` slots within the account's caps (one transaction: the tally locked and
-        counted, the rows and their IDs inserted)."""
+        """Up to ``want`` slots within the account's caps (one transaction: the IDs drawn, then the
+        tally locked and counted and the rows and their IDs inserted, so the account's lock, which
+        its first sights on the request path wait for, is held for a few statements, not the draw)."""
+        ids = MessageIdRepository(session)
+        drawn_ahead = await self._draw(ids, account.lengths, want)
         repo = EndUserRepository(session)
         total = await repo.count_one_more(user_id, want)
         most, per_minute = account.caps
@@ -231,13 +234,7 @@ class Reserve:
             await repo.count_one_less(user_id, want - room)
         if room == 0:
             return []
-        messages: list[list[Message]] = []
-        ids = MessageIdRepository(session)
-        for _ in range(room):
-            drawn = self._ids.take(account.lengths)
-            messages.append(
-                drawn if drawn is not None else await choose_message_ids(ids, account.lengths, self._allocator)
-            )
+        messages = drawn_ahead[:room]
         now = datetime.now(UTC)
         slot_ids = await repo.insert_slots(user_id, room, now)
         rows = [
@@ -263,6 +260,40 @@ class Reserve:
             )
             for slot_id, drawn in zip(slot_ids, messages, strict=True)
         ]
+
+    async def _draw(
+        self, ids: MessageIdRepository, lengths: tuple[WatermarkParams, ...], n: int
+    ) -> list[list[Message]]:
+        """``n`` sets of one new message ID per length: the pool's (``IdPool``) first, the rest drawn
+        here by the allocation rule with one read of the registry per length (a worker thread scores)."""
+        sets: list[list[Message]] = []
+        while len(sets) < n:
+            taken = self._ids.take(lengths)
+            if taken is None:
+                break
+            sets.append(taken)
+        more = n - len(sets)
+        if more <= 0:
+            return sets
+        large = await ids.newest_row() >= SPREAD_ALLOCATION_LIMIT
+        registered = [
+            [] if large and p.bits >= SPREAD_MIN_BITS else await ids.existing(p.bits, p.block_bits) for p in lengths
+        ]
+        held = [[m.bits for s in sets for m in s if m.params == p] for p in lengths]
+
+        def draw() -> list[list[Message]]:
+            columns = []
+            for params, existing, mine in zip(lengths, registered, held, strict=True):
+                taken = existing + mine
+                column = []
+                for _ in range(more):
+                    message = self._allocator(taken, params)
+                    taken.append(message.bits)
+                    column.append(message)
+                columns.append(column)
+            return [list(row) for row in zip(*columns, strict=True)]
+
+        return sets + await asyncio.to_thread(draw)
 
     def _give_back(self, user_id: int, account: _Account) -> None:
         del self._accounts[user_id]

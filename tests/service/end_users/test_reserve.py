@@ -294,3 +294,20 @@ async def test_a_burst_of_new_identifiers_is_served_by_refills_sized_to_it(scrat
     finally:
         await directory.aclose()
         await engine.dispose()
+
+
+async def test_an_identifier_added_while_the_identifiers_are_read_stays_known(scratch_url: str, tmp_path: Path) -> None:
+    """A first sight of this process adds its identifier at once; a read of the account's identifiers
+    that ran before it committed does not drop it (else the next cache miss would take a slot again)."""
+    engine, _, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=2)
+    try:
+        directory.known.want(principal.user_id)
+        directory.known.add(principal.user_id, "not-committed-yet")
+        reading = directory.known.reading(principal.user_id)
+        assert reading is not None
+        await reading
+        assert not directory.known.surely_new(principal.user_id, "not-committed-yet")
+        assert directory.known.surely_new(principal.user_id, "never-seen")
+    finally:
+        await directory.aclose()
+        await engine.dispose()
