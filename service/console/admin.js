@@ -306,7 +306,7 @@ const REGISTRY_GROUPS = [
   { label: "API keys", item: "API-key", target: "api_key", actions: ["api_key.issue", "api_key.revoke"] },
   { label: "Key versions", item: "key-version", target: "key_version", actions: ["key_version.register", "key_version.activate", "key_version.retire"] },
   { label: "Message IDs", item: "message-ID", target: "message_length", actions: ["message_ids.allocate"] },
-  { label: "End users", item: "end-user", target: "end_user", actions: ["end_user.create", "end_user.update", "end_user.disable", "end_user.enable", "end_user.delete"] },
+  { label: "End users", item: "end-user", target: "end_user", actions: ["end_user.create", "end_user.update", "end_user.disable", "end_user.enable", "end_user.delete", "end_user.merge"] },
 ];
 
 function groupValue(group) {

@@ -48,6 +48,11 @@ def identifier_hash(identifier: str) -> int:
     return int.from_bytes(hashlib.blake2b(identifier.encode(), digest_size=8).digest(), "little")
 
 
+def _sorted_digests(identifiers: list[str]) -> np.ndarray:
+    digests = np.fromiter((identifier_hash(i) for i in identifiers), dtype=np.uint64, count=len(identifiers))
+    return np.unique(digests)
+
+
 def _in_sorted(values: np.ndarray, digest: int) -> bool:
     i = int(np.searchsorted(values, np.uint64(digest)))
     return i < len(values) and int(values[i]) == digest
@@ -158,16 +163,20 @@ class KnownIdentifiers:
                 extra={"user_id": user_id, "error": type(exc).__name__},
             )
             return
-        digests = [identifier_hash(i) for i in identifiers]
         if account.since is None:
-            self._total -= len(account)
-            account.loaded = np.unique(np.fromiter(digests, dtype=np.uint64, count=len(digests)))
-            self._total += len(account.loaded)
-            loaded = account.loaded
+            # a whole account's identifiers (up to ``max_per_account``) are hashed and sorted in a
+            # worker thread, not on the event loop
+            loaded = await asyncio.to_thread(_sorted_digests, identifiers)
+            self._total += len(loaded)
+            account.loaded = loaded
             # this process's own additions meanwhile (not committed when the read ran, perhaps)
-            account.added = {d for d in account.added if not _in_sorted(loaded, d)}
-            self._total += len(account.added)
-        self._add(account, digests)
+            kept = {d for d in account.added if not _in_sorted(loaded, d)}
+            self._total -= len(account.added) - len(kept)
+            account.added = kept
+            if len(account) > self.max_per_account or self._total > self.max_total:
+                self._drop(account)
+        else:
+            self._add(account, [identifier_hash(i) for i in identifiers])
         if account.too_large:
             return
         account.since = now - OVERLAP
