@@ -141,6 +141,41 @@ class CandidateSet:
         return total
 
 
+_TOP_SCAN = 1 << 16  # registries above this find their top candidates among a prefiltered few
+_TOP_STRIDE = 4096
+
+
+def top_indices(values: np.ndarray, k: int) -> np.ndarray:
+    """int64 [min(k, C)]: the indices of the ``k`` largest of ``values`` ([C]), largest first (ties
+    in index order). Past 65,536 values the search reads the maxima of slices of 4,096 first: the
+    k-th largest of those is at most the k-th largest value, so only the values at or above it
+    (a few dozen in a registry of 10^7, not all of them) are ranked."""
+    count = values.size
+    k = min(k, count)
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    pool: np.ndarray | None = None
+    slices = count // _TOP_STRIDE
+    if count > _TOP_SCAN and slices >= k:
+        maxima = values[: slices * _TOP_STRIDE].reshape(slices, _TOP_STRIDE).max(axis=1)
+        floor = np.partition(maxima, slices - k)[slices - k]
+        pool = np.flatnonzero(values >= floor)  # every value ranked in the top k is here
+    if pool is None:
+        pool = np.arange(count, dtype=np.int64)
+    if k < pool.size:  # the k-th largest; of the values equal to it, the first in index order
+        kept = values[pool]
+        kth = np.partition(kept, pool.size - k)[pool.size - k]
+        above = pool[kept > kth]
+        pool = np.concatenate([above, pool[kept == kth][: k - above.size]])
+    return pool[np.lexsort((pool, -values[pool]))].astype(np.int64)
+
+
+def best_posterior(scores: np.ndarray, best: int) -> float:
+    """The softmax of ``scores`` at ``best`` (one exponential per candidate)."""
+    weights = np.exp(scores - scores.max())
+    return float(weights[best] / weights.sum())
+
+
 @dataclass(frozen=True)
 class CandidateScore:
     id: object
@@ -209,8 +244,7 @@ def attribute(
     hits = candidates.hits(result.matrix)  # [C]
     keyed = -hits if upper else hits  # smaller = better
     k = min(top, count)
-    order = np.argpartition(keyed, k - 1)[:k] if k < count else np.arange(count)
-    order = order[np.argsort(keyed[order], kind="stable")]
+    order = top_indices(-keyed, k)
     best_hits = int(hits[order[0]])
     q1 = min(max(best_hits / trials, 1e-9), 1 - 1e-9)
     if (q1 < q0) != upper and q1 != q0:
@@ -219,8 +253,6 @@ def attribute(
     else:
         lam, base = 0.0, 0.0
     scores_all = base + lam * hits.astype(np.float64)  # LLR of every candidate, nats
-    shifted = scores_all - scores_all.max()
-    posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = binomial_log_cdf(hits[order], trials, q0, upper=upper)
     p_values = corrected(np.exp(log_tail), multiplicity.naming_factors(candidates, order, params))
     decoded = result.blocks
@@ -237,7 +269,7 @@ def attribute(
     else:
         margin = best_score
     p_best = float(p_values[0])
-    confidence = float(posterior[order[0]])
+    confidence = best_posterior(scores_all, int(order[0]))
     named = rule.evidence_names(p_best, margin, confidence, lone=count == 1)
     identity = None
     level = rule.identity_bound(always=False)
@@ -266,14 +298,11 @@ def _attribute_gumbel(
     count, tokens = len(candidates), result.scored_tokens
     totals = candidates.hits(result.matrix)  # float64 [C]
     k = min(top, count)
-    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
-    order = order[np.argsort(-totals[order], kind="stable")]
+    order = top_indices(totals, k)
     best = float(totals[order[0]])
     weight = 1.0 - tokens / best if best > tokens else 0.0  # 1 - fitted rate
     base = tokens * np.log(1.0 - weight) if weight > 0 else 0.0
     scores_all = base + weight * totals  # LLR of every candidate, nats
-    shifted = scores_all - scores_all.max()
-    posterior = np.exp(shifted) / np.exp(shifted).sum()
     log_tail = gumbel.gamma_log_sf(totals[order], tokens)
     p_values = corrected(np.exp(log_tail), multiplicity.naming_factors(candidates, order, result.params))
     out = []
@@ -294,7 +323,7 @@ def _attribute_gumbel(
         margin = float(scores_all[order[0]]) - runner_up
     else:
         margin = float(scores_all[order[0]])
-    p_best, confidence = float(p_values[0]), float(posterior[order[0]])
+    p_best, confidence = float(p_values[0]), best_posterior(scores_all, int(order[0]))
     named = rule.evidence_names(p_best, margin, confidence, lone=count == 1)
     identity = None
     level = rule.identity_bound(always=True)
@@ -311,20 +340,51 @@ def gumbel_identity_p(result: DecodeResult, candidates: CandidateSet, best: int)
     text, the best candidate's values in those blocks are not c's, so their draws are independent
     of the text: S_c is Gamma(n_c, 1) exactly and a small p-value rejects c. A candidate that
     differs from the best only in blocks with no scored token cannot be told apart (p = 1). Exact
-    for each alternative; the choice of the best candidate is not corrected for."""
+    for each alternative; the choice of the best candidate is not corrected for. S_c and n_c depend
+    only on which blocks differ, so each distinct pattern of them is tested once
+    (:func:`difference_patterns`: at most 2^r, however large the registry)."""
     matrix = result.matrix
     values = candidates.blocks[best].astype(np.int64)  # [r]
     own = matrix[np.arange(matrix.shape[0]), values]  # [r] the best candidate's cell of each block
-    worst = 0.0
-    for first in range(0, len(candidates), 65_536):
-        differs = candidates.blocks[first : first + 65_536] != candidates.blocks[best][None, :]  # [c, r]
-        tokens = differs @ result.row_counts  # [c]
-        score = differs @ own  # [c]
-        others = differs.any(axis=1)  # the best candidate itself differs nowhere
-        if others.any():
-            tail = np.exp(gumbel.gamma_log_sf_each(score[others], tokens[others]))
-            worst = max(worst, float(tail.max()))
-    return worst
+    patterns, _ = difference_patterns(candidates.blocks, candidates.blocks[best])
+    if not len(patterns):  # the best is the only candidate
+        return 0.0
+    tokens = patterns @ result.row_counts  # [P]
+    score = patterns @ own  # [P]
+    return float(np.exp(gumbel.gamma_log_sf_each(score, tokens)).max())
+
+
+_PATTERN_CHUNK = 1 << 20
+_PATTERN_TABLE_BLOCKS = 20  # up to 2^20 patterns: one table slot each
+
+
+def difference_patterns(blocks: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct patterns of blocks in which the candidates (``blocks``, [C, r]) differ from
+    ``target`` ([r]): bool [P, r], the pattern of no difference left out, and one candidate with
+    each pattern (int64 [P]). An identity test whose statistic depends only on the differing blocks
+    (the ``gumbel`` scheme's) runs once per pattern instead of once per candidate: at most 2^r
+    patterns (16 for a 32-bit message in 8-bit blocks) among 10^7 registered IDs."""
+    r = blocks.shape[1]
+    if r <= _PATTERN_TABLE_BLOCKS:
+        weights = np.left_shift(np.int64(1), np.arange(r, dtype=np.int64))  # [r]
+        holder = np.full(1 << r, -1, dtype=np.int64)  # a candidate with each pattern code, -1: none
+        for first in range(0, len(blocks), _PATTERN_CHUNK):
+            differs = blocks[first : first + _PATTERN_CHUNK] != target[None, :]  # [c, r]
+            codes = differs @ weights  # [c]
+            holder[codes] = np.arange(first, first + codes.size, dtype=np.int64)  # any holder will do
+        holder[0] = -1  # no difference: the target's own row (and copies of it)
+        chosen = holder[holder >= 0]
+    else:
+        found: dict[bytes, int] = {}
+        for first in range(0, len(blocks), _PATTERN_CHUNK):
+            differs = blocks[first : first + _PATTERN_CHUNK] != target[None, :]
+            packed = np.packbits(differs, axis=1)
+            rows, index = np.unique(packed, axis=0, return_index=True)
+            for row, i in zip(rows, index, strict=True):
+                if row.any():
+                    found.setdefault(row.tobytes(), first + int(i))
+        chosen = np.fromiter(found.values(), dtype=np.int64, count=len(found))
+    return blocks[chosen] != target[None, :], chosen
 
 
 def rival_shares(params: WatermarkParams) -> tuple[float, float]:

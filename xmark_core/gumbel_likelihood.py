@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .attribution import CandidateScore, CandidateSet, _hamming_blocks, largest_exact_p
+from .attribution import CandidateScore, CandidateSet, _hamming_blocks, difference_patterns, largest_exact_p
 from .errors import ParamsError
 from .gumbel import hashed, pick_salt, value_codes
 from .hashing import block_index, context_multipliers, token_codes
@@ -84,7 +84,6 @@ MAX_CELLS = 1 << 15
 # the Chernoff bound's exponents, per nat
 _CHERNOFF_LAMBDAS = np.geomspace(0.02, 8.0, 28)
 MAX_EXACT_RIVALS = 64
-_RIVAL_CHUNK = 16_384
 _DRAWS = float(1 << 32)
 # the smallest p-value reported (below it float64 underflows)
 P_FLOOR = 1e-300
@@ -333,18 +332,16 @@ def gumbel_likelihood_identity_p(result: GumbelLikelihoodResult, candidates: Can
     own = result.units[np.arange(r), values]  # [r] the best's units per block
     lam = _CHERNOFF_LAMBDAS * result.step  # per unit
     cumulant = np.stack([_log_mgf(law, lam) for law in result.block_laws])  # [r, L]
+    # the bound and the exact tail depend only on the blocks where c differs: once per pattern
+    differs, holders = difference_patterns(candidates.blocks, candidates.blocks[best])  # [P, r], [P]
+    if not len(holders):
+        return 0.0
+    observed = differs @ own  # [P]
+    log_mgf = differs.astype(np.float64) @ cumulant  # [P, L]
+    bound = np.exp(np.minimum(0.0, (log_mgf - lam[None, :] * observed[:, None]).min(axis=1)))
     keep = MAX_EXACT_RIVALS + 1
-    unsettled: list[tuple[float, int]] = []
-    for first in range(0, len(candidates), _RIVAL_CHUNK):
-        part = candidates.blocks[first : first + _RIVAL_CHUNK].astype(np.int64)  # [c, r]
-        differs = part != values[None, :]
-        others = differs.any(axis=1)  # the best itself differs nowhere
-        observed = differs @ own  # [c]
-        log_mgf = differs.astype(np.float64) @ cumulant  # [c, L]
-        bound = np.exp(np.minimum(0.0, (log_mgf - lam[None, :] * observed[:, None]).min(axis=1)))
-        bound[~others] = -1.0
-        largest = np.argpartition(-bound, keep - 1)[:keep] if bound.size > keep else np.arange(bound.size)
-        unsettled.extend((float(bound[i]), first + int(i)) for i in largest if bound[i] >= 0.0)
+    largest = np.argpartition(-bound, keep - 1)[:keep] if bound.size > keep else np.arange(bound.size)
+    unsettled = [(float(bound[i]), int(holders[i])) for i in largest]
 
     def exact(index: int) -> float:
         differs = candidates.blocks[index].astype(np.int64) != values

@@ -75,6 +75,7 @@ from .attribution import (
     _hamming_blocks,
     largest_exact_p,
     rival_shares,
+    top_indices,
 )
 from .decoder import MAX_TOKEN_ID, _first_occurrences
 from .errors import ArgumentError, DecodeInputError, ParamsError
@@ -190,8 +191,7 @@ def rank_by_likelihood(totals: FloatArray, top: int) -> tuple[IntArray, float, f
     of L over all candidates) and its margin in L over the runner-up."""
     count = totals.size
     k = min(top, count)
-    order = np.argpartition(-totals, k - 1)[:k] if k < count else np.arange(count)
-    order = order[np.argsort(-totals[order], kind="stable")]
+    order = top_indices(totals, k)
     shifted = totals - totals[order[0]]
     confidence = float(1.0 / np.exp(shifted).sum())
     if count > 1:

@@ -384,3 +384,63 @@ def test_the_gumbel_scheme_runs_its_identity_test_at_the_stricter_level() -> Non
     assert plain.identity_p_value <= 1e-3  # the default level: alpha
     strict = attribute(result, candidates, identity_level=plain.identity_p_value / 2)
     assert strict.best is None and strict.identity_p_value == plain.identity_p_value
+
+
+@pytest.mark.parametrize("count", [1_000, 300_000])
+def test_top_indices_are_the_largest_values_in_order_ties_by_index(count: int) -> None:
+    """The prefiltered search (past 65,536 values) returns what a full sort does, ties included
+    (values rounded so that many are equal), at every k up to more than the slices hold."""
+    from xmark_core.attribution import top_indices
+
+    rng = np.random.default_rng(count)
+    for values in (np.round(rng.normal(size=count), 2), rng.integers(-50, 50, size=count)):
+        reference = np.lexsort((np.arange(count), -values))
+        for k in (1, 5, 20, 100):
+            assert top_indices(values, k).tolist() == reference[:k].tolist()
+    assert top_indices(np.zeros(3), 10).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bits,block_bits", [(32, 8), (64, 8), (48, 2)])
+def test_difference_patterns_are_every_distinct_pattern_of_differing_blocks(bits: int, block_bits: int) -> None:
+    """Each pattern of blocks in which a registered ID differs from the target once, with a holder
+    that has it; the target's own row (and its copies) left out. 48 bits in 2-bit blocks (24 blocks)
+    takes the path for more blocks than the table holds."""
+    from xmark_core.attribution import difference_patterns
+
+    params = WatermarkParams(bits=bits, block_bits=block_bits, num_keys=1, scheme="gumbel")
+    rng = np.random.default_rng(bits)
+    shards = 1 << block_bits
+    target = rng.integers(0, shards, size=params.num_blocks).astype(np.uint8)
+    blocks = np.repeat(target[None, :], 5_000, axis=0)
+    changed = rng.random(blocks.shape) < 0.15  # near neighbours: a few blocks each
+    blocks[changed] = ((blocks[changed].astype(np.int64) + 1) % shards).astype(np.uint8)
+    expected = {tuple(row != target) for row in blocks} - {(False,) * params.num_blocks}
+    patterns, holders = difference_patterns(blocks, target)
+    assert {tuple(row) for row in patterns} == expected
+    assert len(patterns) == len(expected)
+    assert np.array_equal(blocks[holders] != target[None, :], patterns)
+
+
+def test_the_gumbel_identity_test_equals_the_largest_tail_over_every_rival() -> None:
+    """Read once per pattern of differing blocks, the identity test is the largest exact tail over
+    the registry's rivals one by one, near neighbours included."""
+    from xmark_core.attribution import gumbel_identity_p
+    from xmark_core.gumbel import gamma_log_sf_each
+
+    params = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel")
+    key = WatermarkKey.from_secret(SECRET, params)
+    messages = random_messages(params, 400, seed=41)
+    bits = [m.bits for m in messages]
+    for m in messages[:3]:  # a neighbour of each author, one block off
+        blocks = m.blocks.copy()
+        blocks[1] = (blocks[1] + 1) % 256
+        bits.append("".join(format(int(v), "08b") for v in blocks))
+    candidates = CandidateSet(bits, list(range(len(bits))), params)
+    tokens = generate(key, messages[:3], 150, seed=42, temperature=0.7).tokens
+    for author, row in enumerate(tokens):
+        result = decode(row, key)
+        own = result.matrix[np.arange(params.num_blocks), candidates.blocks[author].astype(np.int64)]
+        differs = candidates.blocks != candidates.blocks[author][None, :]
+        rivals = differs[differs.any(axis=1)]
+        tails = np.exp(gamma_log_sf_each(rivals @ own, rivals @ result.row_counts))
+        assert gumbel_identity_p(result, candidates, author) == pytest.approx(float(tails.max()), rel=1e-12)

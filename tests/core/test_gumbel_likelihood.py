@@ -243,3 +243,31 @@ def test_bad_input_is_refused(gkey: WatermarkKey) -> None:
         score_gumbel_text([1, 2, 3], scores, gkey, temperature=0.0)
     with pytest.raises(ValueError, match="edit_rate"):
         score_gumbel_text([1, 2, 3], scores, gkey, edit_rate=1.0)
+
+
+def test_identity_test_reads_each_pattern_of_differing_blocks_once(
+    gkey: WatermarkKey, registry: tuple[list[Message], CandidateSet]
+) -> None:
+    """The test depends only on the blocks in which a rival differs: a registry whose every ID is
+    registered three times gives the same p-value, and on a few near neighbours it is the largest
+    exact tail over them one by one."""
+    messages, candidates = registry
+    author = messages[0]
+    g = generate(gkey, [author], 150, seed=5, temperature=0.7, top_k=TOP, scale=8.0)
+    result = score_gumbel_text(g.tokens[0], _scores(g, 0), gkey)
+    bits = [m.bits for m in messages[:2_000]]
+    once = CandidateSet(bits, list(range(len(bits))), PARAMS)
+    thrice = CandidateSet(bits * 3, list(range(3 * len(bits))), PARAMS)
+    assert gumbel_likelihood_identity_p(result, thrice, 0) == gumbel_likelihood_identity_p(result, once, 0)
+    neighbours = [author.bits]
+    for block in np.argsort(-result.row_counts)[:4]:  # one block off, in the busiest blocks
+        values = author.blocks.copy()
+        values[block] = (values[block] + 1) % PARAMS.num_shards
+        neighbours.append("".join(format(int(v), "02b") for v in values))
+    near = CandidateSet(neighbours, list(range(len(neighbours))), PARAMS)
+    own = result.units[np.arange(PARAMS.num_blocks), author.blocks.astype(np.int64)]
+    exact = 0.0
+    for rival in near.blocks[1:]:
+        differs = rival != near.blocks[0]
+        exact = max(exact, result.tail(int(own[differs].sum()), np.flatnonzero(differs).tolist()))
+    assert gumbel_likelihood_identity_p(result, near, 0) == pytest.approx(exact, rel=1e-12)
