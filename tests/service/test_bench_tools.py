@@ -268,3 +268,26 @@ def test_the_registry_memory_benchmark_builds_the_caches_snapshot_of_its_rows() 
     assert sorted(snapshot.candidates.ids) == sorted(-e.end_user_id for e in entries)
     measured = measure(5, 20, params)
     assert measured["ids"] == 100 and measured["accounts"] == 5 and measured["end_users_per_account"] == 20
+
+
+def test_the_registry_scale_evaluation_draws_distinct_ids_and_reads_them_as_the_gateway_does() -> None:
+    """The 10^7-ID registries of ``eval-registry-scale``: distinct random IDs outside the allocated
+    ones, of the message length asked, and their blocks as ``bits_to_blocks`` reads the bit strings
+    (for the keyed sampler's 8-bit blocks and the biasing encoder's 2-bit ones)."""
+    import numpy as np
+
+    from benchmarks.evaluation.registry_scale import id_blocks, random_ids
+    from xmark_core import WatermarkParams
+    from xmark_core.message import bits_to_blocks
+
+    for bits in (32, 48, 64):
+        taken = random_ids(np.zeros(0, dtype=np.uint64), bits, 1_000, seed=1)
+        drawn = random_ids(taken, bits, 50_000, seed=2)
+        assert drawn.size == 50_000 and np.unique(drawn).size == 50_000
+        assert not np.isin(drawn, taken).any()
+        assert bits == 64 or int(drawn.max()) < 1 << bits
+        assert np.array_equal(drawn, random_ids(taken, bits, 50_000, seed=2))  # seeded
+        strings = [format(int(v), f"0{bits}b") for v in drawn[:500]]
+        for block_bits, scheme in ((8, "gumbel"), (2, "xmark")):
+            params = WatermarkParams(bits=bits, block_bits=block_bits, num_keys=1, scheme=scheme)
+            assert np.array_equal(id_blocks(drawn[:500], params), bits_to_blocks(strings, params))
