@@ -251,7 +251,7 @@ def test_identity_test_reads_each_pattern_of_differing_blocks_once(
     """The test depends only on the blocks in which a rival differs: a registry whose every ID is
     registered three times gives the same p-value, and on a few near neighbours it is the largest
     exact tail over them one by one."""
-    messages, candidates = registry
+    messages, _ = registry
     author = messages[0]
     g = generate(gkey, [author], 150, seed=5, temperature=0.7, top_k=TOP, scale=8.0)
     result = score_gumbel_text(g.tokens[0], _scores(g, 0), gkey)
