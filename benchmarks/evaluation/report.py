@@ -617,13 +617,18 @@ def render_temperature(results: dict[str, Any]) -> str:
     if results["command"].endswith("--preset temperature"):
         command = f"`make eval-temperature` (`{results['command']} --max-num-seqs 128`)"
     title = "Temperature: where the per-request rule switches encoders, and why"
-    if cfg.get("report", "temperature") != "temperature":  # a study of the companion's bias
+    version_label = 'The key version is the gateway\'s default (`xmark_core.encoders.spec_for("auto")`): the primary '
+    bits = rule["companion"]["bits"]
+    if cfg.get("report", "temperature").startswith("temperature-b"):  # a study of the message length
+        title = f"The per-request rule's cells at message length {bits}"
+        version_label = (
+            f'The key version is the gateway\'s default at b = {bits} (`spec_for("auto", bits={bits})`): the primary '
+        )
+    elif cfg.get("report", "temperature") != "temperature":  # a study of the companion's bias
         title = (
             f"The biasing companion at δ = {rule['companion']['delta']:g}: the cells the per-request rule sends to it, "
             "where it named least at the default bias"
         )
-    version_label = 'The key version is the gateway\'s default (`xmark_core.encoders.spec_for("auto")`): the primary '
-    if cfg.get("report", "temperature") != "temperature":
         delta = rule["companion"]["delta"]
         version_label = (
             f"The key version is the gateway's default with the companion's bias set to {delta:g} "
@@ -756,8 +761,9 @@ def render_temperature(results: dict[str, Any]) -> str:
             (c for c in cells if c["encoder"] == encoder and not c["options"]), key=lambda c: c["temperature"]
         )
         from_here = [c["temperature"] for i, c in enumerate(line) if all(d["named"]["rate"] >= 0.95 for d in line[i:])]
+        measured = ", ".join(f"{c['temperature']:g}" for c in line)
         floors.append(
-            f"{encoder} names ≥ 95 % from τ = {from_here[0]:g} up"
+            f"{encoder} names ≥ 95 % from τ = {from_here[0]:g} up of τ = {measured}"
             if from_here
             else f"{encoder} names < 95 % at the highest temperature"
         )
@@ -802,8 +808,13 @@ def render_temperature(results: dict[str, Any]) -> str:
         "",
         "## Cost",
         "",
-        f"Generation {timing['generation_s']} s (this invocation; None = cached or copied from the "
-        f"`{', '.join(cfg.get('reuse') or []) or '–'}` cache, whose answers of the same cells are the same), scoring "
-        f"{timing['scoring_s']} s for {timing['scored_tokens']:,} tokens, analysis {timing['analysis_s']} s.",
+        f"Generation {timing['generation_s']} s (this invocation; None = cached"
+        + (
+            f" or copied from the `{', '.join(cfg['reuse'])}` cache, whose answers of the same cells are the same"
+            if cfg.get("reuse")
+            else ""
+        )
+        + f"), scoring {timing['scoring_s']} s for {timing['scored_tokens']:,} tokens, analysis "
+        f"{timing['analysis_s']} s.",
     ]
     return "\n".join(out) + "\n"

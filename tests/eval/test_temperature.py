@@ -109,6 +109,35 @@ def test_the_counts_meet_the_issues_and_each_cell_has_its_unwatermarked_pair() -
     assert TEMPERATURE.t_grid == (150,) and TEMPERATURE.registry_size == 10_000
 
 
+def test_the_64_bit_preset_is_the_rules_cells_on_the_default_version_at_64_bits() -> None:
+    """temperature-b64: every cell the rule sends to the biasing companion, and the keyed sampler's
+    cells REGISTRY-SCALE.md does not measure (1.3, top_p 0.9), written by the 64-bit version's
+    encoders as the gateway's rule picks them, each with its unwatermarked pair."""
+    preset = PRESETS["temperature-b64"]
+    version = spec_for("auto", bits=64)
+    assert version.companion is not None and version.companion.bits == version.primary.bits == 64
+    marked = [s for s in preset.settings if s.bits]
+    assert all(s.by_rule for s in marked)
+    for setting in marked:
+        assert setting.companion == _rule_says_companion(setting.temperature, request_options(setting.options))
+        assert setting.spec.params() == (version.companion if setting.companion else version.primary)
+        base = [
+            s
+            for s in preset.settings
+            if s.bits == 0 and (s.temperature, s.options) == (setting.temperature, setting.options)
+        ]
+        assert len(base) == 1 and base[0].authors * (1 + preset.null_key_count(setting.temperature)) >= 500
+    companion = {(s.temperature, s.options) for s in marked if s.companion}
+    assert companion == {(t, ()) for t in SWEEP_TEMPERATURES if t < 0.7} | {
+        (0.7, o) for o in SAMPLING_OPTIONS if dict(o).get("top_p") is None
+    }
+    assert {(s.temperature, s.options) for s in marked if not s.companion} == {(1.3, ()), (0.7, (("top_p", 0.9),))}
+    assert all(s.authors >= 200 for s in marked if not s.options) and all(s.authors >= 100 for s in marked)
+    assert preset.t_grid == (150,) and preset.max_tokens == 150 and preset.registry_size == 10_000
+    names = [s.name for s in preset.settings]
+    assert len(names) == len(set(names)) and not set(names) & {s.name for s in TEMPERATURE.settings if s.bits}
+
+
 def test_the_gumbel_cells_are_the_low_temperature_presets_answers() -> None:
     """The cached answers of gumbel8s16-low are reused: the same names, answer length, seed, registry."""
     low = {s.name for s in GUMBEL8_LOW_TEMPERATURE.settings}
