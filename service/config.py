@@ -20,7 +20,13 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from service.client_address import parse_networks
 from service.exceptions import ServiceError
 from service.security import ApiKeyFormatError, parse_api_key
-from xmark_core.encoders import DEFAULT_CONFIGURED_SCHEME, ConfiguredScheme, KeyVersionSpec, spec_for
+from xmark_core.encoders import (
+    DEFAULT_CONFIGURED_SCHEME,
+    DEFAULT_MESSAGE_BITS,
+    ConfiguredScheme,
+    KeyVersionSpec,
+    spec_for,
+)
 from xmark_core.errors import XMarkError
 from xmark_core.secrets import (  # re-exported: the gateway's names for the shared rules
     KEY_VERSION_NAME,
@@ -87,12 +93,12 @@ class Settings(BaseSettings):
         ),
     )
     watermark_bits: int = Field(
-        default=32,
+        default=DEFAULT_MESSAGE_BITS,
         description=(
-            "The message-ID length (bits) of new key versions; 32-bit IDs keep 10,000s of registered users far "
-            "apart. Existing versions keep their own (a 16-bit version registered before keeps 16 bits and keeps "
-            "tracing), and each user holds a message ID of every length in use "
-            "([details](docs/service.md#message-lengths-and-key-versions))."
+            "The message-ID length (bits) of new key versions; 64-bit IDs keep 10^7 registered users and end "
+            "users far apart (32 bits name fewer short answers past 10^6). Existing versions keep their own (a "
+            "32-bit version registered before keeps 32 bits and keeps tracing), and each user holds a message "
+            "ID of every length in use ([details](docs/service.md#message-lengths-and-key-versions))."
         ),
     )
     watermark_scheme: ConfiguredScheme = Field(

@@ -227,6 +227,18 @@ class Keyring:
                 "the newest active key version is not configured here",
                 extra={"key_version": newest.name},
             )
+        if newest is not None and newest.spec.primary.bits != self._params.bits:
+            # an upgrade across a change of the default length: the version keeps its own, and vLLM
+            # workers, which encode with the configured parameters, refuse its requests by fingerprint
+            logger.warning(
+                "the active key version's message length differs from XMARK_WATERMARK_BITS; vLLM workers "
+                "must be given the active version's length until a version of the configured one is activated",
+                extra={
+                    "key_version": newest.name,
+                    "active_bits": newest.spec.primary.bits,
+                    "configured_bits": self._params.bits,
+                },
+            )
         return registered
 
     async def refresh(self, session: AsyncSession) -> None:

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .encoders import DEFAULT_CONFIGURED_SCHEME, KeyVersionSpec, encoder_keys, spec_for
+from .encoders import DEFAULT_CONFIGURED_SCHEME, DEFAULT_MESSAGE_BITS, KeyVersionSpec, encoder_keys, spec_for
 from .errors import RequestArgumentError
 from .errors import WorkerConfigError as WorkerConfigError  # re-exported: its historic home
 from .gumbel import salted
@@ -196,7 +196,7 @@ class WorkerKeyring:
         try:
             spec = spec_for(
                 scheme,
-                bits=_int_setting(variables, ENV_BITS, 32),
+                bits=_int_setting(variables, ENV_BITS, DEFAULT_MESSAGE_BITS),
                 block_bits=_optional_int_setting(variables, ENV_BLOCK_BITS),
                 num_keys=_optional_int_setting(variables, ENV_NUM_KEYS),
                 delta=_optional_float_setting(variables, ENV_DELTA),

@@ -92,12 +92,12 @@ async def test_a_default_worker_writes_a_greedy_answer_with_the_companion(gumbel
     greedy request whose xargs select the companion (what the gateway sends for it) is biased by the
     companion, and the answer's tokens decode under the companion's key to the message."""
     from xmark_core import Message, decode, detect
-    from xmark_core.encoders import encoder_keys, spec_for
+    from xmark_core.encoders import DEFAULT_MESSAGE_BITS, encoder_keys, spec_for
     from xmark_core.secrets import parse_secret_entries
 
     secret = parse_secret_entries(e2e_config.watermark_secrets, source="the test secrets")["v1"]
-    _, companion = encoder_keys(secret, spec_for("auto"))
-    bits = "01101100000110111001001101100100"
+    _, companion = encoder_keys(secret, spec_for("auto", bits=DEFAULT_MESSAGE_BITS))
+    bits = "01101100000110111001001101100100" * (DEFAULT_MESSAGE_BITS // 32)
     xargs = {
         "xmark_message": bits,
         "xmark_key_version": "v1",
@@ -121,10 +121,11 @@ async def test_a_default_worker_writes_a_greedy_answer_with_the_companion(gumbel
     assert len(token_ids) > 200
     decoded = decode(token_ids, companion)
     # the watermark is there (the calibrated test at its default level), and the message read from
-    # it: greedy text repeats itself (the decoder reads each context once), so a block or two of the
-    # 16 may be misread; 11 or more right has probability 3e-4 by chance (Binomial(16, 1/4))
+    # it: greedy text repeats itself (the decoder reads each context once), so some of the 32 blocks
+    # may be misread or unread; 18 or more right has probability 1.6e-4 by chance (Binomial(32, 1/4))
     detection = detect(decoded)
     assert detection.is_watermarked, detection
     sent = Message.from_bits(bits, companion.params).blocks
-    right = int((decoded.blocks == sent).sum())  # of the 16 blocks
-    assert right >= 11, (decoded.bits, bits, decoded.scored_tokens)
+    assert len(sent) == 32
+    right = int((decoded.blocks == sent).sum())
+    assert right >= 18, (decoded.bits, bits, decoded.scored_tokens)

@@ -97,8 +97,8 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_new_key_versions_default_to_both_encoders(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unset, new key versions carry two encoders (scheme ``auto``): the distortion-free ``gumbel`` in
     8-bit blocks with 1 key and 16 salts, and the paper's ``xmark`` in 2-bit blocks with 4 keys at the
-    companion's bias (COMPANION_DELTA, where a single ``xmark`` version keeps 2.0), both of 32 bits;
-    naming one scheme gives that scheme alone with its own defaults; empty values (compose
+    companion's bias (COMPANION_DELTA, where a single ``xmark`` version keeps 2.0), both of 64 bits
+    (DEFAULT_MESSAGE_BITS); naming one scheme gives that scheme alone with its own defaults; empty values (compose
     and ConfigMap defaults) are unset; explicit values win (under ``auto``: block bits and salts the
     primary's, keys and delta the companion's)."""
     from service.keyring import params_from_settings, spec_from_settings
@@ -106,22 +106,22 @@ def test_new_key_versions_default_to_both_encoders(monkeypatch: pytest.MonkeyPat
     from xmark_core.encoders import COMPANION_DELTA, KeyVersionSpec
 
     monkeypatch.delenv("XMARK_WATERMARK_SCHEME", raising=False)  # the suite pins the biasing scheme
-    gumbel = WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    gumbel = WatermarkParams(bits=64, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
     assert COMPANION_DELTA != 2.0
     assert spec_from_settings(Settings()) == KeyVersionSpec(
-        gumbel, WatermarkParams(bits=32, block_bits=2, num_keys=4, delta=COMPANION_DELTA, scheme="xmark")
+        gumbel, WatermarkParams(bits=64, block_bits=2, num_keys=4, delta=COMPANION_DELTA, scheme="xmark")
     )
     monkeypatch.setenv("XMARK_WATERMARK_DELTA", "")  # the compose and ConfigMap default: unset
     assert spec_from_settings(Settings()).companion == WatermarkParams(
-        bits=32, block_bits=2, num_keys=4, delta=COMPANION_DELTA, scheme="xmark"
+        bits=64, block_bits=2, num_keys=4, delta=COMPANION_DELTA, scheme="xmark"
     )
     assert params_from_settings(Settings()) == gumbel
     monkeypatch.setenv("XMARK_WATERMARK_NUM_KEYS", "2")
     monkeypatch.setenv("XMARK_WATERMARK_DELTA", "3")
     monkeypatch.setenv("XMARK_WATERMARK_SALTS", "4")
     assert spec_from_settings(Settings()) == KeyVersionSpec(
-        WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=4),
-        WatermarkParams(bits=32, block_bits=2, num_keys=2, delta=3.0, scheme="xmark"),
+        WatermarkParams(bits=64, block_bits=8, num_keys=1, scheme="gumbel", salts=4),
+        WatermarkParams(bits=64, block_bits=2, num_keys=2, delta=3.0, scheme="xmark"),
     )
     monkeypatch.delenv("XMARK_WATERMARK_DELTA")
     monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "gumbel")
@@ -129,11 +129,11 @@ def test_new_key_versions_default_to_both_encoders(monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv(name, "")
     assert spec_from_settings(Settings()) == KeyVersionSpec(gumbel)
     monkeypatch.setenv("XMARK_WATERMARK_SCHEME", "xmark")
-    assert params_from_settings(Settings()) == WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
+    assert params_from_settings(Settings()) == WatermarkParams(bits=64, block_bits=2, num_keys=4, scheme="xmark")
     assert spec_from_settings(Settings()).companion is None
     monkeypatch.setenv("XMARK_WATERMARK_NUM_KEYS", "2")
     monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "4")
-    assert params_from_settings(Settings()) == WatermarkParams(bits=32, block_bits=4, num_keys=2, scheme="xmark")
+    assert params_from_settings(Settings()) == WatermarkParams(bits=64, block_bits=4, num_keys=2, scheme="xmark")
     monkeypatch.setenv("XMARK_WATERMARK_BLOCK_BITS", "5")
     with pytest.raises(ValidationError, match="positive multiple of block_bits"):
         Settings()

@@ -242,7 +242,7 @@ async def test_vllm_workers_serve_the_scheme_with_the_fields_they_can_honour(tmp
         watermark_num_keys=1,
     )
     params = params_from_settings(settings)
-    assert params == GUMBEL  # 16 salts unless XMARK_WATERMARK_SALTS says otherwise
+    assert params == replace(GUMBEL, bits=64)  # the default length; 16 salts unless XMARK_WATERMARK_SALTS says so
     assert params_from_settings(settings.model_copy(update={"watermark_salts": 1})).salts == 1
     with pytest.raises(ValidationError, match="salts applies to scheme 'gumbel' only"):  # at start-up
         make_test_settings(tmp_path, watermark_salts=4)

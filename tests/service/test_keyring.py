@@ -82,6 +82,23 @@ async def test_versions_of_different_message_lengths_coexist(empty_versions: Asy
         await Keyring(WatermarkParams(bits=32), {"a": S2}).sync(empty_versions)
 
 
+async def test_an_active_version_of_another_length_than_configured_is_warned_of(
+    empty_versions: AsyncSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upgrade across the default length's change: the active 32-bit version keeps encoding,
+    and start-up says that vLLM workers, which read XMARK_WATERMARK_BITS, must keep its length."""
+    await Keyring(WatermarkParams(bits=32), {"a": S1}).sync(empty_versions)
+    with caplog.at_level("WARNING", logger="xmark.keyring"):
+        await Keyring(WatermarkParams(bits=32), {"a": S1}).sync(empty_versions)
+    assert not [r for r in caplog.records if "message length" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="xmark.keyring"):
+        keyring = Keyring(WatermarkParams(bits=64), {"a": S1})
+        await keyring.sync(empty_versions)
+    (record,) = [r for r in caplog.records if "message length" in r.getMessage()]
+    assert (record.key_version, record.active_bits, record.configured_bits) == ("a", 32, 64)
+    assert keyring.active().key.params.bits == 32
+
+
 async def test_rows_keep_their_own_parameters(empty_versions: AsyncSession) -> None:
     await Keyring(WatermarkParams(delta=2.0), {"a": S1}).sync(empty_versions)
     keyring = Keyring(WatermarkParams(delta=3.0), {"a": S1, "b": S2})

@@ -47,7 +47,7 @@ from xmark_core import (
     WatermarkKey,
     vllm_common,
 )
-from xmark_core.encoders import KeyVersionSpec
+from xmark_core.encoders import DEFAULT_MESSAGE_BITS, KeyVersionSpec
 from xmark_core.hf import XMarkLogitsProcessor as HFProcessor
 from xmark_core.vllm_common import (
     ENV_BLOCK_BITS,
@@ -70,8 +70,8 @@ VOCAB = 49152  # SmolLM2's vocabulary
 MAX_SLOTS = 8
 MAX_MODEL_LEN = 64
 
-# 32-bit messages: the worker's default message length (the gateway's)
-MESSAGES = [
+# messages of the worker's default length (the gateway's, DEFAULT_MESSAGE_BITS = 64): 32-bit patterns twice
+MESSAGES_32 = [
     "01101100000110111001001101100100",
     "11110000101001010000111101011010",
     "00000000000000000000000000000000",
@@ -79,6 +79,8 @@ MESSAGES = [
     "10101010101010100101010101010101",
     "00110011001100111100110011001100",
 ]
+MESSAGES = [None if m is None else m * 2 for m in MESSAGES_32]
+assert DEFAULT_MESSAGE_BITS == 64
 # (prompt, output so far) per batch row: fresh prompts, long outputs, a one-token prompt, a resumed one
 HISTORIES: list[tuple[list[int], list[int]]] = [
     ([1, 9, 3021, 44], []),

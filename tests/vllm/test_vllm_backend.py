@@ -350,14 +350,14 @@ def test_a_per_request_versions_companion_is_named_to_the_worker_and_carries_no_
     """A per-request (auto) version: a stamp of its companion sends xmark_encoder "companion" and the
     companion's fingerprint, no salt; one of its primary the salt and no xmark_encoder. An auto
     worker holding the same secret reads each to its own key slot."""
-    from xmark_core.encoders import encoder_keys, spec_for
+    from xmark_core.encoders import DEFAULT_MESSAGE_BITS, encoder_keys, spec_for
     from xmark_core.vllm_common import ENV_SCHEME, ENV_SECRETS, WorkerKeyring, parse_request
 
     secret = "gateway-test-secret-4c1d9e8a7b"
-    spec = spec_for("auto")
+    spec = spec_for("auto", bits=DEFAULT_MESSAGE_BITS)  # a worker's default, the gateway's too
     assert spec.companion is not None
     primary, companion = encoder_keys(secret, spec)
-    bits = "01101100000110111001001101100100"
+    bits = "01101100000110111001001101100100" * (DEFAULT_MESSAGE_BITS // 32)
     assert VllmBackend.encoders_per_request
     worker = WorkerKeyring.from_variables({ENV_SECRETS: f"v4:{secret}", ENV_SCHEME: "auto"})
     stamp = WatermarkStamp(companion, Message.from_bits(bits, spec.companion), "v4", salt=5, companion=True)

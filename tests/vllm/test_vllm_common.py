@@ -14,6 +14,7 @@ from xmark_core import Message, WatermarkKey, WatermarkParams, vllm_common
 from xmark_core.encoders import (
     COMPANION_DELTA,
     DEFAULT_CONFIGURED_SCHEME,
+    DEFAULT_MESSAGE_BITS,
     KeyVersionSpec,
     encoder_keys,
     spec_for,
@@ -63,17 +64,19 @@ def test_keyring_from_inline_secrets_derives_the_gateway_keys() -> None:
     fields = Settings.model_fields
     defaults = Settings.model_construct(**{n: f.default for n, f in fields.items()})
     gateway = params_from_settings(defaults)
-    assert keyring.spec == spec_from_settings(defaults) == spec_for(DEFAULT_CONFIGURED_SCHEME)
+    assert (
+        keyring.spec == spec_from_settings(defaults) == spec_for(DEFAULT_CONFIGURED_SCHEME, bits=DEFAULT_MESSAGE_BITS)
+    )
     assert keyring.spec.scheme == DEFAULT_CONFIGURED_SCHEME == "auto"
     assert keyring.params == gateway
-    assert gateway == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    assert gateway == WatermarkParams(bits=64, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
     # an empty XMARK_WATERMARK_DELTA (the compose and ConfigMap default) is unset: the companion's own bias
     empty = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_DELTA: ""})
     assert empty.spec == keyring.spec and empty.spec.companion is not None
     assert empty.spec.companion.delta == COMPANION_DELTA != 2.0
     # the biasing scheme named alone takes its own defaults, in both
     biasing = WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark"})
-    assert biasing.params == WatermarkParams(bits=32, block_bits=2, num_keys=4, scheme="xmark")
+    assert biasing.params == WatermarkParams(bits=64, block_bits=2, num_keys=4, scheme="xmark")
     assert biasing.params == params_from_settings(
         Settings.model_construct(**{**{n: f.default for n, f in fields.items()}, "watermark_scheme": "xmark"})
     )
@@ -97,7 +100,7 @@ def test_keyring_from_secrets_file_and_parameters(tmp_path: Path) -> None:
     # the gateway's key version with the same rule has the same fingerprint
     assert (
         ruled.keys[1].fingerprint
-        == WatermarkKey.from_secret(SECRET_A, WatermarkParams(min_entropy=0.69, bits=32, num_keys=4)).fingerprint
+        == WatermarkKey.from_secret(SECRET_A, WatermarkParams(min_entropy=0.69, bits=64, num_keys=4)).fingerprint
     )
 
 
@@ -149,8 +152,11 @@ def test_an_auto_keyring_derives_the_gateways_keys_of_both_encoders() -> None:
     secrets = {"v1": SECRET_A, "v2": SECRET_B}
     variables = {ENV_SECRETS: ",".join(f"{k}:{v}" for k, v in secrets.items()), ENV_SCHEME: "auto"}
     for settings, spec in (
-        ({}, spec_for("auto")),
-        ({ENV_BITS: "", ENV_BLOCK_BITS: " ", ENV_NUM_KEYS: "", ENV_SALTS: "", ENV_DELTA: ""}, spec_for("auto")),
+        ({}, spec_for("auto", bits=DEFAULT_MESSAGE_BITS)),
+        (
+            {ENV_BITS: "", ENV_BLOCK_BITS: " ", ENV_NUM_KEYS: "", ENV_SALTS: "", ENV_DELTA: ""},
+            spec_for("auto", bits=DEFAULT_MESSAGE_BITS),
+        ),
         (
             {
                 ENV_BITS: "24",
@@ -177,10 +183,12 @@ def test_an_auto_keyring_derives_the_gateways_keys_of_both_encoders() -> None:
             assert keyring.params_of(slot) == spec.companion and keyring.params_of(position) == spec.primary
         assert len({key.fingerprint for key in keyring.keys}) == 4
     # the default configured scheme is auto, the gateway's too
-    assert WorkerKeyring.from_variables({ENV_SECRETS: variables[ENV_SECRETS]}).spec == spec_for("auto")
+    assert WorkerKeyring.from_variables({ENV_SECRETS: variables[ENV_SECRETS]}).spec == spec_for(
+        "auto", bits=DEFAULT_MESSAGE_BITS
+    )
     # a version of a single scheme has one encoder: no companion slot
     single = WorkerKeyring.from_variables({**variables, ENV_SCHEME: "xmark"})
-    assert single.spec == KeyVersionSpec(spec_for("xmark").primary) and single.slots == (
+    assert single.spec == KeyVersionSpec(spec_for("xmark", bits=DEFAULT_MESSAGE_BITS).primary) and single.slots == (
         ("v1", "primary"),
         ("v2", "primary"),
     )
@@ -189,7 +197,10 @@ def test_an_auto_keyring_derives_the_gateways_keys_of_both_encoders() -> None:
 
 @pytest.fixture
 def auto_keys() -> WorkerKeyring:
-    return WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}", ENV_SCHEME: "auto"})
+    """Workers of a 32-bit per-request deployment (one configured before the default became 64)."""
+    return WorkerKeyring.from_variables(
+        {ENV_SECRETS: f"v1:{SECRET_A},v2:{SECRET_B}", ENV_SCHEME: "auto", ENV_BITS: "32"}
+    )
 
 
 BITS_32 = "01101100000110111001001101100100"
@@ -308,13 +319,13 @@ def test_a_gumbel_worker_reads_its_scheme_salts_and_each_requests_salt() -> None
     set); a request's salt selects its values (v + salt * 2**d), its fingerprint must be the worker's."""
     variables = {ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "gumbel", ENV_BLOCK_BITS: "8", ENV_NUM_KEYS: "1"}
     keyring = WorkerKeyring.from_variables(variables)
-    assert keyring.params == WatermarkParams(bits=32, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
+    assert keyring.params == WatermarkParams(bits=64, block_bits=8, num_keys=1, scheme="gumbel", salts=16)
     assert WorkerKeyring.from_variables({**variables, ENV_SALTS: "1"}).params.salts == 1
     with pytest.raises(WorkerConfigError, match="salts applies to scheme 'gumbel' only"):
         WorkerKeyring.from_variables({ENV_SECRETS: f"v1:{SECRET_A}", ENV_SCHEME: "xmark", ENV_SALTS: "4"})
     with pytest.raises(WorkerConfigError, match="scheme must be one of"):
         WorkerKeyring.from_variables({**variables, ENV_SCHEME: "bogus"})
-    bits = "01101100000110111001001101100100"
+    bits = "01101100000110111001001101100100" * 2
     blocks = Message.from_bits(bits, keyring.params).blocks
     fingerprint = keyring.keys[0].fingerprint
     mark = parse_request(

@@ -239,10 +239,10 @@ def test_start_up_writes_are_recorded_as_the_system(
     activation = entries[1]["changes"]
     assert activation["before"] is None
     assert (activation["after"]["name"], activation["after"]["status"]) == ("v1", "active")
-    assert activation["after"]["params"]["bits"] == 32
-    assert entries[2]["target_id"] == "32/2"
+    assert activation["after"]["params"]["bits"] == 64
+    assert entries[2]["target_id"] == "64/2"
     assert entries[2]["changes"]["after"] == {
-        "bits": 32,
+        "bits": 64,
         "block_bits": 2,
         "allocated": 1,
         "user_ids": {"from": early["id"], "to": early["id"]},

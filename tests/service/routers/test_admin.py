@@ -44,9 +44,9 @@ async def test_create_user_returns_the_fixed_contract(
     assert body["max_parallel_requests"] is body["requests_per_minute"] is body["tokens_per_minute"] is None
     assert body["name"] == "alice"
     assert body["role"] == "auditor"
-    # new deployments use 32-bit message IDs: the test versions were registered with the defaults
-    assert re.fullmatch(r"[01]{32}", body["message_id"])
-    assert body["message_ids"] == [{"bits": 32, "block_bits": 2, "message_id": body["message_id"]}]
+    # new deployments use 64-bit message IDs: the test versions were registered with the defaults
+    assert re.fullmatch(r"[01]{64}", body["message_id"])
+    assert body["message_ids"] == [{"bits": 64, "block_bits": 2, "message_id": body["message_id"]}]
     assert KEY_RE.match(body["api_key"])
 
     key_row = (await db_session.scalars(select(ApiKey).where(ApiKey.user_id == body["id"]))).one()
@@ -231,7 +231,7 @@ async def test_key_versions_list_activate_retire(app: Any, client: httpx.AsyncCl
     for version in listed:
         assert re.fullmatch(r"[0-9a-f]{64}", version["fingerprint"])
         assert version["configured"] is True
-        assert (version["bits"], version["block_bits"], version["num_keys"]) == (32, 2, 4)
+        assert (version["bits"], version["block_bits"], version["num_keys"]) == (64, 2, 4)
     assert app.state.resources.keyring.active().name == "v1"
 
     added = await client.post("/admin/key-versions", json={"name": "v2"}, headers=bearer(admin_key))

@@ -1,5 +1,6 @@
-"""Key versions of different message lengths coexist: a 16-bit deployment rotates to a 32-bit
-version. Every user (deleted ones included) gets a 32-bit ID, generations are encoded with the ID
+"""Key versions of different message lengths coexist: a 16-bit deployment rotates to a version
+of the configured length (64 bits by default) or of 32 bits. Every user (deleted ones included)
+gets an ID of the new length, generations are encoded with the ID
 of the active version's length, text of the old version is still traced to its author, and the
 backfill is idempotent and safe when two sessions race; end users get theirs in the activation (a
 first batch) and in the background backfill (the rest, and at start-up)."""
@@ -46,9 +47,13 @@ from service.services.users import UserService
 from tests.conftest import TEST_API_KEY_PEPPER, TEST_WATERMARK_SECRETS, make_test_settings
 from tests.fakes import FakeBackend
 from xmark_core import MessageAllocator, WatermarkKey, WatermarkParams
+from xmark_core.encoders import DEFAULT_MESSAGE_BITS
 
 P16 = WatermarkParams(bits=16)
 P32 = WatermarkParams(bits=32)
+# the length of the shared app's new key versions (the configured default): the rotations from 16
+NEW = DEFAULT_MESSAGE_BITS
+PNEW = WatermarkParams(bits=NEW)
 MODEL = "smollm2-135m-instruct"
 ESSAY = "Write a detailed essay about the history of sailing ships, with many facts."
 S1 = TEST_WATERMARK_SECRETS["v1"].encode()
@@ -152,7 +157,7 @@ async def _activate_v2(client: httpx.AsyncClient, admin_key: str) -> dict[str, A
     return dict(response.json())
 
 
-async def test_rotating_to_a_32_bit_version_gives_every_user_a_32_bit_id(
+async def test_rotating_to_a_version_of_the_configured_length_gives_every_user_an_id_of_it(
     app: Any, client: httpx.AsyncClient, db_session: AsyncSession, sixteen_bit: Deployment
 ) -> None:
     d = sixteen_bit
@@ -161,23 +166,23 @@ async def test_rotating_to_a_32_bit_version_gives_every_user_a_32_bit_id(
     assert await _prepared_message(app, d.author.api_key) == (_id_of(d.author, 16), "v1")
 
     v2 = await _activate_v2(client, d.admin.api_key)
-    assert (v2["bits"], v2["block_bits"], v2["status"]) == (32, 2, "active")
+    assert (v2["bits"], v2["block_bits"], v2["status"]) == (NEW, 2, "active")
     keyring = app.state.resources.keyring
-    assert keyring.active().name == "v2" and keyring.lengths() == {(16, 2), (32, 2)}
+    assert keyring.active().name == "v2" and keyring.lengths() == {(16, 2), (NEW, 2)}
 
     ids = {}
     for user in (d.author, d.gone, d.auditor, d.admin):  # the deleted user too: IDs are never reused
         held = await _lengths_of(db_session, user.id)
-        assert set(held) == {16, 32} and held[16] == _id_of(user, 16)
+        assert set(held) == {16, NEW} and held[16] == _id_of(user, 16)
         row = await db_session.get(User, user.id)
         assert row is not None and row.message_id == held[16]  # the ID it was created with stays
         ids[user.id] = held
-    for bits in (16, 32):
+    for bits in (16, NEW):
         stmt = select(MessageId.message_id).where(MessageId.bits == bits)
         assert max(Counter((await db_session.scalars(stmt)).all()).values()) == 1  # unique per length
 
-    # generations are now encoded with the 32-bit ID under v2 (the cached principal was dropped)
-    assert await _prepared_message(app, d.author.api_key) == (ids[d.author.id][32], "v2")
+    # generations are now encoded with the new-length ID under v2 (the cached principal was dropped)
+    assert await _prepared_message(app, d.author.api_key) == (ids[d.author.id][NEW], "v2")
     response = await client.post(
         "/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
@@ -187,19 +192,19 @@ async def test_rotating_to_a_32_bit_version_gives_every_user_a_32_bit_id(
 
     # the admin API shows the ID of the active version's length and all of them
     shown = (await client.get(f"/admin/users/{d.gone.id}", headers=_auth(d.admin.api_key))).json()
-    assert shown["status"] == "deleted" and shown["message_id"] == ids[d.gone.id][32]
+    assert shown["status"] == "deleted" and shown["message_id"] == ids[d.gone.id][NEW]
     assert shown["message_ids"] == [
         {"bits": 16, "block_bits": 2, "message_id": ids[d.gone.id][16]},
-        {"bits": 32, "block_bits": 2, "message_id": ids[d.gone.id][32]},
+        {"bits": NEW, "block_bits": 2, "message_id": ids[d.gone.id][NEW]},
     ]
     listed = (await client.get("/admin/users?limit=10", headers=_auth(d.admin.api_key))).json()
-    assert {u["id"]: u["message_id"] for u in listed["data"]} == {uid: held[32] for uid, held in ids.items()}
+    assert {u["id"]: u["message_id"] for u in listed["data"]} == {uid: held[NEW] for uid, held in ids.items()}
 
     # new users get an ID of both lengths; running the backfill again finds nothing to do
     created = (await client.post("/admin/users", json={"name": "newcomer"}, headers=_auth(d.admin.api_key))).json()
-    assert [(m["bits"], m["block_bits"]) for m in created["message_ids"]] == [(16, 2), (32, 2)]
+    assert [(m["bits"], m["block_bits"]) for m in created["message_ids"]] == [(16, 2), (NEW, 2)]
     assert created["message_id"] == created["message_ids"][1]["message_id"]
-    assert await MessageIdService(Repositories(db_session)).fill([P16, P32]) == 0
+    assert await MessageIdService(Repositories(db_session)).fill([P16, PNEW]) == 0
 
 
 async def test_a_principal_without_an_id_of_the_active_length_gets_503(app: Any) -> None:
@@ -218,12 +223,12 @@ async def test_a_principal_without_an_id_of_the_active_length_gets_503(app: Any)
 
 
 @pytest.mark.model
-@pytest.mark.usefixtures("seeded_backfill")  # the author's 16- and 32-bit IDs, and the answers: seeded
+@pytest.mark.usefixtures("seeded_backfill")  # the author's 16- and 64-bit IDs, and the answers: seeded
 async def test_text_of_the_old_version_is_traced_after_the_rotation(
     app: Any, client: httpx.AsyncClient, sixteen_bit: Deployment
 ) -> None:
-    """Generated while the 16-bit version was active, traced after the 32-bit one took over; and
-    text generated under the 32-bit version is traced too."""
+    """Generated while the 16-bit version was active, traced after the new-length one took over; and
+    text generated under the new-length version is traced too."""
     d = sixteen_bit
     assert await app.state.resources.backend.wait_ready(180), "the local model did not load"
 
@@ -254,7 +259,7 @@ async def test_text_of_the_old_version_is_traced_after_the_rotation(
     assert len(old["decoded_message"]) == 16
     assert old["attribution"] is not None and old["attribution"]["user_id"] == d.author.id
     new = await trace(new_text)
-    assert new["key_version"] == "v2" and len(new["decoded_message"]) == 32
+    assert new["key_version"] == "v2" and len(new["decoded_message"]) == NEW
     assert new["attribution"] is not None and new["attribution"]["user_id"] == d.author.id
 
 
@@ -492,8 +497,8 @@ async def _end_user_ids(session: AsyncSession, bits: int) -> dict[int, str]:
     return {int(r.end_user_id): r.message_id for r in (await session.execute(stmt)).all()}
 
 
-async def _unique_per_length(session: AsyncSession) -> None:
-    for bits in (16, 32):
+async def _unique_per_length(session: AsyncSession, new: int = NEW) -> None:
+    for bits in (16, new):
         held = (await session.scalars(select(MessageId.message_id).where(MessageId.bits == bits))).all()
         assert held and max(Counter(held).values()) == 1, bits  # users' and end users' IDs apart
         assert all(len(m) == bits for m in held)
@@ -506,16 +511,16 @@ async def test_rotating_gives_every_end_user_an_id_of_the_new_length_in_the_acti
     directory = app.state.resources.end_users
     end_users = await _sixteen_bit_end_users(db_session, d.author.id, 5)
     before = await _end_user_ids(db_session, 16)
-    assert set(before) == set(end_users) and await _end_user_ids(db_session, 32) == {}
+    assert set(before) == set(end_users) and await _end_user_ids(db_session, NEW) == {}
     # a cached identity holds the 16-bit ID only: the activation must make it go
     fill_principal = await app.state.resources.authenticator.authenticate(f"Bearer {d.author.api_key}")
     cached = await directory.resolve(fill_principal, "eu-1", (16, 2))
-    assert directory.cache.get((d.author.id, "eu-1")) is not None and cached.message_id_for(32, 2) is None
+    assert directory.cache.get((d.author.id, "eu-1")) is not None and cached.message_id_for(NEW, 2) is None
 
     await _activate_v2(client, d.admin.api_key)
-    # every end user, the deleted ones too, got a 32-bit ID in the activation's unit of work (a
+    # every end user, the deleted ones too, got a new-length ID in the activation's unit of work (a
     # directory this small fits one batch: no background backfill), apart from every other ID
-    after = await _end_user_ids(db_session, 32)
+    after = await _end_user_ids(db_session, NEW)
     assert set(after) == set(end_users)
     assert await _end_user_ids(db_session, 16) == before
     await _unique_per_length(db_session)
@@ -538,8 +543,8 @@ async def test_rotating_gives_every_end_user_an_id_of_the_new_length_in_the_acti
     )
     assert response.status_code == 200, response.text
     served = directory.cache.get((d.author.id, "eu-1"))  # as the request resolved it
-    assert served is not None and served.identity.message_id_for(32, 2) == after[end_users[1]]
-    assert await _end_user_ids(db_session, 32) == after
+    assert served is not None and served.identity.message_id_for(NEW, 2) == after[end_users[1]]
+    assert await _end_user_ids(db_session, NEW) == after
 
 
 async def _end_users_of_a_sixteen_bit_deployment(
@@ -570,7 +575,7 @@ async def test_the_background_backfill_gives_every_end_user_an_id_batch_by_batch
         assert added == {(32, 2): 7} and len(batches) == 3  # 3 + 3 + 1, each committed on its own
         async with sessionmaker() as session:
             assert set(await _end_user_ids(session, 32)) == set(end_users)
-            await _unique_per_length(session)
+            await _unique_per_length(session, 32)
             entries = (
                 await session.scalars(
                     select(RegistryAuditEntry)
@@ -605,7 +610,7 @@ async def test_racing_end_user_backfills_create_no_duplicates(scratch_url: str, 
         async with one() as session:
             held = await _end_user_ids(session, 32)
             assert sorted(held) == sorted(end_users)  # exactly one each
-            await _unique_per_length(session)
+            await _unique_per_length(session, 32)
     finally:
         await first.dispose()
         await second.dispose()
@@ -646,7 +651,7 @@ async def test_an_activation_past_one_batch_leaves_the_rest_to_the_directorys_ba
         await asyncio.wait_for(asyncio.gather(*directory._backfills), 60)  # 5x margin and more: < 1 s here
         async with sessionmaker() as session:
             assert set(await _end_user_ids(session, 32)) == set(end_users)
-            await _unique_per_length(session)
+            await _unique_per_length(session, 32)
         await directory.aclose()
     finally:
         await engine.dispose()
@@ -673,7 +678,7 @@ async def test_a_start_up_backfills_the_end_users_of_a_version_registered_then(
             assert resources.keyring.lengths() == {(16, 2), (32, 2)}
             async with resources.sessionmaker() as session:
                 assert set(await _end_user_ids(session, 32)) == set(end_users)
-                await _unique_per_length(session)
+                await _unique_per_length(session, 32)
                 actors = (
                     await session.scalars(
                         select(RegistryAuditEntry.actor_kind).where(RegistryAuditEntry.action == "message_ids.allocate")
