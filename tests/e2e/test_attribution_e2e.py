@@ -9,6 +9,7 @@ the same model's unwatermarked output is attributed to nobody.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,15 +163,23 @@ async def test_each_user_is_traced_from_their_own_completions(live_server: Any, 
 
     async with e2e_db.connect() as connection:
         for run in runs.values():
-            rows = (
-                await connection.execute(
-                    text(
-                        "SELECT request_id, streamed, completion_text, completion_tokens, key_version_id "
-                        "FROM generations WHERE user_id = :uid ORDER BY id"
-                    ),
-                    {"uid": run.user_id},
-                )
-            ).all()
+            # a record the database could not take at once (the two cores busy) is spooled and drained
+            # into it within record_spool_drain_interval_s (2 s): wait for it, 15x that at most
+            deadline = time.monotonic() + 30.0
+            while True:
+                rows = (
+                    await connection.execute(
+                        text(
+                            "SELECT request_id, streamed, completion_text, completion_tokens, key_version_id "
+                            "FROM generations WHERE user_id = :uid ORDER BY id"
+                        ),
+                        {"uid": run.user_id},
+                    )
+                ).all()
+                await connection.commit()  # the next read sees rows committed since
+                if len(rows) >= len(run.request_ids) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.25)
             assert [r.request_id for r in rows] == run.request_ids
             assert [r.streamed for r in rows] == [False, True]
             assert [r.completion_text for r in rows] == run.texts
