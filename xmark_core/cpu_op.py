@@ -11,14 +11,24 @@ It is built once per machine at first use (``torch.utils.cpp_extension``: a C++ 
 ``ninja`` on PATH, which the ``ninja`` package installs next to the interpreter; cached under
 ``TORCH_EXTENSIONS_DIR``) for the CPU's vector width, and :func:`load` returns
 None where it cannot be built, so callers keep the compiled kernel.
+
+Processes that load it at once (a server's workers, a test run's) take turns on an ``flock`` of the
+build directory, which the kernel releases when its holder dies, with a bounded wait. torch's own
+build lock is a file that a killed build leaves behind, and torch then waits on it with no bound;
+whoever holds the ``flock`` knows that file is stale, and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,9 +174,64 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def load() -> Any | None:
-    """The built op (a module with ``apply_``), or None where it cannot be built here; built once
-    per process (and per machine: later processes load the cached build)."""
+# how long a process waits for another one's build of the op before it serves without it; a build
+# takes about a minute on 2 cores
+DEFAULT_BUILD_WAIT_S = 600.0
+
+
+def build_directory(name: str) -> str:
+    """Where the op named ``name`` is built: torch's own choice (``TORCH_EXTENSIONS_DIR``, else
+    ``~/.cache/torch_extensions/py<version>_cpu``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return os.path.join(root, name)
+
+
+@contextlib.contextmanager
+def build_turn(directory: str, timeout_s: float) -> Iterator[bool]:
+    """This process's turn at building in ``directory``: yields True while it holds the directory's
+    ``flock`` (released at exit, or by the kernel when the process dies), False when another holder
+    kept it past ``timeout_s``."""
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(os.path.join(directory, "xmark.flock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def op_name() -> str:
+    """The op's build name: the CPU's vector width and a digest of the source, the flags, torch's
+    and Python's versions (a build for one of them is never loaded by another)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    identity = " ".join([_SOURCE, *_flags(capability), torch.__version__, sys.version])
+    return f"xmark_cpu_op_{capability.lower()}_{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+def _flags(capability: str) -> list[str]:
+    return ["-O3", *_FLAGS.get(capability, [])]
+
+
+def load(timeout_s: float = DEFAULT_BUILD_WAIT_S) -> Any | None:
+    """The built op (a module with ``apply_``), or None where it cannot be built here or another
+    process's build of it outlasts ``timeout_s``; built once per process (and per machine: later
+    processes load the cached build)."""
     with _lock:
         if "module" in _state:
             return _state["module"]
@@ -174,15 +239,25 @@ def load() -> Any | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            capability = torch.backends.cpu.get_cpu_capability()
-            flags = ["-O3", *_FLAGS.get(capability, [])]
-            digest = hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:12]
-            module = load_inline(  # type: ignore[no-untyped-call]
-                name=f"xmark_cpu_op_{capability.lower()}_{digest}",
-                cpp_sources=_SOURCE,
-                extra_cflags=flags,
-                verbose=False,
-            )
+            name = op_name()
+            directory = build_directory(name)
+            with build_turn(directory, timeout_s) as held:
+                if not held:
+                    logger.warning(
+                        "another process built the XMark C++ op for over %.0f s; the compiled kernel serves", timeout_s
+                    )
+                    return None  # not cached: a later call waits for the build again
+                stale = os.path.join(directory, "lock")
+                if os.path.exists(stale):  # torch's build lock with no build behind it: a killed build's
+                    logger.warning("removed the build lock a stopped build of the XMark C++ op left in %s", directory)
+                    os.remove(stale)
+                module = load_inline(  # type: ignore[no-untyped-call]
+                    name=name,
+                    cpp_sources=_SOURCE,
+                    extra_cflags=_flags(torch.backends.cpu.get_cpu_capability()),
+                    build_directory=directory,
+                    verbose=False,
+                )
         except Exception as exc:  # no compiler or ninja here: the compiled kernel serves instead
             logger.warning("the XMark C++ op could not be built (%s); the compiled kernel serves", type(exc).__name__)
             module = None
