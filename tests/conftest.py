@@ -251,13 +251,19 @@ async def app(request: pytest.FixtureRequest, settings: Settings, migrated_datab
         async with application.router.lifespan_context(application):
             # never a model where the fake was meant: the lifespan must have built its backend here
             assert built or not fake, "the lifespan no longer calls service.resources.build_backend"
-            # the start-up load of the registry opens sessions from the app's sessionmaker, which
-            # ``db_connection`` binds to a test's connection: a load still running then would share
-            # that connection with the test's own queries (and break its savepoint)
-            resources = application.state.resources
-            for start_up_work in (resources.registry_warmer, resources.end_user_backfill):
-                await asyncio.wait_for(asyncio.shield(start_up_work), 120)
+            await start_up_work_done(application)
             yield application
+
+
+async def start_up_work_done(application: Any) -> None:
+    """Wait for the app's start-up work on the database. The start-up load of the registry and the
+    end users' backfill open sessions from the app's sessionmaker, which ``db_connection`` binds to
+    a test's connection: work still running then would share that connection with the test's own
+    queries (and break its savepoint)."""
+    resources = application.state.resources
+    for start_up_work in (resources.registry_warmer, resources.end_user_backfill):
+        # 5x margin and more: both take well under a second on the test databases
+        await asyncio.wait_for(asyncio.shield(start_up_work), 120)
 
 
 @pytest.fixture

@@ -181,13 +181,10 @@ DEFAULT_BUILD_WAIT_S = 600.0
 
 def build_directory(name: str) -> str:
     """Where the op named ``name`` is built: torch's own choice (``TORCH_EXTENSIONS_DIR``, else
-    ``~/.cache/torch_extensions/py<version>_cpu``)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
+    ``~/.cache/torch_extensions/py<version>_cpu``), created if missing."""
+    from torch.utils.cpp_extension import _get_build_directory
 
-        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
-    return os.path.join(root, name)
+    return _get_build_directory(name, verbose=False)
 
 
 @contextlib.contextmanager

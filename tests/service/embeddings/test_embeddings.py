@@ -30,7 +30,7 @@ from service.embeddings.checkpoint import read_layout
 from service.fleet import embedding_model_settings, load_models_file, model_settings
 from service.models import EmbeddingRecord, Generation
 from service.repositories.unit import Repositories
-from tests.conftest import REPO_ROOT, checkpoint_path, make_test_settings
+from tests.conftest import REPO_ROOT, checkpoint_path, make_test_settings, start_up_work_done
 from tests.fakes import FakeBackend
 
 pytestmark = [pytest.mark.model]
@@ -554,6 +554,7 @@ async def test_an_app_from_the_setting_alone_serves_embeddings(tmp_path: Path, m
             [model] = resources.embeddings
             assert await model.backend.wait_ready(180)
             assert resources.fleet.names() == [settings.model_name, EMBEDDING]
+            await start_up_work_done(application)  # before the app's sessions join this test's connection
             async with resources.engine.connect() as connection:
                 transaction = await connection.begin()
                 resources.sessionmaker.configure(bind=connection, join_transaction_mode="create_savepoint")
