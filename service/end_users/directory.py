@@ -66,7 +66,7 @@ from service.db import session_scope
 from service.end_users.id_pool import IdPool
 from service.end_users.known import KnownIdentifiers
 from service.end_users.repository import EndUserRepository, FoundEndUser
-from service.end_users.reserve import Reserve, Slot
+from service.end_users.reserve import STALE_SLOT_S, Reserve, Slot
 from service.errors import ConflictError, DatabaseUnavailableError, PermissionDeniedError, RateLimitError
 from service.models import EndUser, MessageId
 from service.repositories.message_ids import MessageIdRepository
@@ -749,6 +749,8 @@ class EndUserDirectory:
             messages = await choose_message_ids(MessageIdRepository(session), lengths, self._allocator)
         # the account's lock, and its end users before this one
         total = await repo.count_one_more(user_id)
+        if caps[0].value and total >= caps[0].value:  # slots a killed process left may be what fills it
+            total -= await repo.void_stale(user_id, now - timedelta(seconds=STALE_SLOT_S))
         # the new end users of the last minute are at most all of them: counted only when those reach
         # the per-minute cap
         recent = total

@@ -184,6 +184,26 @@ class EndUserRepository:
             await self.count_one_less(user_id, voided)
         return voided
 
+    async def void_stale(self, user_id: int, reserved_before: datetime) -> int:
+        """Give back the account's slots reserved before ``reserved_before`` and still reserved: those
+        a process that stopped without giving them back (killed) left behind, past any holder's lease
+        (``service.end_users.reserve.STALE_SLOT_S``); off its tally, their message IDs kept. How many."""
+        stmt = (
+            update(EndUser)
+            .where(
+                EndUser.user_id == user_id,
+                EndUser.status == EndUserSlot.RESERVED.value,
+                EndUser.created_at < reserved_before,
+            )
+            .values(status=EndUserSlot.VOID.value)
+            .returning(EndUser.id)
+            .execution_options(synchronize_session=False)
+        )
+        voided = len((await self._session.scalars(stmt)).all())
+        if voided:
+            await self.count_one_less(user_id, voided)
+        return voided
+
     async def renumber_message_ids(self, end_user_id: int) -> None:
         """Write the end user's message ID rows again, the same values under new row ids: the trace
         registry's snapshots, which read the rows after the newest they hold, then read them with

@@ -17,6 +17,11 @@ identifier in the background, with its audit entry, in one transaction (``EndUse
   trace registry's snapshots read them as the end user's.
 * Slots are given back unused when the process stops (``aclose``: ``EndUserSlot.VOID``, off the
   tally; the IDs stay reserved), and when the account's caps or the lengths in use change.
+* A process gives a slot out for ``SLOT_LEASE_S`` after reserving it; older ones it gives back
+  instead. A process killed before ``aclose`` leaves its slots reserved and counted: once they are
+  ``STALE_SLOT_S`` old (past any holder's lease and its claim's retries), the account's next
+  reservation or first sight that finds it at its cap of end users gives them back
+  (``EndUserRepository.void_stale``), in the transaction that holds the account's lock.
 * A refill is one transaction per account, at most one at a time per account, for at most
   ``MAX_ACCOUNTS`` accounts per process (the others' first sights create their end users on the
   request path, as with ``size`` 0).
@@ -54,6 +59,12 @@ MAX_ACCOUNTS = 1_000
 MAX_REFILL = 256
 # an account a refill found at a cap is not refilled again for this long (the per-minute cap's window)
 FULL_FOR_S = 60.0
+# a slot is given out for this long after its reservation began; an older one is given back
+SLOT_LEASE_S = 900.0
+# a slot still reserved this long after its reservation was left by a process that stopped without
+# giving it back: past the lease (900 s), a claim's retries (``directory.CLAIM_RETRY_S``, 300 s), and
+# 2,400 s for replicas' clocks that disagree (the age is read from the row's time)
+STALE_SLOT_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,8 @@ class Slot:
 
     id: int
     message_ids: tuple[MessageIdOut, ...]
+    # time.monotonic() when its reservation began (before the row's time): the start of its lease
+    reserved_at: float = 0.0
 
     def holds(self, length: MessageLength) -> bool:
         return any((m.bits, m.block_bits) == length for m in self.message_ids)
@@ -127,6 +140,7 @@ class Reserve:
         account = self._account(user_id, caps, lengths)
         if account is None:
             return None
+        self._expire(user_id, account)
         slot = None
         if account.slots and account.slots[0].holds(length):
             slot = account.slots.popleft()
@@ -159,12 +173,22 @@ class Reserve:
                     await asyncio.shield(refill)
             if self._accounts.get(user_id) is not account:
                 return None
+            self._expire(user_id, account)
             if account.slots and account.slots[0].holds(length):
                 return account.slots.popleft()
             if not refill.done() or time.monotonic() < account.full_until:
                 return None
             self._top_up(user_id, account)
         return None
+
+    def _expire(self, user_id: int, account: _Account) -> None:
+        """Give back the account's slots past their lease (the oldest are first)."""
+        oldest = time.monotonic() - SLOT_LEASE_S
+        expired = []
+        while account.slots and account.slots[0].reserved_at < oldest:
+            expired.append(account.slots.popleft().id)
+        if expired:
+            self._void_later(user_id, expired)
 
     def want(self, user_id: int, caps: CapValues, lengths: tuple[WatermarkParams, ...]) -> None:
         """Reserve slots for the account (its first sights are coming through the request path)."""
@@ -217,12 +241,16 @@ class Reserve:
     async def _reserve(self, session: AsyncSession, user_id: int, account: _Account, want: int) -> list[Slot]:
         """Up to ``want`` slots within the account's caps (one transaction: the IDs drawn, then the
         tally locked and counted and the rows and their IDs inserted, so the account's lock, which
-        its first sights on the request path wait for, is held for a few statements, not the draw)."""
+        its first sights on the request path wait for, is held for a few statements, not the draw).
+        At the cap of end users, the account's stale slots (``STALE_SLOT_S``) are given back first."""
+        reserved_at = time.monotonic()
         ids = MessageIdRepository(session)
         drawn_ahead = await self._draw(ids, account.lengths, want)
         repo = EndUserRepository(session)
         total = await repo.count_one_more(user_id, want)
         most, per_minute = account.caps
+        if most and total + want > most:  # slots a killed process left may be what fills the account
+            total -= await repo.void_stale(user_id, datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S))
         room = want
         if most:
             room = min(room, most - total)
@@ -257,6 +285,7 @@ class Reserve:
                     MessageIdOut(bits=m.params.bits, block_bits=m.params.block_bits, message_id=m.bits)
                     for m in sorted(drawn, key=lambda m: (m.params.bits, m.params.block_bits))
                 ),
+                reserved_at,
             )
             for slot_id, drawn in zip(slot_ids, messages, strict=True)
         ]

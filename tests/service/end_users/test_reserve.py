@@ -7,19 +7,25 @@ into its end user; the caps count slots; unused slots are given back when the pr
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, func, select
+import pytest
+from sqlalchemy import event, func, select, update
 
+import service.end_users.reserve as reserve_module
 from service.db import session_scope
+from service.end_users.directory import EndUserCache, EndUserDirectory
 from service.end_users.repository import EndUserRepository
+from service.end_users.reserve import STALE_SLOT_S
 from service.errors import RateLimitError
 from service.models import EndUser, EndUserTally, MessageId, RegistryAuditEntry
 from service.repositories.registry import RegistryRepository
 from service.services.registry_cache import build_snapshot
-from tests.service.end_users.test_first_sight import LENGTH, PARAMS, _setup
+from service.services.reports import ReportSigner
+from tests.conftest import make_test_settings
+from tests.service.end_users.test_first_sight import LENGTH, PARAMS, Counting, _setup
 
 
 async def _rows(sessionmaker: Any, account_id: int) -> list[tuple[int, str | None, str, int | None]]:
@@ -311,3 +317,132 @@ async def test_an_identifier_added_while_the_identifiers_are_read_stays_known(sc
     finally:
         await directory.aclose()
         await engine.dispose()
+
+
+def _another_process(sessionmaker: Any, tmp_path: Path, url: str, **settings: Any) -> EndUserDirectory:
+    """A directory of another process of the gateway on the same database."""
+    return EndUserDirectory(
+        sessionmaker=sessionmaker,
+        settings=make_test_settings(tmp_path, database_url=url, **settings),
+        configured=PARAMS,
+        signer=ReportSigner.from_secret(b"first sight test"),
+        cache=EndUserCache(60.0),
+        allocator=Counting(),
+    )
+
+
+async def _counted_rows(sessionmaker: Any, account_id: int) -> int:
+    rows = await _rows(sessionmaker, account_id)
+    return len([r for r in rows if r[2] not in ("void", "merged")])
+
+
+async def test_slots_a_killed_process_left_are_given_back_once_stale_at_the_cap(
+    scratch_url: str, tmp_path: Path
+) -> None:
+    """A process killed before it gave its slots back leaves them reserved and counted. While they
+    are younger than ``STALE_SLOT_S`` (a live process may still hold them) the account stays at its
+    cap; once older, the first sight or the reservation that finds the account at its cap gives
+    them back, and the tally stays the count of the account's rows."""
+    cap = {"end_users_max_per_account": 4, "end_users_refusal_delay_s": 0}
+    engine, sessionmaker, killed, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=8, **cap)
+    try:
+        await killed.resolve(principal, "eu-0", LENGTH)
+        refill = killed.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        assert killed.reserve.held(principal.user_id) == 3  # room for 3 under the cap of 4
+        # killed: never ``aclose``d, so its 3 slots stay reserved and counted
+        left = [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"]
+        assert len(left) == 3 and await _tally(sessionmaker, principal.user_id) == 4
+
+        # a second process, on the request path (no slots of its own): young slots keep the cap
+        second = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
+        try:
+            with pytest.raises(RateLimitError):
+                await second.resolve(principal, "eu-1", LENGTH)
+        finally:
+            await second.aclose()
+        assert [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"] == left
+
+        # an hour on: the slots are older than any holder's lease and a claim's retries
+        async with session_scope(sessionmaker) as session:
+            await session.execute(
+                update(EndUser)
+                .where(EndUser.id.in_(left))
+                .values(created_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
+            )
+        third = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
+        try:
+            served = await third.resolve(principal, "eu-1", LENGTH)
+        finally:
+            await third.aclose()
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert [r[2] for r in rows if r[0] in left] == ["void"] * 3  # their message IDs stay reserved
+        assert (served.id, "eu-1", "active", None) in rows
+        assert (
+            await _tally(sessionmaker, principal.user_id) == await _counted_rows(sessionmaker, principal.user_id) == 2
+        )
+
+        # the same on the reservation's path: a process reserving slots for the account at its cap
+        async with session_scope(sessionmaker) as session:
+            slot_ids = await EndUserRepository(session).insert_slots(
+                principal.user_id, 2, datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60)
+            )
+            await EndUserRepository(session).count_one_more(principal.user_id, 2)
+        assert await _tally(sessionmaker, principal.user_id) == 4  # at the cap again, by 2 stale slots
+        fourth = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=8, **cap)
+        try:
+            fourth.reserve.want(principal.user_id, (4, 0), (PARAMS,))
+            refill = fourth.reserve.refilling(principal.user_id)
+            assert refill is not None
+            await refill
+            assert fourth.reserve.held(principal.user_id) == 2  # the room the stale slots held
+            rows = await _rows(sessionmaker, principal.user_id)
+            assert [r[2] for r in rows if r[0] in slot_ids] == ["void", "void"]
+            assert await _tally(sessionmaker, principal.user_id) == await _counted_rows(sessionmaker, principal.user_id)
+            assert await _tally(sessionmaker, principal.user_id) == 4  # eu-0, eu-1 and the 2 new slots
+        finally:
+            await fourth.aclose()
+    finally:
+        for task in list(killed.reserve._voids):
+            task.cancel()
+        await engine.dispose()
+
+
+async def test_a_slot_past_its_lease_is_given_back_not_given_out(
+    scratch_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process gives a slot out only within ``SLOT_LEASE_S`` of its reservation (so a slot
+    ``STALE_SLOT_S`` old is surely no process's to give): an older one is given back, and the first
+    sight gets a slot of its own."""
+    engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=2)
+    try:
+        await directory.resolve(principal, "eu-0", LENGTH)
+        refill = directory.reserve.refilling(principal.user_id)
+        assert refill is not None
+        await refill
+        old = [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"]
+        assert len(old) == 2
+        # the lease passes (0 s: every slot held is past it)
+        monkeypatch.setattr(reserve_module, "SLOT_LEASE_S", 0.0)
+        served = await directory.resolve(principal, "eu-1", LENGTH)
+        assert served.id not in old
+        assert await directory.settled(served.id) == served.id
+        # the background work the first sight started ends before the rows and the tally are read
+        refill = directory.reserve.refilling(principal.user_id)
+        await asyncio.gather(*directory.reserve._voids, *([refill] if refill is not None else []))
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert [r[2] for r in rows if r[0] in old] == ["void", "void"]
+        assert (served.id, "eu-1", "active", None) in rows
+        assert await _tally(sessionmaker, principal.user_id) == await _counted_rows(sessionmaker, principal.user_id)
+    finally:
+        await directory.aclose()
+        await engine.dispose()
+
+
+def test_a_stale_slot_is_past_every_holders_lease_and_claim() -> None:
+    from service.end_users.directory import CLAIM_RETRY_S
+
+    # a holder gives a slot out until SLOT_LEASE_S, its claim is retried CLAIM_RETRY_S more; the rest
+    # is for replicas' clocks
+    assert reserve_module.STALE_SLOT_S >= reserve_module.SLOT_LEASE_S + CLAIM_RETRY_S + 600
