@@ -168,33 +168,18 @@ class EndUserRepository:
     async def void(self, user_id: int, slot_ids: Sequence[int]) -> int:
         """Give the account's reserved slots back unused (``EndUserSlot.VOID``: their message IDs
         stay reserved) and off its tally; how many were still reserved."""
-        stmt = (
-            update(EndUser)
-            .where(
-                EndUser.id.in_(list(slot_ids)),
-                EndUser.user_id == user_id,
-                EndUser.status == EndUserSlot.RESERVED.value,
-            )
-            .values(status=EndUserSlot.VOID.value)
-            .returning(EndUser.id)
-            .execution_options(synchronize_session=False)
-        )
-        voided = len((await self._session.scalars(stmt)).all())
-        if voided:
-            await self.count_one_less(user_id, voided)
-        return voided
+        return await self._void_where(user_id, EndUser.id.in_(list(slot_ids)))
 
     async def void_stale(self, user_id: int, reserved_before: datetime) -> int:
-        """Give back the account's slots reserved before ``reserved_before`` and still reserved: those
+        """``void`` the account's slots reserved before ``reserved_before`` and still reserved: those
         a process that stopped without giving them back (killed) left behind, past any holder's lease
-        (``service.end_users.reserve.STALE_SLOT_S``); off its tally, their message IDs kept. How many."""
+        (``service.end_users.reserve.STALE_SLOT_S``). How many."""
+        return await self._void_where(user_id, EndUser.created_at < reserved_before)
+
+    async def _void_where(self, user_id: int, which: ColumnElement[bool]) -> int:
         stmt = (
             update(EndUser)
-            .where(
-                EndUser.user_id == user_id,
-                EndUser.status == EndUserSlot.RESERVED.value,
-                EndUser.created_at < reserved_before,
-            )
+            .where(which, EndUser.user_id == user_id, EndUser.status == EndUserSlot.RESERVED.value)
             .values(status=EndUserSlot.VOID.value)
             .returning(EndUser.id)
             .execution_options(synchronize_session=False)

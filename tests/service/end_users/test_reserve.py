@@ -50,6 +50,14 @@ async def _named(sessionmaker: Any) -> dict[str, tuple[int | None, str | None]]:
     return {e.message_id: (e.end_user_id, e.identifier) for _, e in entries if e.end_user_id is not None}
 
 
+async def _slots_reserved(directory: EndUserDirectory, principal: Any) -> None:
+    """The account's first first sight in this process (``eu-0``), and the slots it reserves."""
+    await directory.resolve(principal, "eu-0", LENGTH)
+    refill = directory.reserve.refilling(principal.user_id)
+    assert refill is not None
+    await refill
+
+
 async def test_a_first_sight_takes_a_slot_with_one_statement_and_is_claimed_after(
     scratch_url: str, tmp_path: Path
 ) -> None:
@@ -122,10 +130,7 @@ async def test_a_first_sight_takes_a_slot_with_one_statement_and_is_claimed_afte
 async def test_a_first_sight_another_replica_won_is_merged_into_its_end_user(scratch_url: str, tmp_path: Path) -> None:
     engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=2)
     try:
-        await directory.resolve(principal, "eu-0", LENGTH)
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(directory, principal)
         claim_once = directory._claim_once
         winner: list[int] = []
 
@@ -179,10 +184,7 @@ async def test_slots_count_within_the_caps_and_are_given_back_unused(scratch_url
         scratch_url, tmp_path, end_users_reserve=8, end_users_max_per_account=3, end_users_refusal_delay_s=0
     )
     try:
-        await directory.resolve(principal, "eu-0", LENGTH)
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(directory, principal)
         # room for two more under the cap of 3: two slots, not eight
         assert directory.reserve.held(principal.user_id) == 2
         assert await _tally(sessionmaker, principal.user_id) == 3
@@ -203,10 +205,7 @@ async def test_slots_count_within_the_caps_and_are_given_back_unused(scratch_url
     # a process stopping gives its unused slots back: off the tally, their IDs kept
     engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=3)
     try:
-        await directory.resolve(principal, "eu-0", LENGTH)
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(directory, principal)
         assert await _tally(sessionmaker, principal.user_id) == 4
     finally:
         await directory.aclose()
@@ -227,10 +226,7 @@ async def test_slots_count_within_the_caps_and_are_given_back_unused(scratch_url
 async def test_concurrent_first_sights_of_one_identifier_take_one_slot(scratch_url: str, tmp_path: Path) -> None:
     engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=4)
     try:
-        await directory.resolve(principal, "eu-0", LENGTH)
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(directory, principal)
         burst = await asyncio.gather(*(directory.resolve(principal, f"eu-{i % 3 + 1}", LENGTH) for i in range(30)))
         assert len({b.id for b in burst}) == 3
         for b in burst:
@@ -276,10 +272,7 @@ async def test_another_replicas_end_user_is_read_once_the_knowledge_is_refreshed
 async def test_a_burst_of_new_identifiers_is_served_by_refills_sized_to_it(scratch_url: str, tmp_path: Path) -> None:
     engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=4)
     try:
-        await directory.resolve(principal, "eu-0", LENGTH)
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(directory, principal)
         first_sights = directory._first_sight
         on_the_request_path: list[str] = []
 
@@ -346,10 +339,7 @@ async def test_slots_a_killed_process_left_are_given_back_once_stale_at_the_cap(
     cap = {"end_users_max_per_account": 4, "end_users_refusal_delay_s": 0}
     engine, sessionmaker, killed, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=8, **cap)
     try:
-        await killed.resolve(principal, "eu-0", LENGTH)
-        refill = killed.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(killed, principal)
         assert killed.reserve.held(principal.user_id) == 3  # room for 3 under the cap of 4
         # killed: never ``aclose``d, so its 3 slots stay reserved and counted
         left = [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"]
@@ -417,10 +407,7 @@ async def test_a_slot_past_its_lease_is_given_back_not_given_out(
     sight gets a slot of its own."""
     engine, sessionmaker, directory, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=2)
     try:
-        await directory.resolve(principal, "eu-0", LENGTH)
-        refill = directory.reserve.refilling(principal.user_id)
-        assert refill is not None
-        await refill
+        await _slots_reserved(directory, principal)
         old = [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"]
         assert len(old) == 2
         # the lease passes (0 s: every slot held is past it)
