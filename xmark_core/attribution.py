@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,13 +132,45 @@ class CandidateSet:
 
     def hits(self, matrix: np.ndarray) -> np.ndarray:
         """[C]: sum_i matrix[i, m_i] for every candidate m (``matrix`` [r, D]: int64 counts give
-        H_m, float64 block scores give the likelihood decoder's L(m))."""
+        H_m, int32 where D <= 4 and no sum can pass it; float64 block scores give the likelihood
+        decoder's L(m))."""
+        if matrix.dtype.kind in "iu" and self.params.num_shards <= 4:
+            return self._integer_hits(matrix)
+        return self._pair_hits(matrix)
+
+    def _pair_hits(self, matrix: np.ndarray) -> np.ndarray:
+        """``hits`` two blocks a lookup, in ``matrix``'s type widened to 64 bits: the float64 block
+        scores' order of additions, which every likelihood reading was measured with."""
         total = np.zeros(len(self.ids), dtype=np.result_type(matrix.dtype, np.int64))
         for q, codes in enumerate(self._pair_codes):
             table = (matrix[2 * q][:, None] + matrix[2 * q + 1][None, :]).ravel()  # [D*D]
             total += table[codes]
         if self._single is not None:
             total += matrix[-1][self._single]
+        return total
+
+    def _integer_hits(self, matrix: np.ndarray) -> np.ndarray:
+        """``hits`` of integer counts where D <= 4: four blocks a lookup (their code, below 256, made
+        from two pair codes as it is read), summed in 32 bits where no candidate can reach 2**31.
+        Half the passes over the candidates of the pairs' way, each on narrower numbers: over 10^7
+        64-bit IDs of 2-bit blocks 2.19 times faster (``python -m benchmarks.hits_bench``);
+        exact, as integers are."""
+        counts = np.asarray(matrix, dtype=np.int64)
+        wide = int(np.abs(counts).sum()) >= 2**31  # a candidate's sum could pass int32
+        dtype: type[np.signedinteger[Any]] = np.int64 if wide else np.int32
+        shift = 2 * self.params.block_bits  # a pair's code is below 2**shift
+        pairs = [(counts[2 * q][:, None] + counts[2 * q + 1][None, :]).ravel() for q in range(len(self._pair_codes))]
+        total: np.ndarray[tuple[int], np.dtype[np.signedinteger[Any]]] = np.zeros(len(self.ids), dtype=dtype)
+        code = np.empty(len(self.ids), dtype=np.uint8)
+        for q in range(len(pairs) // 2):
+            table = (pairs[2 * q][:, None] + pairs[2 * q + 1][None, :]).ravel().astype(dtype)
+            np.left_shift(self._pair_codes[2 * q], shift, out=code)
+            np.bitwise_or(code, self._pair_codes[2 * q + 1], out=code)
+            total += table[code]
+        if len(pairs) % 2:
+            total += pairs[-1].astype(dtype)[self._pair_codes[-1]]
+        if self._single is not None:
+            total += counts[-1].astype(dtype)[self._single]
         return total
 
 

@@ -105,6 +105,8 @@ def test_short_text_with_wrong_blocks_still_ranks_the_true_user_first_allocated_
     ("bits", "d", "scheme"),
     [
         *[(16, 2, "xmark"), (6, 2, "xmark"), (12, 4, "xmark"), (6, 3, "xmark"), (9, 1, "xmark"), (32, 4, "xmark")],
+        # four blocks a lookup (D <= 4): whole quads, a pair left over, a block left over
+        *[(64, 2, "xmark"), (10, 2, "xmark"), (14, 2, "xmark"), (7, 1, "xmark"), (8, 1, "xmark")],
         # ``gumbel`` blocks of 5 to 8 bits: two blocks no longer fit one byte-sized code
         *[(32, 8, "gumbel"), (40, 5, "gumbel"), (24, 8, "gumbel")],
     ],
@@ -118,6 +120,19 @@ def test_hits_match_a_direct_sum(bits: int, d: int, scheme: Scheme) -> None:
     expected = [int(matrix[np.arange(params.num_blocks), m.blocks].sum()) for m in messages]
     assert cands.hits(matrix).tolist() == expected
     assert all(cands.bits_of(i) == m.bits for i, m in enumerate(messages))
+    # counts no 32-bit sum can hold are summed in 64 bits
+    wide = matrix * 2**40
+    assert cands.hits(wide).tolist() == [h * 2**40 for h in expected]
+    # float64 block scores keep the pairs' order of additions, bit for bit
+    scores = rng.standard_normal((params.num_blocks, params.num_shards))
+    by_pairs = np.zeros(len(messages))
+    for q in range(params.num_blocks // 2):
+        by_pairs += np.array(
+            [scores[2 * q, m.blocks[2 * q]] + scores[2 * q + 1, m.blocks[2 * q + 1]] for m in messages]
+        )
+    if params.num_blocks % 2:
+        by_pairs += np.array([scores[-1, m.blocks[-1]] for m in messages])
+    assert np.array_equal(cands.hits(scores), by_pairs)
 
 
 @pytest.mark.parametrize(("scheme", "k"), [("xmark", 2), ("mpac", 1)])
