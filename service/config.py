@@ -578,7 +578,8 @@ class Settings(BaseSettings):
             "in the background, after its answer; with the account's identifiers known to the process (read "
             "every `XMARK_AUTH_CACHE_TTL_S`), an identifier surely new costs no statement on the request path "
             "(0: each first sight creates its end user on the request path). Unused slots are given back when "
-            "the process stops, and those a killed process left, an hour old, when the account reaches its cap."
+            "the process stops, and those a killed process left, an hour without renewal, when the account "
+            "reaches its cap."
         ),
     )
     end_users_max_held_back: int = Field(

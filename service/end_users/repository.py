@@ -170,11 +170,20 @@ class EndUserRepository:
         stay reserved) and off its tally; how many were still reserved."""
         return await self._void_where(user_id, EndUser.id.in_(list(slot_ids)))
 
-    async def void_stale(self, user_id: int, reserved_before: datetime) -> int:
-        """``void`` the account's slots reserved before ``reserved_before`` and still reserved: those
-        a process that stopped without giving them back (killed) left behind, past any holder's lease
-        (``service.end_users.reserve.STALE_SLOT_S``). How many."""
-        return await self._void_where(user_id, EndUser.created_at < reserved_before)
+    async def void_stale(self, user_id: int, renewed_before: datetime) -> int:
+        """``void`` the account's slots still reserved and last renewed (``last_seen_at``) before
+        ``renewed_before``: those a process that stopped without giving them back (killed) left
+        behind, past any holder's lease (``service.end_users.reserve.STALE_SLOT_S``). How many."""
+        return await self._void_where(user_id, EndUser.last_seen_at < renewed_before)
+
+    async def renew(self, slot_ids: Sequence[int], now: datetime) -> None:
+        """Mark the reserved slots ``slot_ids`` as still held by their process (``last_seen_at``)."""
+        await self._session.execute(
+            update(EndUser)
+            .where(EndUser.id.in_(list(slot_ids)), EndUser.status == EndUserSlot.RESERVED.value)
+            .values(last_seen_at=now)
+            .execution_options(synchronize_session=False)
+        )
 
     async def _void_where(self, user_id: int, which: ColumnElement[bool]) -> int:
         stmt = (

@@ -17,11 +17,13 @@ identifier in the background, with its audit entry, in one transaction (``EndUse
   trace registry's snapshots read them as the end user's.
 * Slots are given back unused when the process stops (``aclose``: ``EndUserSlot.VOID``, off the
   tally; the IDs stay reserved), and when the account's caps or the lengths in use change.
-* A process gives a slot out for ``SLOT_LEASE_S`` after reserving it; older ones it gives back
-  instead. A process killed before ``aclose`` leaves its slots reserved and counted: once they are
-  ``STALE_SLOT_S`` old (past any holder's lease and its claim's retries), the account's next
-  reservation or first sight that finds it at its cap of end users gives them back
-  (``EndUserRepository.void_stale``), in the transaction that holds the account's lock.
+* A process renews the slots it holds every ``RENEW_S`` (their rows' ``last_seen_at``, one
+  statement per 1,000) and gives a slot out only within ``SLOT_LEASE_S`` of its reservation or
+  its last renewal; an older one it gives back instead. A process killed before ``aclose`` leaves
+  its slots reserved and counted: once not renewed for ``STALE_SLOT_S`` (past any holder's lease
+  and its claim's retries), the account's next reservation or first sight that finds it at its
+  cap of end users gives them back (``EndUserRepository.void_stale``), in the transaction that
+  holds the account's lock.
 * A refill is one transaction per account, at most one at a time per account, for at most
   ``MAX_ACCOUNTS`` accounts per process (the others' first sights create their end users on the
   request path, as with ``size`` 0).
@@ -59,22 +61,27 @@ MAX_ACCOUNTS = 1_000
 MAX_REFILL = 256
 # an account a refill found at a cap is not refilled again for this long (the per-minute cap's window)
 FULL_FOR_S = 60.0
-# a slot is given out for this long after its reservation began; an older one is given back
+# how often a process renews the slots it holds (their rows' ``last_seen_at``)
+RENEW_S = 300.0
+# a slot is given out within this long of its reservation or its last renewal; an older one is given back
 SLOT_LEASE_S = 900.0
-# a slot still reserved this long after its reservation was left by a process that stopped without
-# giving it back: past the lease (900 s), a claim's retries (``directory.CLAIM_RETRY_S``, 300 s), and
-# 2,400 s for replicas' clocks that disagree (the age is read from the row's time)
+# a slot's row not renewed for this long was left by a process that stopped without giving it back:
+# past the lease (900 s), a claim's retries (``directory.CLAIM_RETRY_S``, 300 s), and 2,400 s for
+# replicas' clocks that disagree (the time is read from the row)
 STALE_SLOT_S = 3600.0
+# slots renewed by one statement
+RENEW_BATCH = 1_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Slot:
     """A reserved row of ``end_users``: its id and its message IDs (shortest length first)."""
 
     id: int
     message_ids: tuple[MessageIdOut, ...]
-    # time.monotonic() when its reservation began (before the row's time): the start of its lease
-    reserved_at: float = 0.0
+    # time.monotonic() when its reservation or its last renewal began (before the row's time): the
+    # start of its lease
+    leased_at: float = 0.0
 
     def holds(self, length: MessageLength) -> bool:
         return any((m.bits, m.block_bits) == length for m in self.message_ids)
@@ -114,6 +121,8 @@ class Reserve:
         self._accounts: dict[int, _Account] = {}
         # slot give-backs under way (caps or lengths changed, the process stopping)
         self._voids: set[asyncio.Task[None]] = set()
+        # the loop renewing the slots held (started with the first refill)
+        self._renewal: asyncio.Task[None] | None = None
 
     def held(self, user_id: int) -> int:
         account = self._accounts.get(user_id)
@@ -185,7 +194,7 @@ class Reserve:
         """Give back the account's slots past their lease (the oldest are first)."""
         oldest = time.monotonic() - SLOT_LEASE_S
         expired = []
-        while account.slots and account.slots[0].reserved_at < oldest:
+        while account.slots and account.slots[0].leased_at < oldest:
             expired.append(account.slots.popleft().id)
         if expired:
             self._void_later(user_id, expired)
@@ -205,6 +214,8 @@ class Reserve:
             and (account.refill is None or account.refill.done())
         ):
             account.refill = asyncio.create_task(self._refill(user_id, account))
+            if self._renewal is None or self._renewal.done():
+                self._renewal = asyncio.create_task(self._renew_forever())
 
     def refilling(self, user_id: int) -> asyncio.Task[None] | None:
         account = self._accounts.get(user_id)
@@ -243,7 +254,7 @@ class Reserve:
         tally locked and counted and the rows and their IDs inserted, so the account's lock, which
         its first sights on the request path wait for, is held for a few statements, not the draw).
         At the cap of end users, the account's stale slots (``STALE_SLOT_S``) are given back first."""
-        reserved_at = time.monotonic()
+        leased_at = time.monotonic()
         ids = MessageIdRepository(session)
         drawn_ahead = await self._draw(ids, account.lengths, want)
         repo = EndUserRepository(session)
@@ -285,7 +296,7 @@ class Reserve:
                     MessageIdOut(bits=m.params.bits, block_bits=m.params.block_bits, message_id=m.bits)
                     for m in sorted(drawn, key=lambda m: (m.params.bits, m.params.block_bits))
                 ),
-                reserved_at,
+                leased_at,
             )
             for slot_id, drawn in zip(slot_ids, messages, strict=True)
         ]
@@ -345,6 +356,30 @@ class Reserve:
                 extra={"user_id": user_id, "slots": len(slot_ids), "error": type(exc).__name__},
             )
 
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            await self.renew()
+
+    async def renew(self) -> None:
+        """Write that this process still holds its slots (their rows' ``last_seen_at``), so that no
+        other process takes them for a killed one's; their leases start again. A failure is logged:
+        the slots' leases run on, and past them the slots are given back."""
+        started = time.monotonic()
+        held = [slot for account in self._accounts.values() for slot in account.slots]
+        try:
+            for first in range(0, len(held), RENEW_BATCH):
+                batch = held[first : first + RENEW_BATCH]
+                async with session_scope(self._sessionmaker) as session:
+                    await EndUserRepository(session).renew([s.id for s in batch], datetime.now(UTC))
+                for slot in batch:
+                    slot.leased_at = max(slot.leased_at, started)
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            logger.warning(
+                "end-user slots were not renewed; past their lease they are given back",
+                extra={"slots": len(held), "error": type(exc).__name__},
+            )
+
     def clear(self) -> None:
         """Give every slot back (the lengths in use changed)."""
         for user_id, account in list(self._accounts.items()):
@@ -353,6 +388,8 @@ class Reserve:
     async def aclose(self) -> None:
         """Stop the refills and give the unused slots back."""
         refills = [a.refill for a in self._accounts.values() if a.refill is not None and not a.refill.done()]
+        if self._renewal is not None:
+            refills.append(self._renewal)
         for task in refills:
             task.cancel()
         await asyncio.gather(*refills, return_exceptions=True)

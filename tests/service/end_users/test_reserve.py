@@ -333,9 +333,9 @@ async def test_slots_a_killed_process_left_are_given_back_once_stale_at_the_cap(
     scratch_url: str, tmp_path: Path
 ) -> None:
     """A process killed before it gave its slots back leaves them reserved and counted. While they
-    are younger than ``STALE_SLOT_S`` (a live process may still hold them) the account stays at its
-    cap; once older, the first sight or the reservation that finds the account at its cap gives
-    them back, and the tally stays the count of the account's rows."""
+    were renewed within ``STALE_SLOT_S`` (a live process may still hold them) the account stays at
+    its cap; once not renewed for longer, the first sight or the reservation that finds the account
+    at its cap gives them back, and the tally stays the count of the account's rows."""
     cap = {"end_users_max_per_account": 4, "end_users_refusal_delay_s": 0}
     engine, sessionmaker, killed, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=8, **cap)
     try:
@@ -354,12 +354,12 @@ async def test_slots_a_killed_process_left_are_given_back_once_stale_at_the_cap(
             await second.aclose()
         assert [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"] == left
 
-        # an hour on: the slots are older than any holder's lease and a claim's retries
+        # an hour on, never renewed: past any holder's lease and a claim's retries
         async with session_scope(sessionmaker) as session:
             await session.execute(
                 update(EndUser)
                 .where(EndUser.id.in_(left))
-                .values(created_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
+                .values(last_seen_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
             )
         third = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
         try:
@@ -433,3 +433,44 @@ def test_a_stale_slot_is_past_every_holders_lease_and_claim() -> None:
     # a holder gives a slot out until SLOT_LEASE_S, its claim is retried CLAIM_RETRY_S more; the rest
     # is for replicas' clocks
     assert reserve_module.STALE_SLOT_S >= reserve_module.SLOT_LEASE_S + CLAIM_RETRY_S + 600
+
+
+async def test_a_live_process_renews_its_slots_so_none_is_taken_for_a_killed_ones(
+    scratch_url: str, tmp_path: Path
+) -> None:
+    """The slots a live process holds are renewed (``Reserve.renew``, every ``RENEW_S``): their rows
+    read as recent however old their reservation, another process at the account's cap leaves them
+    reserved, and their leases start again."""
+    cap = {"end_users_max_per_account": 3, "end_users_refusal_delay_s": 0}
+    engine, sessionmaker, holder, principal, _ = await _setup(scratch_url, tmp_path, end_users_reserve=8, **cap)
+    try:
+        await _slots_reserved(holder, principal)
+        held = [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"]
+        assert len(held) == 2
+        # reserved over an hour ago, as far as the rows tell
+        async with session_scope(sessionmaker) as session:
+            await session.execute(
+                update(EndUser)
+                .where(EndUser.id.in_(held))
+                .values(last_seen_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
+            )
+        leased = [slot.leased_at for slot in holder.reserve._accounts[principal.user_id].slots]
+        await holder.reserve.renew()
+        assert all(
+            slot.leased_at > before
+            for slot, before in zip(holder.reserve._accounts[principal.user_id].slots, leased, strict=True)
+        )
+        other = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
+        try:
+            with pytest.raises(RateLimitError):
+                await other.resolve(principal, "eu-1", LENGTH)
+        finally:
+            await other.aclose()
+        rows = await _rows(sessionmaker, principal.user_id)
+        assert [r[2] for r in rows if r[0] in held] == ["reserved", "reserved"]
+        # still the holder's to give out
+        taken = await holder.resolve(principal, "eu-2", LENGTH)
+        assert taken.id == held[0] and await holder.settled(taken.id) == taken.id
+    finally:
+        await holder.aclose()
+        await engine.dispose()
