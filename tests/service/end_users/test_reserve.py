@@ -324,6 +324,27 @@ def _another_process(sessionmaker: Any, tmp_path: Path, url: str, **settings: An
     )
 
 
+async def _refused_by_another_process(sessionmaker: Any, tmp_path: Path, url: str, principal: Any, **cap: Any) -> None:
+    """Another process of the gateway, on the request path (no slots of its own), refuses a new
+    identifier of the account at its cap."""
+    other = _another_process(sessionmaker, tmp_path, url, end_users_reserve=0, **cap)
+    try:
+        with pytest.raises(RateLimitError):
+            await other.resolve(principal, "eu-1", LENGTH)
+    finally:
+        await other.aclose()
+
+
+async def _unrenewed_for_an_hour(sessionmaker: Any, slot_ids: list[int]) -> None:
+    """The slots' rows as if last renewed past ``STALE_SLOT_S`` ago."""
+    async with session_scope(sessionmaker) as session:
+        await session.execute(
+            update(EndUser)
+            .where(EndUser.id.in_(slot_ids))
+            .values(last_seen_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
+        )
+
+
 async def _counted_rows(sessionmaker: Any, account_id: int) -> int:
     rows = await _rows(sessionmaker, account_id)
     return len([r for r in rows if r[2] not in ("void", "merged")])
@@ -346,21 +367,11 @@ async def test_slots_a_killed_process_left_are_given_back_once_stale_at_the_cap(
         assert len(left) == 3 and await _tally(sessionmaker, principal.user_id) == 4
 
         # a second process, on the request path (no slots of its own): young slots keep the cap
-        second = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
-        try:
-            with pytest.raises(RateLimitError):
-                await second.resolve(principal, "eu-1", LENGTH)
-        finally:
-            await second.aclose()
+        await _refused_by_another_process(sessionmaker, tmp_path, scratch_url, principal, **cap)
         assert [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"] == left
 
         # an hour on, never renewed: past any holder's lease and a claim's retries
-        async with session_scope(sessionmaker) as session:
-            await session.execute(
-                update(EndUser)
-                .where(EndUser.id.in_(left))
-                .values(last_seen_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
-            )
+        await _unrenewed_for_an_hour(sessionmaker, left)
         third = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
         try:
             served = await third.resolve(principal, "eu-1", LENGTH)
@@ -448,24 +459,14 @@ async def test_a_live_process_renews_its_slots_so_none_is_taken_for_a_killed_one
         held = [r[0] for r in await _rows(sessionmaker, principal.user_id) if r[2] == "reserved"]
         assert len(held) == 2
         # reserved over an hour ago, as far as the rows tell
-        async with session_scope(sessionmaker) as session:
-            await session.execute(
-                update(EndUser)
-                .where(EndUser.id.in_(held))
-                .values(last_seen_at=datetime.now(UTC) - timedelta(seconds=STALE_SLOT_S + 60))
-            )
+        await _unrenewed_for_an_hour(sessionmaker, held)
         leased = [slot.leased_at for slot in holder.reserve._accounts[principal.user_id].slots]
         await holder.reserve.renew()
         assert all(
             slot.leased_at > before
             for slot, before in zip(holder.reserve._accounts[principal.user_id].slots, leased, strict=True)
         )
-        other = _another_process(sessionmaker, tmp_path, scratch_url, end_users_reserve=0, **cap)
-        try:
-            with pytest.raises(RateLimitError):
-                await other.resolve(principal, "eu-1", LENGTH)
-        finally:
-            await other.aclose()
+        await _refused_by_another_process(sessionmaker, tmp_path, scratch_url, principal, **cap)
         rows = await _rows(sessionmaker, principal.user_id)
         assert [r[2] for r in rows if r[0] in held] == ["reserved", "reserved"]
         # still the holder's to give out
